@@ -1,0 +1,471 @@
+"""Async client for OpenAI-compatible `/chat/completions` (OpenAI, vLLM, llama.cpp, Ollama...).
+
+Errors are an `LLMError` hierarchy: `kind` is a metrics label, `user_message` one sentence
+safe to show in chat. The API key never appears in messages, reprs or logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import logging
+import random
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+if TYPE_CHECKING:
+    from gateway.config import LLMConfig
+
+_log = logging.getLogger(__name__)
+
+USER_AGENT = "hermes-gateway/0.1"
+MAX_BACKOFF_S = 30.0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class LLMError(Exception):
+    """A failed chat call. `str()` is a technical, redacted detail for logs."""
+
+    kind: str = "error"
+    default_user_message: str = (
+        "The assistant's model provider refused this request; please try again, "
+        "or tell an operator if it keeps happening."
+    )
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        status: int | None = None,
+        user_message: str | None = None,
+        attempts: int = 1,
+        kind: str | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.status = status
+        self.attempts = attempts
+        self.user_message = user_message or self.default_user_message
+        if kind is not None:
+            self.kind = kind
+
+
+class LLMAuthError(LLMError):
+    kind = "auth"
+    default_user_message = (
+        "The assistant's model provider rejected our credentials; an operator needs to fix the API key."
+    )
+
+
+class LLMUnavailable(LLMError):
+    kind = "unavailable"
+    default_user_message = (
+        "The assistant's model is unreachable right now; your message was kept — "
+        "please try again in a minute."
+    )
+
+
+class LLMRateLimited(LLMError):
+    kind = "rate_limited"
+    default_user_message = (
+        "The assistant's model is over its rate limit right now; your message was kept — "
+        "please try again in a minute."
+    )
+
+
+class ContextLengthExceeded(LLMError):
+    """The prompt does not fit the model's window; `limit`/`requested` when the server said."""
+
+    kind = "context_length"
+    default_user_message = (
+        "This conversation is too long for the assistant's model; use /compress or /new and try again."
+    )
+
+    def __init__(self, detail: str, *, limit: int | None = None, requested: int | None = None, **kw: Any) -> None:
+        super().__init__(detail, **kw)
+        self.limit = limit
+        self.requested = requested
+
+
+class LLMBadResponse(LLMError):
+    kind = "bad_response"
+    default_user_message = "The assistant's model sent a reply that could not be read; please try again."
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Usage | None":
+        if not isinstance(data, dict):
+            return None
+
+        def _int(key: str) -> int:
+            v = data.get(key)
+            return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+        p, c = _int("prompt_tokens"), _int("completion_tokens")
+        return cls(p, c, _int("total_tokens") or p + c)
+
+
+@dataclass
+class ChatResult:
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None
+    finish_reason: str | None
+    usage: Usage | None
+    model: str
+    raw: dict[str, Any]
+    attempts: int = 1
+    latency_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. reasoning_content
+
+
+# --------------------------------------------------------------------------- error classification
+
+_CONTEXT_RE = re.compile(
+    r"context[_ ]length[_ ]exceeded|exceed_context_size|maximum context length"
+    r"|context length (?:is|of) \d+|exceeds? (?:the )?(?:model'?s? )?(?:maximum |available )?context"
+    r"|prompt is too long|input (?:is )?too long|context size|n_ctx|context window"
+    r"|reduce the length of the (?:messages|prompt|input)|max_new_tokens.{0,3} must be <="
+    r"|too many tokens",
+    re.IGNORECASE,
+)
+_LIMIT_RES = (
+    re.compile(r"maximum context length is (\d+)", re.I),
+    re.compile(r"context length (?:is|of) (\d+)", re.I),
+    re.compile(r"n_ctx\W{0,4}(\d+)", re.I),
+    re.compile(r"> ?(\d+) maximum", re.I),
+    re.compile(r"must be <= ?(\d+)", re.I),
+)
+_REQUESTED_RES = (
+    re.compile(r"you requested (\d+)", re.I),
+    re.compile(r"resulted in (\d+)", re.I),
+    re.compile(r"n_prompt_tokens\W{0,4}(\d+)", re.I),
+    re.compile(r"prompt is too long: (\d+)", re.I),
+)
+
+
+def looks_like_context_error(text: str) -> bool:
+    """True if an error text says the prompt did not fit the context window (any dialect)."""
+    return bool(_CONTEXT_RE.search(text))
+
+
+def _first_int(patterns: tuple[re.Pattern[str], ...], text: str) -> int | None:
+    for pat in patterns:
+        m = pat.search(text)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _error_text(body: Any, raw_text: str) -> str:
+    """All the error wording of a body: message, type and code, whatever the dialect."""
+    if isinstance(body, dict):
+        parts: list[str] = []
+        err = body.get("error", body)
+        if isinstance(err, str):
+            parts.append(err)
+        elif isinstance(err, dict):
+            for key in ("message", "type", "code", "detail"):
+                if err.get(key) is not None:
+                    parts.append(str(err[key]))
+            for key in ("n_prompt_tokens", "n_ctx"):
+                if key in err:
+                    parts.append(f"{key}={err[key]}")
+        if body.get("message") and body is not err:
+            parts.append(str(body["message"]))
+        if parts:
+            return " | ".join(parts)
+    return raw_text
+
+
+def _parse_retry_after(headers: httpx.Headers) -> float | None:
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+# --------------------------------------------------------------------------- client
+
+
+class LLMClient:
+    """One OpenAI-compatible endpoint; one pooled httpx.AsyncClient per instance.
+
+    Retries (bounded, exponential backoff with jitter) on 429, 5xx, connect errors and
+    timeouts; never on other 4xx or context-length errors.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout_s: float = 120,
+        max_retries: int = 3,
+        backoff_base_s: float = 0.5,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        retry_after_cap_s: float = 30.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout_s = float(timeout_s)
+        self.max_retries = max(0, int(max_retries))
+        self.backoff_base_s = max(0.0, float(backoff_base_s))
+        self.retry_after_cap_s = max(0.0, float(retry_after_cap_s))
+        self._api_key = api_key or None
+        self._url = f"{self.base_url}/chat/completions"
+        self._safe_base = _safe_url(self.base_url)
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        self._http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 10.0)),
+            transport=transport,
+            follow_redirects=False,
+            trust_env=transport is None,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: "LLMConfig", **kw: Any) -> "LLMClient":
+        """Build from the `llm` config section (the key is read from `cfg.api_key_env`)."""
+        return cls(
+            base_url=cfg.base_url,
+            model=cfg.model,
+            api_key=cfg.api_key(),
+            timeout_s=cfg.timeout_s,
+            max_retries=cfg.max_retries,
+            **kw,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "LLMClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"LLMClient(base_url={self._safe_base!r}, model={self.model!r})"
+
+    # ------------------------------------------------------------------ chat
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
+        model: str | None = None,
+        temperature: float | None = None,
+    ) -> ChatResult:
+        """One chat completion (non-streaming). Raises an `LLMError` subclass on failure."""
+        payload: dict[str, Any] = {"model": model or self.model, "messages": messages}
+        if tools:
+            payload["tools"] = tools
+        if max_tokens is not None:
+            payload["max_tokens"] = max_tokens
+        if temperature is not None:
+            payload["temperature"] = temperature
+
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            err, retry_after, data = await self._attempt(payload, attempt)
+            if err is None:
+                assert data is not None
+                result = self._parse(data, payload["model"], attempt)
+                result.latency_s = time.monotonic() - started
+                return result
+            if not self._retryable(err) or attempt > self.max_retries:
+                raise err
+            delay = self._backoff(attempt, retry_after)
+            _log.warning(
+                "LLM call failed (%s, status=%s), retry %d/%d in %.2fs: %s",
+                err.kind, err.status, attempt, self.max_retries, delay, err.detail,
+            )
+            await asyncio.sleep(delay)
+
+    async def _attempt(
+        self, payload: dict[str, Any], attempt: int
+    ) -> tuple[LLMError | None, float | None, dict[str, Any] | None]:
+        """One HTTP round trip: (error, retry_after_s, body)."""
+        try:
+            resp = await self._http.post(self._url, json=payload)
+        except httpx.TimeoutException as exc:
+            return LLMUnavailable(self._redact(f"timed out talking to {self._safe_base} ({type(exc).__name__})"),
+                                  attempts=attempt), None, None
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            return LLMUnavailable(self._redact(f"cannot reach {self._safe_base}: {type(exc).__name__}: {exc}"),
+                                  attempts=attempt), None, None
+        except httpx.HTTPError as exc:  # bad URL/protocol: configuration, not transient
+            return LLMError(
+                self._redact(f"cannot call {self._safe_base}: {type(exc).__name__}: {exc}"),
+                kind="config",
+                user_message="The assistant's model endpoint is misconfigured; an operator needs to fix it.",
+                attempts=attempt,
+            ), None, None
+
+        raw_text = resp.text
+        try:
+            body: Any = resp.json()
+        except ValueError:
+            body = None
+        status = resp.status_code
+
+        if status < 400 and isinstance(body, dict) and "choices" in body:
+            return None, None, body
+        if status < 400:
+            if isinstance(body, dict) and body.get("error"):  # some proxies answer errors with 200
+                code = body["error"].get("code") if isinstance(body["error"], dict) else None
+                status = code if isinstance(code, int) and 400 <= code < 600 else 400
+            else:
+                what = "a non-JSON body" if body is None else "JSON without choices"
+                return LLMBadResponse(self._redact(f"HTTP {status} with {what}: {raw_text[:200]!r}"),
+                                      status=resp.status_code, attempts=attempt), None, None
+        return self._classify(status, body, raw_text, resp.headers, attempt), _parse_retry_after(resp.headers), None
+
+    def _classify(self, status: int, body: Any, raw_text: str, headers: httpx.Headers, attempt: int) -> LLMError:
+        text = self._redact(_error_text(body, raw_text))[:500]
+        detail = f"HTTP {status} from {self._safe_base}: {text}"
+        kw: dict[str, Any] = {"status": status, "attempts": attempt}
+        if status in (401, 403):
+            return LLMAuthError(detail, **kw)
+        if status == 429:
+            return LLMRateLimited(detail, **kw)
+        if status not in (408,) and looks_like_context_error(text):
+            return ContextLengthExceeded(
+                detail, limit=_first_int(_LIMIT_RES, text), requested=_first_int(_REQUESTED_RES, text), **kw
+            )
+        if status >= 500 or status == 408:
+            return LLMUnavailable(detail, **kw)
+        if status == 404:
+            return LLMError(
+                detail,
+                kind="not_found",
+                user_message="The assistant's model or endpoint was not found; an operator needs to fix the configuration.",
+                **kw,
+            )
+        return LLMError(detail, kind="bad_request", **kw)
+
+    @staticmethod
+    def _retryable(err: LLMError) -> bool:
+        return isinstance(err, (LLMUnavailable, LLMRateLimited))
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(retry_after, self.retry_after_cap_s)
+        base = min(MAX_BACKOFF_S, self.backoff_base_s * (2 ** (attempt - 1)))
+        return base / 2 + random.uniform(0, base / 2)
+
+    # ------------------------------------------------------------------ parsing
+
+    def _parse(self, data: dict[str, Any], requested_model: str, attempt: int) -> ChatResult:
+        choices = data.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise LLMBadResponse("response has no choices", attempts=attempt)
+        choice = choices[0]
+        msg = choice.get("message") or {}
+        if not isinstance(msg, dict):
+            raise LLMBadResponse("choice has no message object", attempts=attempt)
+        content = _content_text(msg.get("content"))
+        calls = msg.get("tool_calls")
+        if not calls and isinstance(msg.get("function_call"), dict):  # legacy single call
+            calls = [{"type": "function", "function": msg["function_call"]}]
+        tool_calls = _normalize_tool_calls(calls) if isinstance(calls, list) else None
+        extra = {k: msg[k] for k in ("reasoning_content", "reasoning", "refusal") if msg.get(k)}
+        return ChatResult(
+            content=content,
+            tool_calls=tool_calls or None,
+            finish_reason=choice.get("finish_reason"),
+            usage=Usage.from_dict(data.get("usage")),
+            model=str(data.get("model") or requested_model),
+            raw=data,
+            attempts=attempt,
+            extra=extra,
+        )
+
+    def _redact(self, text: str) -> str:
+        if self._api_key and self._api_key in text:
+            text = text.replace(self._api_key, "***")
+        if self.base_url != self._safe_base and self.base_url in text:
+            text = text.replace(self.base_url, self._safe_base)
+        return text
+
+
+def _safe_url(url: str) -> str:
+    """The URL without userinfo, query or fragment (which may hold secrets)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<invalid url>"
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _content_text(content: Any) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+        return "".join(t for t in texts if isinstance(t, str))
+    return str(content)
+
+
+def _normalize_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI form; object-valued arguments serialised, missing ids generated."""
+    out: list[dict[str, Any]] = []
+    for call in calls:
+        if not isinstance(call, dict):
+            continue
+        fn = call.get("function") if isinstance(call.get("function"), dict) else call
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            continue
+        args = fn.get("arguments", fn.get("parameters"))
+        if args is None:
+            args = "{}"
+        elif not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+    return out

@@ -1,0 +1,407 @@
+"""Built-in file memory of one tenant profile (Hermes `memory` tool semantics).
+
+Two stores under `<profile_dir>/memories/`: MEMORY.md (the agent's notes) and USER.md
+(who the user is), entries separated by ENTRY_DELIMITER. The system prompt gets a
+frozen `MemorySnapshot` taken at session start; tool writes go to disk at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from agent.threats import first_threat
+
+log = logging.getLogger(__name__)
+
+ENTRY_DELIMITER = "\n§\n"
+MEMORY_BLOCK_HEADERS = {
+    "memory": "MEMORY (your personal notes)",
+    "user": "USER PROFILE (who the user is)",
+}
+TARGETS: tuple[str, ...] = ("memory", "user")
+ACTIONS: tuple[str, ...] = ("add", "replace", "remove")
+_FILES = MappingProxyType({"memory": "MEMORY.md", "user": "USER.md"})
+_SEPARATOR = "═" * 46
+_PREVIEW = 80
+
+Result = dict[str, Any]
+# A mutation gets the fresh entries (read under the lock) and returns the new list
+# (None = do not write) together with the result for the caller.
+_Mutation = Callable[[list[str]], tuple[list[str] | None, Result]]
+
+
+def _joined_len(entries: list[str] | tuple[str, ...]) -> int:
+    return len(ENTRY_DELIMITER.join(entries))
+
+
+def _pct(current: int, limit: int) -> int:
+    return min(100, current * 100 // limit) if limit > 0 else 0
+
+
+def _preview(entry: str) -> str:
+    flat = " ".join(entry.split())
+    return flat[:_PREVIEW] + ("..." if len(flat) > _PREVIEW else "")
+
+
+def _withheld(entry: str) -> str:
+    """The entry, or a placeholder when it fails the threat scan."""
+    reason = first_threat(entry)
+    return entry if reason is None else f"[entry withheld: {reason}]"
+
+
+def parse_entries(raw: str) -> list[str]:
+    """Split file text into stripped entries, dropping empties and exact duplicates."""
+    raw = raw.replace("\r\n", "\n")
+    return list(dict.fromkeys(e.strip() for e in raw.split(ENTRY_DELIMITER) if e.strip()))
+
+
+def _fail(error: str, **extra: Any) -> Result:
+    return {"success": False, "error": error, **extra}
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Both stores as they were at session start (threat-scanned)."""
+
+    memory: tuple[str, ...] = ()
+    user: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.memory and not self.user
+
+    def render(self, memory_char_limit: int = 2200, user_char_limit: int = 1375) -> str:
+        """The memory block for the system prompt; '' when both stores are empty."""
+        blocks = [
+            _render_block(target, entries, limit)
+            for target, entries, limit in (
+                ("memory", self.memory, memory_char_limit),
+                ("user", self.user, user_char_limit),
+            )
+            if entries
+        ]
+        return "\n\n".join(blocks)
+
+
+def _render_block(target: str, entries: tuple[str, ...], limit: int) -> str:
+    content = ENTRY_DELIMITER.join(entries)
+    current = len(content)
+    cap = max(limit * 2, 4000)  # a hand-edited, oversized file must not flood the prompt
+    if current > cap:
+        head, tail = int(cap * 0.7), int(cap * 0.2)
+        content = (
+            f"{content[:head]}\n\n[... {current - head - tail:,} chars truncated: memory over "
+            f"budget; consolidate with memory(action=replace/remove) ...]\n\n{content[-tail:]}"
+        )
+    over = " ⚠ OVER BUDGET" if current > limit else ""
+    header = f"{MEMORY_BLOCK_HEADERS[target]} [{_pct(current, limit)}% — {current:,}/{limit:,} chars{over}]"
+    return f"{_SEPARATOR}\n{header}\n{_SEPARATOR}\n{content}"
+
+
+class MemoryStore:
+    """MEMORY.md / USER.md of one profile, safe across tasks and processes."""
+
+    def __init__(
+        self,
+        profile_dir: Path,
+        memory_char_limit: int = 2200,
+        user_char_limit: int = 1375,
+        *,
+        read_only: bool = False,
+    ) -> None:
+        self.profile_dir = Path(profile_dir)
+        self.memory_dir = self.profile_dir / "memories"
+        self.memory_char_limit = memory_char_limit
+        self.user_char_limit = user_char_limit
+        self.read_only = read_only
+        self._lock = asyncio.Lock()
+
+    # -- paths and limits ------------------------------------------------------
+
+    def path_for(self, target: str) -> Path:
+        return self.memory_dir / _FILES[self._check_target(target)]
+
+    @property
+    def lock_path(self) -> Path:
+        return self.memory_dir / ".lock"
+
+    def char_limit(self, target: str) -> int:
+        return self.memory_char_limit if self._check_target(target) == "memory" else self.user_char_limit
+
+    @staticmethod
+    def _check_target(target: object) -> str:
+        if target not in TARGETS:
+            raise ValueError(f"Unknown target {target!r}. Use 'memory' or 'user'.")
+        return str(target)
+
+    def _usage(self, target: str, entries: list[str]) -> str:
+        return f"{_joined_len(entries)}/{self.char_limit(target)}"
+
+    # -- reads -------------------------------------------------------------------
+
+    async def load_snapshot(self) -> MemorySnapshot:
+        """Frozen, threat-scanned copy of both stores for the system prompt."""
+        mem, user = await asyncio.to_thread(
+            lambda: (self._read_entries("memory"), self._read_entries("user"))
+        )
+        return MemorySnapshot(
+            memory=tuple(_withheld(e) for e in mem), user=tuple(_withheld(e) for e in user)
+        )
+
+    async def entries(self, target: str) -> list[str]:
+        """Live entries of `target`, read from disk (unscanned, as the person wrote them)."""
+        self._check_target(target)
+        return await asyncio.to_thread(self._read_entries, target)
+
+    def _dir_ok(self) -> bool:
+        """False when the memories dir is a symlink (it could point outside the profile)."""
+        if self.memory_dir.is_symlink():
+            log.warning("memory dir %s is a symlink; ignoring it", self.memory_dir)
+            return False
+        return True
+
+    def _read_entries(self, target: str) -> list[str]:
+        if not self._dir_ok():
+            return []
+        try:
+            fd = os.open(self.path_for(target), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                log.warning("memory file %s is a symlink; ignoring it", self.path_for(target))
+                return []
+            raise
+        with os.fdopen(fd, "rb") as fh:
+            return parse_entries(fh.read().decode("utf-8", errors="replace"))
+
+    # -- writes ------------------------------------------------------------------
+
+    async def add(self, target: str, content: str) -> Result:
+        """Append one entry (refused when duplicate, unsafe or over the limit)."""
+        if (err := self._precheck(target, content=content)) is not None:
+            return err
+        content = content.strip()
+
+        def mutate(entries: list[str]) -> tuple[list[str] | None, Result]:
+            if content in entries:
+                return None, _fail(
+                    f"An identical entry already exists in {target}; nothing was added.",
+                    usage=self._usage(target, entries),
+                )
+            new = [*entries, content]
+            limit, current, after = self.char_limit(target), _joined_len(entries), _joined_len(new)
+            if after > limit:
+                return None, self._over_limit(
+                    target, entries,
+                    f"{target} memory is at {current:,}/{limit:,} chars; adding this entry "
+                    f"({len(content):,} chars) would make it {after:,}, over the limit. "
+                    "Consolidate first: 'replace' related entries with one shorter entry or "
+                    "'remove' stale ones, then retry the add.",
+                )
+            return new, self._ok(target, new, f"Entry added to {target}.")
+
+        return await self._write(target, mutate)
+
+    async def replace(self, target: str, old_text: str, content: str) -> Result:
+        """Replace the single entry containing `old_text` with `content`."""
+        if (err := self._precheck(target, content=content, old_text=old_text)) is not None:
+            return err
+        content, old_text = content.strip(), old_text.strip()
+
+        def mutate(entries: list[str]) -> tuple[list[str] | None, Result]:
+            idx, err = self._match(target, entries, old_text)
+            if err is not None:
+                return None, err
+            if entries[idx] == content:
+                return None, self._ok(target, entries, f"Entry in {target} already has this content; nothing changed.")
+            if content in entries:
+                return None, _fail(
+                    f"An identical entry already exists in {target}; remove the old one instead.",
+                    usage=self._usage(target, entries),
+                )
+            new = [*entries[:idx], content, *entries[idx + 1:]]
+            limit, current, after = self.char_limit(target), _joined_len(entries), _joined_len(new)
+            if after > limit and after > current:
+                return None, self._over_limit(
+                    target, entries,
+                    f"Replacing would put {target} memory at {after:,}/{limit:,} chars "
+                    f"(now {current:,}/{limit:,}), over the limit. Shorten the new content or "
+                    "consolidate: 'remove' stale entries or merge related ones first, then retry.",
+                )
+            return new, self._ok(target, new, f"Entry replaced in {target}.")
+
+        return await self._write(target, mutate)
+
+    async def remove(self, target: str, old_text: str) -> Result:
+        """Remove the single entry containing `old_text`."""
+        if (err := self._precheck(target, old_text=old_text)) is not None:
+            return err
+        old_text = old_text.strip()
+
+        def mutate(entries: list[str]) -> tuple[list[str] | None, Result]:
+            idx, err = self._match(target, entries, old_text)
+            if err is not None:
+                return None, err
+            new = entries[:idx] + entries[idx + 1:]
+            return new, self._ok(target, new, f"Entry removed from {target}.")
+
+        return await self._write(target, mutate)
+
+    async def clear(self, target: str | None = None) -> Result:
+        """Erase one store, or both when `target` is None (the /forget command)."""
+        if self.read_only:
+            return _fail("Memory is read-only here; nothing was changed.")
+        targets = TARGETS if target is None else (self._check_target(target),)
+        for t in targets:
+            await self._write(t, lambda entries: ([], {}))
+        names = " and ".join(targets)
+        return {"success": True, "message": f"Cleared {names}."}
+
+    async def handle_tool_call(self, args: dict[str, Any]) -> str:
+        """Run one `memory` tool call; always returns a JSON result, never raises."""
+        try:
+            result = await self._dispatch(args)
+        except Exception as exc:  # a tool call must never crash the turn
+            log.exception("memory tool call failed")
+            result = _fail(f"Memory operation failed: {type(exc).__name__}: {exc}")
+        return json.dumps(result, ensure_ascii=False)
+
+    async def _dispatch(self, args: object) -> Result:
+        if not isinstance(args, dict):
+            return _fail("Arguments must be a JSON object with 'action' and 'target'.")
+        action, target = args.get("action"), args.get("target", "memory")
+        content, old_text = args.get("content"), args.get("old_text")
+        if action not in ACTIONS:
+            return _fail(f"Unknown action {action!r}. Use 'add', 'replace' or 'remove'.")
+        if target not in TARGETS:
+            return _fail(f"Unknown target {target!r}. Use 'memory' or 'user'.")
+        for name, value in (("content", content), ("old_text", old_text)):
+            if value is not None and not isinstance(value, str):
+                return _fail(f"'{name}' must be a string.")
+        if action in ("add", "replace") and not content:
+            return _fail(f"'content' is required for '{action}'.")
+        if action in ("replace", "remove") and not old_text:
+            return _fail(
+                f"'old_text' is required for '{action}': a short substring unique to the entry."
+            )
+        if action == "add":
+            return await self.add(target, content)  # type: ignore[arg-type]
+        if action == "replace":
+            return await self.replace(target, old_text, content)  # type: ignore[arg-type]
+        return await self.remove(target, old_text)  # type: ignore[arg-type]
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _precheck(self, target: object, *, content: object = ..., old_text: object = ...) -> Result | None:
+        """Argument checks done before taking any lock."""
+        if self.read_only:
+            return _fail("Memory is read-only here; nothing was saved.")
+        if target not in TARGETS:
+            return _fail(f"Unknown target {target!r}. Use 'memory' or 'user'.")
+        if old_text is not ...:
+            if not isinstance(old_text, str):
+                return _fail("'old_text' must be a string.")
+            if not old_text.strip():
+                return _fail("'old_text' cannot be empty: give a short substring unique to the entry.")
+        if content is not ...:
+            if not isinstance(content, str):
+                return _fail("'content' must be a string.")
+            text = content.strip()
+            if not text:
+                return _fail("Content cannot be empty.")
+            if "§" in text.split("\n"):
+                return _fail("Content cannot contain a line made only of '§' (the entry separator).")
+            if (reason := first_threat(text)) is not None:
+                return _fail(
+                    f"Refused: {reason}. Memory goes into the system prompt and must not "
+                    "contain injection or exfiltration payloads."
+                )
+        return None
+
+    def _match(self, target: str, entries: list[str], old_text: str) -> tuple[int, Result | None]:
+        hits = [i for i, e in enumerate(entries) if old_text in e]
+        if not hits:
+            return -1, _fail(
+                f"No entry matched '{_preview(old_text)}' in {target}. Use an exact substring "
+                "of one of the entries below.",
+                entries=[_preview(_withheld(e)) for e in entries],
+            )
+        if len(hits) > 1:
+            return -1, _fail(
+                f"'{_preview(old_text)}' matches {len(hits)} entries in {target}. Use a longer "
+                "substring that is unique to one entry.",
+                matches=[_preview(_withheld(entries[i])) for i in hits],
+            )
+        return hits[0], None
+
+    def _ok(self, target: str, entries: list[str], message: str) -> Result:
+        return {"success": True, "message": message, "usage": self._usage(target, entries)}
+
+    def _over_limit(self, target: str, entries: list[str], error: str) -> Result:
+        return _fail(
+            error,
+            usage=self._usage(target, entries),
+            entries=[_preview(_withheld(e)) for e in entries],
+        )
+
+    async def _write(self, target: str, mutate: _Mutation) -> Result:
+        async with self._lock:
+            return await asyncio.to_thread(self._locked_write, target, mutate)
+
+    def _locked_write(self, target: str, mutate: _Mutation) -> Result:
+        """Read-modify-write under an exclusive cross-process lock (runs in a thread)."""
+        self.memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self._dir_ok():
+            return _fail("Memory directory is not usable (symlink); nothing was saved.")
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            new, result = mutate(self._read_entries(target))
+            if new is not None:
+                self._atomic_write(self.path_for(target), ENTRY_DELIMITER.join(new))
+            return result
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _atomic_write(self, path: Path, text: str) -> None:
+        tmp_fd, tmp = tempfile.mkstemp(dir=self.memory_dir, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(tmp_fd, "wb") as fh:
+                fh.write(text.encode("utf-8"))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        dir_fd = os.open(self.memory_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+__all__ = [
+    "ACTIONS",
+    "ENTRY_DELIMITER",
+    "MEMORY_BLOCK_HEADERS",
+    "TARGETS",
+    "MemorySnapshot",
+    "MemoryStore",
+    "parse_entries",
+]

@@ -1,0 +1,149 @@
+"""Threat scan for text that would enter the system prompt (memory entries).
+
+`first_threat` returns a short human reason when the text looks like a prompt
+injection, a secret-exfiltration command, an SSH persistence path or carries
+invisible/bidi unicode; otherwise None. Pure function, no state.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+MAX_SCAN_CHARS = 65_536
+
+# Zero-width, word joiner & invisible operators, BOM, bidi embeddings/overrides/isolates, tags.
+_INVISIBLE_RANGES: tuple[tuple[int, int], ...] = (
+    (0x200B, 0x200F),
+    (0x202A, 0x202E),
+    (0x2060, 0x2064),
+    (0x2066, 0x2069),
+    (0xFEFF, 0xFEFF),
+    (0xE0000, 0xE007F),
+)
+
+# Legitimate uses of otherwise-invisible code points, removed before the check:
+# ZWJ between pictographs (family/profession emoji) and the three RGI subdivision flags.
+_EMOJI = r"[\u2600-\u27BF\u2B00-\u2BFF\U0001F000-\U0001FAFF]"
+_EMOJI_MOD = r"[\uFE0F\U0001F3FB-\U0001F3FF]*"
+_BENIGN_INVISIBLE = re.compile(
+    rf"(?<={_EMOJI}){_EMOJI_MOD}\u200D(?={_EMOJI})"
+    r"|\U0001F3F4(?:\U000E0067\U000E0062(?:\U000E0065\U000E006E\U000E0067"
+    r"|\U000E0073\U000E0063\U000E0074|\U000E0077\U000E006C\U000E0073))\U000E007F"
+)
+
+_W = r"(?:[\w'-]+\s+)"  # one filler word
+_SECRET_VAR = r"\$\{?\w*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|AUTH)S?\b"
+_SECRET_PATH = (
+    r"(?:\.ssh\b|id_(?:rsa|dsa|ecdsa|ed25519)\b|\.env\b|\.netrc\b|\.pgpass\b"
+    r"|\.aws/credentials|\.git-credentials|/etc/(?:shadow|passwd)\b)"
+)
+_NET = r"\b(?:curl|wget|nc|ncat|netcat|socat|telnet|scp|rsync)\b"
+
+_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(rx, re.IGNORECASE | re.MULTILINE), reason)
+    for rx, reason in (
+        # -- prompt injection --------------------------------------------------
+        (
+            rf"\b(?:ignore|forget|disregard|discard|override)\s+{_W}{{0,3}}"
+            rf"(?:previous|prior|above|earlier|preceding|former|original)\s+{_W}{{0,2}}"
+            r"(?:instructions?|prompts?|directives?|rules|guidelines|messages|context)\b",
+            "prompt injection: asks to ignore previous instructions",
+        ),
+        (
+            r"\b(?:ignore|forget|disregard|discard)\s+(?:all|any|every)\s+(?:other\s+)?"
+            r"(?:of\s+)?(?:the\s+|your\s+)?instructions\b",
+            "prompt injection: asks to ignore all instructions",
+        ),
+        (
+            r"\b(?:ignore|forget|disregard|discard|override|bypass)\s+(?:all\s+)?(?:of\s+)?"
+            rf"(?:(?:your|its)\s+{_W}{{0,2}}(?:system\s+prompt|instructions|guidelines|rules"
+            r"|guardrails|programming|training)|the\s+system\s+prompt)\b",
+            "prompt injection: asks to disregard the system prompt",
+        ),
+        (
+            r"\byou\s+are\s+now\s+(?:a|an|the|my|in|no\s+longer|free|unrestricted|jailbroken|dan)\b",
+            "prompt injection: role hijack ('you are now ...')",
+        ),
+        (
+            r"\b(?:respond|answer|reply|act)\s+without\s+(?:any\s+)?"
+            r"(?:restrictions|limitations|filters|safety|censorship|guardrails)\b",
+            "prompt injection: asks to drop safety rules",
+        ),
+        (
+            r"\bnew\s+(?:system\s+)?instructions?\s*:",
+            "prompt injection: fake 'new instructions:' header",
+        ),
+        (
+            r"\bsystem\s+prompt\s*(?::|override\b)"
+            r"|^\s*(?:#{1,6}\s*)?(?:system|developer)\s+(?:message|instructions?)\s*:",
+            "prompt injection: fake system-prompt header",
+        ),
+        (
+            r"<\|[\w.-]{1,40}\|>|<<\s*/?\s*sys\s*>>|\[/?inst\]|</?\s*(?:system|developer)\s*>",
+            "prompt injection: chat-template control tokens",
+        ),
+        # -- secret exfiltration ----------------------------------------------
+        (
+            rf"\b(?:curl|wget|invoke-webrequest|iwr)\b[^\n]{{0,300}}{_SECRET_VAR}",
+            "secret exfiltration: network command with a secret variable",
+        ),
+        (
+            r"\b(?:printenv|env|set|export\s+-p)\s*\|[^\n]{0,100}?" + _NET
+            + r"|\b(?:curl|wget)\b[^\n]{0,300}(?:\$\(|`)\s*(?:printenv|env|cat)\b",
+            "secret exfiltration: environment sent over the network",
+        ),
+        (
+            rf"{_NET}[^\n]{{0,300}}{_SECRET_PATH}",
+            "secret exfiltration: network command touching credential files",
+        ),
+        (
+            rf"\b(?:cat|xxd)\s+[^\n|;]{{0,200}}{_SECRET_PATH}",
+            "secret exfiltration: reads SSH keys or credential files",
+        ),
+        (
+            rf"\bbase64\b[^\n]{{0,200}}(?:{_SECRET_PATH}|\.pem\b|\.key\b|private[_ ]key)"
+            rf"|(?:{_SECRET_PATH}|\.pem\b|\.key\b)[^\n]{{0,100}}\|\s*base64\b",
+            "secret exfiltration: base64 of key material",
+        ),
+        (
+            r"\bn(?:c|cat|etcat)\b[^\n]{0,100}\s-[a-z]*e\b|/dev/tcp/|\bbash\s+-i\s+>&",
+            "secret exfiltration: reverse shell command",
+        ),
+        (
+            r"-----BEGIN [A-Z ]*PRIVATE KEY-----",
+            "secret material: private key",
+        ),
+        # -- SSH persistence ----------------------------------------------------
+        (r"authorized_keys", "SSH persistence: references authorized_keys"),
+        (r"(?<![\w-])\.ssh(?![\w-])", "SSH access: references an .ssh path"),
+    )
+)
+
+
+def _invisible(text: str) -> str | None:
+    """The first forbidden invisible/bidi code point as U+XXXX, or None."""
+    for ch in _BENIGN_INVISIBLE.sub("", text):
+        cp = ord(ch)
+        if any(lo <= cp <= hi for lo, hi in _INVISIBLE_RANGES):
+            return f"U+{cp:04X}"
+    return None
+
+
+def first_threat(content: str) -> str | None:
+    """A short reason why `content` must not be stored in memory, or None if it is fine."""
+    if not isinstance(content, str):
+        return "content is not text"
+    if len(content) > MAX_SCAN_CHARS:
+        return f"content too large to scan ({len(content):,} chars)"
+    if (cp := _invisible(content)) is not None:
+        return f"invisible or bidi unicode character {cp}"
+    # NFKC folds full-width and compatibility forms (ｉｇｎｏｒｅ -> ignore).
+    text = unicodedata.normalize("NFKC", content)
+    for pattern, reason in _PATTERNS:
+        if pattern.search(text):
+            return reason
+    return None
+
+
+__all__ = ["MAX_SCAN_CHARS", "first_threat"]

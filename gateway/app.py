@@ -1,0 +1,288 @@
+"""The gateway: adapters in, turns out. Auth, dedupe, limits, lanes, commands, delivery.
+
+Data flows one way: adapter -> `handle_inbound` (record, admit) -> lane worker
+(command or agent turn, inside the tenant's profile) -> delivery back to the adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from adapters.base import Adapter, InboundMessage, OutboundMessage, SentMessage
+from agent.llm import LLMClient
+from agent.prompt import ChatPlace
+from agent.tokens import TokenCounter
+from agent.turn import Agent, TurnResult, UserInput
+from gateway.access import Access
+from gateway.commands import HANDLERS, CommandContext, parse_command
+from gateway.config import Config
+from gateway.delivery import split_text
+from gateway.inbox import Inbox
+from gateway.lanes import Lanes
+from gateway.limits import RateLimiter
+from tenancy.identity import IdentityLinks
+from tenancy.keys import Lane, resolve_lane
+from tenancy.profiles import ProfileManager
+
+log = logging.getLogger("hermes.gateway")
+
+TYPING_INTERVAL_S = 4.0
+
+
+@dataclass(frozen=True)
+class Job:
+    msg: InboundMessage
+    lane: Lane
+
+
+def input_uid(msg: InboundMessage) -> str:
+    """The stored uid of an inbound message: derived from its platform identity, so the
+    same message replayed after a crash is stored once."""
+    digest = hashlib.sha256(f"{msg.platform}\0{msg.chat_id}\0{msg.message_id}".encode()).hexdigest()
+    return f"in-{digest[:32]}"
+
+
+class _Notifier:
+    """Progress notices of one turn: the start notice is edited into the end notice where
+    the platform can edit; routine ones are dropped unless `progress_notices` is on."""
+
+    def __init__(self, app: "GatewayApp", msg: InboundMessage) -> None:
+        self.app, self.msg = app, msg
+        self._progress: SentMessage | None = None
+
+    async def __call__(self, kind: str, text: str) -> None:
+        if kind in ("progress", "progress_done") and not self.app.cfg.compression.progress_notices:
+            return
+        adapter = self.app.adapters.get(self.msg.platform)
+        if adapter is None:
+            return
+        if kind == "progress_done" and self._progress is not None and adapter.can_edit:
+            if await self.app.safe_edit(adapter, self._progress, text):
+                self._progress = None
+                return
+        sent = await self.app.send(self.msg, text, kind="notice" if kind.startswith("progress") else "error",
+                                   reply=False)
+        if kind == "progress":
+            self._progress = sent
+
+
+class GatewayApp:
+    """The running gateway; build it with adapters and (for tests) an LLM client."""
+
+    def __init__(self, cfg: Config, adapters: Sequence[Adapter] = (), *, llm: LLMClient | None = None,
+                 tokens: TokenCounter | None = None) -> None:
+        self.cfg = cfg
+        self.adapters: dict[str, Adapter] = {a.platform: a for a in adapters}
+        self.inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
+        self.links = IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
+        self.profiles = ProfileManager(
+            cfg.data_dir, max_open=cfg.tenancy.max_open_profiles, fsync=cfg.storage.fsync,
+            memory_char_limit=cfg.memory.memory_char_limit, user_char_limit=cfg.memory.user_char_limit,
+            provider_kind=cfg.memory.provider)
+        self._own_llm = llm is None
+        self.llm = llm or LLMClient.from_config(cfg.llm)
+        self.tokens = tokens or TokenCounter.create(log)
+        self.agent = Agent(cfg, self.llm, self.tokens)
+        self.access = Access(cfg.access, self.inbox)
+        self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
+        self._limit_notified: dict[str, float] = {}
+        coalesce_ms = cfg.limits.coalesce_burst_ms
+        self.lanes: Lanes[Job] = Lanes(
+            self._run_lane, max_queued=cfg.limits.max_queued_turns,
+            coalesce=(lambda job: parse_command(job.msg.text) is None) if coalesce_ms else None,
+            coalesce_wait_s=coalesce_ms / 1000)
+        self._started = False
+
+    # ----- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open storage, replay what a previous run left unanswered, start the adapters."""
+        self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        await self.inbox.open()
+        self._started = True
+        pending = await self.inbox.pending()
+        if pending:
+            log.info("replaying %d message(s) left unanswered by the previous run", len(pending))
+        for msg in pending:
+            await self._admit(msg, replay=True)
+        for adapter in self.adapters.values():
+            try:
+                await adapter.start(self.handle_inbound)
+            except Exception:
+                log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Stop taking messages, let running turns finish (bounded), close everything."""
+        for adapter in self.adapters.values():
+            try:
+                await adapter.stop()
+            except Exception:
+                log.exception("%s adapter failed to stop cleanly", adapter.platform)
+        if not await self.lanes.drain(drain_timeout):
+            log.warning("turns still running after %.0fs; they will be replayed on the next start", drain_timeout)
+            await self.lanes.cancel()
+        await self.profiles.close_all()
+        if self._started:
+            await self.inbox.close()
+            self._started = False
+        if self._own_llm:
+            await self.llm.aclose()
+
+    async def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued turn has finished (used by tests and the console)."""
+        return await self.lanes.drain(timeout)
+
+    # ----- inbound --------------------------------------------------------------------
+    async def handle_inbound(self, msg: InboundMessage) -> None:
+        """The adapters' sink: returns once `msg` is durably recorded (or known already)."""
+        if not await self.inbox.record(msg):
+            log.info("duplicate %s message ignored", msg.platform)
+            return
+        await self._admit(msg)
+
+    async def _admit(self, msg: InboundMessage, *, replay: bool = False) -> None:
+        if not await self.access.is_allowed(msg.principal):
+            await self._refuse_stranger(msg)
+            return
+        if len(msg.text) > self.cfg.limits.max_text_length:
+            await self._refuse(msg, "too_long", (
+                f"Your message is {len(msg.text):,} characters long; I can take at most "
+                f"{self.cfg.limits.max_text_length:,}. Please split it or send a shorter version."))
+            return
+        if not msg.text.strip() and not msg.attachments:
+            await self.inbox.finish(msg, "empty")
+            return
+        if not replay:
+            allowed, wait = self.limiter.allow(msg.principal)
+            if not allowed:
+                await self._refuse(msg, "rate_limited",
+                                   f"You're sending messages faster than I can answer. Please wait about {int(wait) + 1} seconds and send it again.",
+                                   quiet_key=msg.principal)
+                return
+        try:
+            lane = resolve_lane(msg, self.cfg.tenancy, self.links)
+        except ValueError as err:
+            log.warning("cannot place a %s message: %s", msg.platform, err)
+            await self._refuse(msg, "bad_ids", "Sorry, I can't handle messages from this chat.")
+            return
+        if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(msg, lane)):
+            await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
+                                            "Please wait for my answer, then send this again.")
+
+    async def _refuse_stranger(self, msg: InboundMessage) -> None:
+        if msg.chat_type == "dm" and self.cfg.access.unauthorized_dm == "pair":
+            code = await self.access.pairing_code(msg.principal)
+            await self.send(msg, f"Hi! I don't know you yet. Your pairing code is {code}. "
+                                 "Ask the operator of this bot to approve it with /pair " + code + ".",
+                            kind="notice")
+        await self.inbox.finish(msg, "unauthorized")
+
+    async def _refuse(self, msg: InboundMessage, outcome: str, text: str, quiet_key: str | None = None) -> None:
+        """Tell the person why their message was not taken (rate refusals once a minute)."""
+        now = time.monotonic()
+        if quiet_key is None or now - self._limit_notified.get(quiet_key, -1e9) >= 60:
+            if quiet_key is not None:
+                self._limit_notified[quiet_key] = now
+            await self.send(msg, text, kind="error")
+        await self.inbox.finish(msg, outcome)
+
+    # ----- the lane worker ------------------------------------------------------------
+    def place_of(self, msg: InboundMessage, lane: Lane) -> ChatPlace:
+        return ChatPlace(platform=msg.platform, chat_type=msg.chat_type, shared=lane.kind == "chat",
+                         user_name=msg.user_name)
+
+    async def _run_lane(self, key: str, jobs: list[Job]) -> None:
+        first, last = jobs[0], jobs[-1]
+        lane, place = first.lane, self.place_of(first.msg, first.lane)
+        typing = asyncio.create_task(self._keep_typing(last.msg))
+        outcome = "replied"
+        try:
+            async with self.profiles.use(lane.tenant_id, kind=lane.kind) as profile:
+                if lane.principal not in profile.principals and lane.kind == "person":
+                    await asyncio.to_thread(profile.add_principal, lane.principal)
+                command = parse_command(first.msg.text)
+                if command is not None:
+                    spec, args = command
+                    ctx = CommandContext(self, first.msg, lane, place, profile, args)
+                    text, kind = await HANDLERS[spec.name](ctx), "reply"
+                else:
+                    inputs = [UserInput(uid=input_uid(j.msg), text=self._input_text(j.msg),
+                                        user_name=j.msg.user_name,
+                                        meta={"platform": j.msg.platform, "message_id": j.msg.message_id,
+                                              "user": j.msg.principal})
+                              for j in jobs]
+                    result: TurnResult = await self.agent.run_turn(profile, lane, place, inputs,
+                                                                   notify=_Notifier(self, last.msg))
+                    text, kind = result.text, result.kind
+                    if kind == "error":
+                        outcome = "llm_error"
+        except Exception:
+            log.exception("turn failed")
+            text, kind, outcome = ("Something went wrong on my side while answering; your message "
+                                   "was kept. Please try again."), "error", "error"
+        finally:
+            typing.cancel()
+        sent = await self.send(last.msg, text, kind=kind)
+        if sent is None and last.msg.platform in self.adapters:
+            outcome = "undelivered" if outcome == "replied" else outcome
+        for job in jobs:
+            await self.inbox.finish(job.msg, outcome)
+
+    @staticmethod
+    def _input_text(msg: InboundMessage) -> str:
+        if not msg.attachments:
+            return msg.text
+        names = ", ".join(f"{a.type} {a.name}".strip() for a in msg.attachments)
+        return f"{msg.text}\n[attached: {names}]".strip()
+
+    async def _keep_typing(self, msg: InboundMessage) -> None:
+        adapter = self.adapters.get(msg.platform)
+        if adapter is None:
+            return
+        while True:
+            try:
+                await adapter.typing(msg.chat_id, msg.thread_id)
+            except Exception:
+                log.debug("typing indicator failed", exc_info=True)
+            await asyncio.sleep(TYPING_INTERVAL_S)
+
+    # ----- delivery -------------------------------------------------------------------
+    async def send(self, msg: InboundMessage, text: str, *, kind: str = "reply", reply: bool = True) -> SentMessage | None:
+        """Send `text` into `msg`'s chat, split at the platform limit; the first chunk
+        replies to `msg`. Returns the first sent chunk (None if nothing was delivered)."""
+        adapter = self.adapters.get(msg.platform)
+        if adapter is None:
+            log.warning("no adapter for platform %s; reply dropped", msg.platform)
+            return None
+        first: SentMessage | None = None
+        for i, chunk in enumerate(split_text(text, adapter.max_message_length, adapter.measure)):
+            out = OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind=kind,
+                                  reply_to_message_id=msg.message_id if (reply and i == 0) else None)
+            try:
+                sent = await adapter.send(out)
+            except Exception:
+                log.exception("%s send failed", msg.platform)
+                return first
+            if sent is None:
+                return first
+            first = first or sent
+        return first
+
+    async def safe_edit(self, adapter: Adapter, sent: SentMessage, text: str) -> bool:
+        try:
+            return await adapter.edit(sent, text)
+        except Exception:
+            log.debug("edit failed", exc_info=True)
+            return False
+
+    # ----- identity links (the /link command) -----------------------------------------
+    async def link_command(self, msg: InboundMessage, args: str) -> str:
+        return ("Linking accounts from the chat isn't enabled yet; the operator can link them in "
+                "the config (tenancy.identity_links).")
+
+    async def unlink_command(self, msg: InboundMessage) -> str:
+        return "Unlinking from the chat isn't enabled yet; the operator can change tenancy.identity_links."

@@ -1,0 +1,42 @@
+"""The chat commands' names and one-line descriptions: shown by /help and registered
+with each platform's command menu (Telegram setMyCommands, Discord slash commands)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    name: str
+    description: str
+    takes_args: bool = False
+    admin_only: bool = False
+    aliases: tuple[str, ...] = ()
+
+
+COMMAND_SPECS: tuple[CommandSpec, ...] = (
+    CommandSpec("help", "What I can do and the commands"),
+    CommandSpec("new", "Start a fresh conversation (memory is kept)", aliases=("reset",)),
+    CommandSpec("status", "This conversation: session, messages, model"),
+    CommandSpec("usage", "Tokens used and how full the context is"),
+    CommandSpec("compress", "Summarise this conversation now (optional: focus <topic>)", takes_args=True),
+    CommandSpec("memory", "Show what I remember about you"),
+    CommandSpec("forget", "Erase what I remember about you (memory or user or all)", takes_args=True),
+    CommandSpec("undo", "Take back your last message and my answer"),
+    CommandSpec("export", "Get a copy of your conversations and memory"),
+    CommandSpec("whoami", "Your ids and which profile you're in"),
+    CommandSpec("link", "Join your accounts on two platforms into one memory", takes_args=True),
+    CommandSpec("unlink", "Separate this account from a linked identity"),
+    CommandSpec("start", "Say hello (or start pairing)", takes_args=True),
+    CommandSpec("pair", "Admin: approve a pairing code", takes_args=True, admin_only=True),
+)
+
+
+def find_command(name: str) -> CommandSpec | None:
+    """The spec for a command name or alias (case-insensitive), or None."""
+    name = name.lower()
+    for spec in COMMAND_SPECS:
+        if spec.name == name or name in spec.aliases:
+            return spec
+    return None

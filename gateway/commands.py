@@ -1,0 +1,189 @@
+"""Chat commands (`/help`, `/new`, ...): parsed from a message and run inside its lane,
+so a command is ordered with the turns around it. Each returns the text to send."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from adapters.base import InboundMessage
+from agent.prompt import ChatPlace
+from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
+from tenancy.keys import Lane
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayApp
+    from tenancy.profiles import Profile
+
+
+def parse_command(text: str) -> tuple[CommandSpec, str] | None:
+    """(`spec`, args) when `text` is a known `/command`, else None (unknown commands are
+    ordinary text for the model)."""
+    if not text.startswith("/"):
+        return None
+    head, _, args = text[1:].partition(" ")
+    head = head.split("@", 1)[0]  # /cmd@botname
+    spec = find_command(head)
+    return (spec, args.strip()) if spec else None
+
+
+@dataclass
+class CommandContext:
+    app: "GatewayApp"
+    msg: InboundMessage
+    lane: Lane
+    place: ChatPlace
+    profile: "Profile"
+    args: str
+
+
+Handler = Callable[[CommandContext], Awaitable[str]]
+
+
+async def cmd_help(ctx: CommandContext) -> str:
+    admin = ctx.app.access.is_admin(ctx.msg.principal)
+    lines = [f"I'm {ctx.app.cfg.agent_name}. Talk to me normally; I remember what matters to you "
+             "across conversations. Commands:"]
+    for spec in COMMAND_SPECS:
+        if spec.name == "start" or (spec.admin_only and not admin):
+            continue
+        lines.append(f"/{spec.name} — {spec.description}")
+    return "\n".join(lines)
+
+
+async def cmd_start(ctx: CommandContext) -> str:
+    name = ctx.msg.user_name or "there"
+    return (f"Hi {name}! I'm {ctx.app.cfg.agent_name}. Tell me what you need; I'll remember "
+            "what you ask me to. Send /help for the commands.")
+
+
+async def cmd_new(ctx: CommandContext) -> str:
+    await ctx.app.agent.new_session(ctx.profile, ctx.lane, ctx.place, reason="new")
+    return "Started a new conversation. What I remember about you is kept (see /memory)."
+
+
+async def cmd_status(ctx: CommandContext) -> str:
+    store = ctx.profile.sessions
+    session_id = await store.route(ctx.lane.session_key)
+    info = await store.session_info(session_id) if session_id else None
+    shared = "shared with everyone here" if ctx.lane.kind == "chat" else "yours alone"
+    lines = [f"Model: {ctx.app.cfg.llm.model}", f"This conversation is {shared}."]
+    if info:
+        started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(info.get("started_at") or 0))
+        lines += [f"Session: {session_id} (since {started})",
+                  f"Messages: {info.get('message_count', 0)}",
+                  f"Compressions: {info.get('compressions', 0)}"]
+    else:
+        lines.append("No conversation yet.")
+    return "\n".join(lines)
+
+
+async def cmd_usage(ctx: CommandContext) -> str:
+    app = ctx.app
+    store = ctx.profile.sessions
+    session_id = await store.route(ctx.lane.session_key)
+    if not session_id:
+        return "No conversation yet, so no tokens used."
+    info = await store.session_info(session_id) or {}
+    history = await store.history(session_id)
+    context_tokens = app.tokens.count_messages(history)
+    window = app.cfg.llm.context_length
+    threshold = app.agent.threshold_tokens()
+    return "\n".join([
+        f"Tokens this session: {info.get('input_tokens', 0):,} in, {info.get('output_tokens', 0):,} out",
+        f"Context: {context_tokens:,} of {window:,} tokens ({100 * context_tokens // window}%), "
+        f"compression at {threshold:,}",
+        f"Compressions so far: {info.get('compressions', 0)}",
+    ])
+
+
+async def cmd_compress(ctx: CommandContext) -> str:
+    focus = ctx.args[len("focus"):].strip() if ctx.args.lower().startswith("focus") else ctx.args
+    return await ctx.app.agent.compress_now(ctx.profile, ctx.lane, ctx.place, focus=focus or None)
+
+
+async def cmd_memory(ctx: CommandContext) -> str:
+    memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
+    if memory is None:
+        return "Memory is turned off in this chat."
+    whose = "this group" if ctx.lane.kind == "chat" else "you"
+    parts = []
+    for target, title in (("user", f"About {whose}"), ("memory", "My notes")):
+        entries = await memory.entries(target)
+        if entries:
+            parts.append(f"{title}:\n" + "\n".join(f"• {e}" for e in entries))
+    return "\n\n".join(parts) if parts else f"I don't remember anything about {whose} yet."
+
+
+async def cmd_forget(ctx: CommandContext) -> str:
+    if ctx.lane.kind == "chat" and not ctx.app.access.is_admin(ctx.msg.principal):
+        return "Only an admin can erase this group's memory."
+    if ctx.lane.personal_memory != "full":
+        return "Memory can't be changed from this chat; send /forget in a private chat with me."
+    target = ctx.args.lower() or "all"
+    if target not in ("memory", "user", "all"):
+        return "Usage: /forget [memory|user|all]"
+    await ctx.profile.memory.clear(None if target == "all" else target)
+    what = {"all": "everything I remembered", "user": "what I knew about you", "memory": "my notes"}[target]
+    return f"Done: I erased {what}. The current conversation still has it until you send /new."
+
+
+async def cmd_undo(ctx: CommandContext) -> str:
+    session_id = await ctx.profile.sessions.route(ctx.lane.session_key)
+    count = await ctx.profile.sessions.undo_last_turn(session_id) if session_id else 0
+    return "Took back your last message and my answer." if count else "Nothing to undo."
+
+
+async def cmd_export(ctx: CommandContext) -> str:
+    data = await ctx.profile.sessions.export()
+    memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
+    if memory is not None:
+        data["memory"] = {t: await memory.entries(t) for t in ("memory", "user")}
+    out_dir = ctx.profile.path / "exports"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"export-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+    path.write_text(json.dumps(data, ensure_ascii=False, indent=1, default=str), encoding="utf-8")
+    sessions = data.get("sessions", [])
+    messages = sum(len(s.get("messages", [])) for s in sessions)
+    return (f"Exported {len(sessions)} conversation(s) with {messages} message(s) and your memory "
+            f"to {path.name}. Ask the operator for the file "
+            f"(`hermes-gateway profiles export {ctx.lane.tenant_id}`).")
+
+
+async def cmd_whoami(ctx: CommandContext) -> str:
+    lines = [f"You are {ctx.msg.principal}" + (f" ({ctx.msg.user_name})" if ctx.msg.user_name else ""),
+             f"Profile: {ctx.lane.tenant_id}",
+             f"Conversation: {ctx.lane.session_key}"]
+    name = ctx.app.links.name_for(ctx.msg.principal)
+    if name:
+        lines.append(f"Linked accounts: {', '.join(ctx.app.links.principals_of(name))}")
+    if ctx.app.access.is_admin(ctx.msg.principal):
+        lines.append("You are an admin.")
+    return "\n".join(lines)
+
+
+async def cmd_link(ctx: CommandContext) -> str:
+    return await ctx.app.link_command(ctx.msg, ctx.args)
+
+
+async def cmd_unlink(ctx: CommandContext) -> str:
+    return await ctx.app.unlink_command(ctx.msg)
+
+
+async def cmd_pair(ctx: CommandContext) -> str:
+    if not ctx.app.access.is_admin(ctx.msg.principal):
+        return "Only an admin can approve pairing codes."
+    if not ctx.args:
+        return "Usage: /pair CODE"
+    principal = await ctx.app.access.approve(ctx.args)
+    return f"Approved {principal}; they can talk to me now." if principal else "That code is unknown or expired."
+
+
+HANDLERS: dict[str, Handler] = {
+    "help": cmd_help, "start": cmd_start, "new": cmd_new, "status": cmd_status,
+    "usage": cmd_usage, "compress": cmd_compress, "memory": cmd_memory, "forget": cmd_forget,
+    "undo": cmd_undo, "export": cmd_export, "whoami": cmd_whoami, "link": cmd_link,
+    "unlink": cmd_unlink, "pair": cmd_pair,
+}

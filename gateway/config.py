@@ -1,0 +1,228 @@
+"""The one YAML config file, validated by pydantic; unknown keys and bad values name the key.
+
+Secrets never live in the file: keys ending in `_env` name environment variables.
+Defaults follow the Hermes seed documents (compression and memory numbers).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class LLMConfig(_Section):
+    base_url: str = "http://127.0.0.1:11434/v1"
+    model: str = "llama3.1"
+    api_key_env: str | None = None
+    context_length: int = Field(default=32768, ge=512)
+    max_tokens: int | None = Field(default=None, ge=1)
+    timeout_s: float = Field(default=120.0, gt=0)
+    max_retries: int = Field(default=3, ge=0, le=10)
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class AuxModelConfig(_Section):
+    """An auxiliary model; every unset field falls back to the main `llm` section."""
+
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class AuxiliaryConfig(_Section):
+    compression: AuxModelConfig = AuxModelConfig()
+
+
+class CompressionConfig(_Section):
+    enabled: bool = True
+    threshold: float = Field(default=0.50, gt=0, le=1)
+    model_thresholds: dict[str, float] = {}
+    threshold_tokens: int | None = Field(default=None, ge=1)
+    target_ratio: float = Field(default=0.20, gt=0, le=1)
+    protect_first_n: int = Field(default=3, ge=0)
+    protect_last_n: int = Field(default=20, ge=1)
+    min_tail_user_messages: int = Field(default=1, ge=0)
+    max_attempts: int = Field(default=3, ge=1, le=10)
+    in_place: bool = True
+    abort_on_summary_failure: bool = False
+    proactive_prune_tokens: int = Field(default=0, ge=0)
+    proactive_prune_min_result_chars: int = Field(default=8000, ge=0)
+    proactive_prune_min_reclaim_tokens: int = Field(default=4096, ge=0)
+    progress_notices: bool = False
+    idle_compact_after_seconds: int = Field(default=0, ge=0)
+    micro_compact: bool = False
+    min_prune_chars: int = Field(default=200, ge=0)
+
+
+class MemoryConfig(_Section):
+    memory_enabled: bool = True
+    user_profile_enabled: bool = True
+    memory_char_limit: int = Field(default=2200, ge=100)
+    user_char_limit: int = Field(default=1375, ge=100)
+    nudge_interval: int = Field(default=10, ge=0)
+    flush_min_turns: int = Field(default=6, ge=0)
+    provider: str = ""  # "" = no external provider
+
+
+class StorageConfig(_Section):
+    fsync: Literal["always", "batch", "never"] = "batch"
+
+
+class TenancyConfig(_Section):
+    group_sessions_per_user: bool = True
+    thread_sessions_per_user: bool = False
+    personal_memory_in_groups: Literal["full", "read", "off"] = "full"
+    # link name -> principals, e.g. {"alice": ["telegram:111", "discord:222"]}
+    identity_links: dict[str, list[str]] = {}
+    max_open_profiles: int = Field(default=256, ge=1)
+
+    @field_validator("identity_links")
+    @classmethod
+    def _principals_look_right(cls, links: dict[str, list[str]]) -> dict[str, list[str]]:
+        seen: dict[str, str] = {}
+        for name, principals in links.items():
+            for p in principals:
+                platform, sep, uid = p.partition(":")
+                if not sep or not platform or not uid:
+                    raise ValueError(f"{name}: principal {p!r} must look like 'platform:user_id'")
+                if p in seen:
+                    raise ValueError(f"{p!r} is linked to both {seen[p]!r} and {name!r}")
+                seen[p] = name
+        return links
+
+
+class AccessConfig(_Section):
+    # "<platform>:<user_id>" or "*"; empty means nobody but admins (and paired users).
+    allowed_users: list[str] = ["*"]
+    admins: list[str] = []
+    unauthorized_dm: Literal["pair", "ignore"] = "pair"
+    pairing_code_ttl_s: int = Field(default=3600, ge=60)
+
+
+class LimitsConfig(_Section):
+    rate_limit_per_minute: int = Field(default=20, ge=1)
+    max_text_length: int = Field(default=16000, ge=1)
+    max_queued_turns: int = Field(default=5, ge=1)
+    max_tool_iterations: int = Field(default=8, ge=1)
+    coalesce_burst_ms: int = Field(default=0, ge=0)
+
+
+class WebhookConfig(_Section):
+    listen: str = "127.0.0.1"
+    port: int = Field(default=8443, ge=1, le=65535)
+    path: str = "/telegram"
+    public_url: str | None = None
+    secret_token_env: str | None = None
+
+
+class TelegramConfig(_Section):
+    enabled: bool = False
+    token_env: str = "TELEGRAM_BOT_TOKEN"
+    base_url: str = "https://api.telegram.org/bot"
+    base_file_url: str | None = None
+    mode: Literal["polling", "webhook"] = "polling"
+    webhook: WebhookConfig = WebhookConfig()
+    require_mention_in_groups: bool = True
+    handle_edited_messages: bool = False
+    handle_channel_posts: bool = False
+    poll_timeout_s: int = Field(default=30, ge=0, le=60)
+
+
+class DiscordConfig(_Section):
+    enabled: bool = False
+    token_env: str = "DISCORD_BOT_TOKEN"
+    api_base: str | None = None  # None = Discord's own
+    gateway_url: str | None = None
+    require_mention_in_guilds: bool = True
+    free_response_channels: list[str] = []
+    allowed_guilds: list[str] = []
+    sync_slash_commands: bool = True
+
+    @field_validator("free_response_channels", "allowed_guilds", mode="before")
+    @classmethod
+    def _ids_as_strings(cls, v: object) -> object:
+        return [str(x) for x in v] if isinstance(v, list) else v
+
+
+class PlatformsConfig(_Section):
+    telegram: TelegramConfig = TelegramConfig()
+    discord: DiscordConfig = DiscordConfig()
+
+
+class ObservabilityConfig(_Section):
+    listen: str | None = None  # "127.0.0.1:9464" serves /healthz and /metrics
+
+
+class LoggingConfig(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = "text"
+    include_text: bool = False
+
+
+class Config(_Section):
+    data_dir: Path = Path("./data")
+    agent_name: str = "Hermes"
+    llm: LLMConfig = LLMConfig()
+    auxiliary: AuxiliaryConfig = AuxiliaryConfig()
+    compression: CompressionConfig = CompressionConfig()
+    memory: MemoryConfig = MemoryConfig()
+    storage: StorageConfig = StorageConfig()
+    tenancy: TenancyConfig = TenancyConfig()
+    access: AccessConfig = AccessConfig()
+    limits: LimitsConfig = LimitsConfig()
+    platforms: PlatformsConfig = PlatformsConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str = "<config>", base_dir: Path | None = None) -> Config:
+    """Validate a parsed YAML document; relative `data_dir` is taken from `base_dir`."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: invalid configuration\n{_describe(err)}") from None
+    if base_dir is not None and not cfg.data_dir.is_absolute():
+        cfg = cfg.model_copy(update={"data_dir": (base_dir / cfg.data_dir).resolve()})
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate the YAML file at `path`."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file (create one with `hermes-gateway init -c {p}`)") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+    return parse_config(data, str(p), base_dir=p.resolve().parent)

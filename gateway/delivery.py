@@ -1,0 +1,71 @@
+"""Splitting a reply into platform-sized chunks without breaking code fences."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+Measure = Callable[[str], int]
+
+
+def utf16_len(text: str) -> int:
+    """Length in UTF-16 code units, the unit Telegram's 4096 limit counts."""
+    return len(text.encode("utf-16-le")) // 2
+
+
+def _fence_state(text: str, open_fence: str | None) -> str | None:
+    """The fence (e.g. "```python") still open after `text`, given the one open before it."""
+    for line in text.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            open_fence = None if open_fence is not None else stripped
+    return open_fence
+
+
+def _cut_point(text: str, limit: int, measure: Measure) -> int:
+    """Largest prefix length of `text` that fits, preferring a newline, then a space."""
+    lo, hi = 1, len(text)
+    while lo < hi:  # binary search on measure: the widest prefix that fits
+        mid = (lo + hi + 1) // 2
+        if measure(text[:mid]) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    fit = lo
+    if fit >= len(text):
+        return fit
+    for sep in ("\n\n", "\n", " "):
+        idx = text.rfind(sep, 0, fit)
+        if idx > fit // 2:
+            return idx + len(sep)
+    return fit
+
+
+def split_text(text: str, limit: int, measure: Measure = len) -> list[str]:
+    """Split `text` into chunks of at most `limit` units; a code fence cut in two is
+    closed at the end of one chunk and reopened (with its language) at the next."""
+    if limit < 16:
+        raise ValueError("limit too small to split sensibly")
+    if measure(text) <= limit:
+        return [text] if text else []
+    chunks: list[str] = []
+    rest = text
+    fence: str | None = None  # fence open at the start of `rest`
+    closer = "\n```"
+    while rest:
+        prefix = f"{fence}\n" if fence else ""
+        if measure(prefix + rest) <= limit:
+            chunks.append(prefix + rest)
+            break
+        budget = limit - measure(prefix) - measure(closer)
+        cut = _cut_point(rest, budget, measure)
+        piece = rest[:cut]
+        open_after = _fence_state(piece, fence)
+        body = prefix + piece.rstrip("\n") if open_after else prefix + piece
+        if open_after:
+            body += closer
+        chunks.append(body.rstrip() if not open_after else body)
+        rest = rest[cut:]
+        if not open_after:
+            rest = rest.lstrip("\n")
+        fence = open_after
+    return [c for c in chunks if c.strip()]

@@ -1,0 +1,109 @@
+"""The gateway's durable inbox (`<data_dir>/gateway.db`): every platform message is
+recorded before it is acknowledged, answered at most once, and replayed after a crash.
+
+The message text is kept only while the message is pending and erased once it has been
+answered, so this shared database holds no tenant's conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import aiosqlite
+
+from adapters.base import InboundMessage
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS inbound (
+    platform TEXT NOT NULL,
+    chat_id TEXT NOT NULL,
+    message_id TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    status TEXT NOT NULL,            -- pending | done
+    outcome TEXT,                    -- replied | refused | duplicate | error ...
+    payload TEXT,                    -- the InboundMessage JSON while pending, then NULL
+    PRIMARY KEY (platform, chat_id, message_id)
+);
+CREATE INDEX IF NOT EXISTS inbound_pending ON inbound(status, received_at);
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class Inbox:
+    """Dedupe and replay log of inbound platform messages."""
+
+    def __init__(self, path: Path, *, fsync: str = "batch") -> None:
+        self.path = path
+        self._fsync = fsync
+        self._db: aiosqlite.Connection | None = None
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = await aiosqlite.connect(self.path)
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        await self._db.execute(f"PRAGMA synchronous={'FULL' if self._fsync == 'always' else 'NORMAL'}")
+        await self._db.execute("PRAGMA busy_timeout=5000")
+        await self._db.executescript(_SCHEMA)
+        await self._db.commit()
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise RuntimeError("inbox is not open")
+        return self._db
+
+    async def record(self, msg: InboundMessage) -> bool:
+        """Durably record `msg` as pending; False if this platform message was seen before."""
+        payload = msg.model_dump_json()
+        cur = await self.db.execute(
+            "INSERT OR IGNORE INTO inbound(platform, chat_id, message_id, received_at, status, payload)"
+            " VALUES (?, ?, ?, ?, 'pending', ?)",
+            (msg.platform, msg.chat_id, msg.message_id, time.time(), payload))
+        await self.db.commit()
+        return cur.rowcount == 1
+
+    async def finish(self, msg: InboundMessage, outcome: str) -> None:
+        """Mark `msg` answered (or refused) and forget its text."""
+        await self.db.execute(
+            "UPDATE inbound SET status='done', outcome=?, payload=NULL"
+            " WHERE platform=? AND chat_id=? AND message_id=?",
+            (outcome, msg.platform, msg.chat_id, msg.message_id))
+        await self.db.commit()
+
+    async def pending(self) -> list[InboundMessage]:
+        """Messages recorded but never answered (a crash or stop mid-turn), oldest first."""
+        out = []
+        async with self.db.execute(
+                "SELECT payload FROM inbound WHERE status='pending' ORDER BY received_at") as cur:
+            async for (payload,) in cur:
+                try:
+                    out.append(InboundMessage.model_validate(json.loads(payload)))
+                except (ValueError, TypeError):
+                    continue
+        return out
+
+    async def status(self, platform: str, chat_id: str, message_id: str) -> str | None:
+        async with self.db.execute(
+                "SELECT status FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
+                (platform, chat_id, message_id)) as cur:
+            row = await cur.fetchone()
+        return row[0] if row else None
+
+    async def get(self, key: str) -> str | None:
+        async with self.db.execute("SELECT value FROM kv WHERE key=?", (key,)) as cur:
+            row = await cur.fetchone()
+        return row[0] if row else None
+
+    async def put(self, key: str, value: str | None) -> None:
+        if value is None:
+            await self.db.execute("DELETE FROM kv WHERE key=?", (key,))
+        else:
+            await self.db.execute("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)", (key, value))
+        await self.db.commit()

@@ -1,0 +1,88 @@
+"""One turn at a time per lane, in arrival order; lanes run in parallel.
+
+A lane's worker task exists only while the lane has work, so ten thousand quiet lanes
+cost nothing. A full lane refuses new work (the caller tells the person it is busy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Awaitable, Callable, Generic, TypeVar
+
+log = logging.getLogger("hermes.lanes")
+
+Job = TypeVar("Job")
+
+
+class Lanes(Generic[Job]):
+    """Serial queues keyed by lane; `handler(key, jobs)` gets one job, or a burst when
+    `coalesce` says consecutive jobs may be merged into one turn."""
+
+    def __init__(self, handler: Callable[[str, list[Job]], Awaitable[None]], *, max_queued: int,
+                 coalesce: Callable[[Job], bool] | None = None, coalesce_wait_s: float = 0.0) -> None:
+        self._handler = handler
+        self._max_queued = max_queued
+        self._coalesce = coalesce
+        self._coalesce_wait_s = coalesce_wait_s
+        self._queues: dict[str, deque[Job]] = {}
+        self._workers: dict[str, asyncio.Task] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def depth(self) -> int:
+        return sum(len(q) for q in self._queues.values()) + len(self._workers)
+
+    def submit(self, key: str, job: Job) -> bool:
+        """Queue `job` on lane `key`; False when the lane already holds `max_queued` jobs."""
+        queue = self._queues.setdefault(key, deque())
+        if len(queue) >= self._max_queued:
+            return False
+        queue.append(job)
+        self._idle.clear()
+        if key not in self._workers:
+            self._workers[key] = asyncio.create_task(self._run(key), name=f"lane:{len(self._workers)}")
+        return True
+
+    def _take(self, queue: deque[Job]) -> list[Job]:
+        first = queue.popleft()
+        batch = [first]
+        if self._coalesce is not None and self._coalesce(first):
+            while queue and self._coalesce(queue[0]):
+                batch.append(queue.popleft())
+        return batch
+
+    async def _run(self, key: str) -> None:
+        queue = self._queues[key]
+        try:
+            while queue:
+                if self._coalesce is not None and self._coalesce_wait_s > 0:
+                    await asyncio.sleep(self._coalesce_wait_s)  # let a burst arrive
+                batch = self._take(queue)
+                try:
+                    await self._handler(key, batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("lane handler failed")
+        finally:
+            self._workers.pop(key, None)
+            if not queue:
+                self._queues.pop(key, None)
+            if not self._workers:
+                self._idle.set()
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every lane is empty; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def cancel(self) -> None:
+        tasks = list(self._workers.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

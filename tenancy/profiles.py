@@ -1,0 +1,182 @@
+"""Profile directories (one HERMES_HOME per tenant) and their open/close lifecycle.
+
+`ProfileManager` opens a profile lazily on first use, keeps at most `max_open` open and
+closes the least recently used idle one when it needs room. Everything is per instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from agent.memory import MemoryStore
+from agent.providers import MemoryProvider, make_provider
+from agent.sessions import SessionStore
+from tenancy.keys import tenant_dir
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Profile:
+    """One tenant's open profile: its directory and the stores that live in it."""
+
+    tenant_id: str
+    path: Path
+    sessions: SessionStore
+    memory: MemoryStore
+    provider: MemoryProvider | None = None
+    principals: set[str] = field(default_factory=set)
+    users: int = 0  # turns currently using it; never closed while > 0
+    last_used: float = field(default_factory=time.monotonic)
+
+    async def close(self) -> None:
+        await self.sessions.close()
+        if self.provider is not None:
+            await self.provider.shutdown()
+
+    def read_manifest(self) -> dict:
+        try:
+            return json.loads((self.path / "tenant.json").read_text(encoding="utf-8"))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def add_principal(self, principal: str) -> None:
+        """Record in tenant.json that `principal` lives in this profile."""
+        manifest = self.read_manifest()
+        principals = manifest.setdefault("principals", [])
+        if principal not in principals:
+            principals.append(principal)
+            write_manifest(self.path, manifest)
+        self.principals.add(principal)
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Write tenant.json atomically (temp file + fsync + rename)."""
+    tmp = path / f".tenant.json.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, ensure_ascii=False, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / "tenant.json")
+
+
+def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> Path:
+    """Create the profile layout for `tenant_id` if missing; returns its directory."""
+    path = tenant_dir(data_dir, tenant_id)
+    (path / "memories").mkdir(parents=True, exist_ok=True)
+    (path / "sessions").mkdir(exist_ok=True)
+    (path / "provider").mkdir(exist_ok=True)
+    if not (path / "tenant.json").exists():
+        write_manifest(path, {
+            "tenant_id": tenant_id,
+            "kind": kind,
+            "principals": [],
+            "created_at": time.time(),
+            "schema_version": SCHEMA_VERSION,
+        })
+    return path
+
+
+class ProfileManager:
+    """Opens tenants' profiles on demand and closes idle ones beyond `max_open`."""
+
+    def __init__(self, data_dir: Path, *, max_open: int = 256, fsync: str = "batch",
+                 memory_char_limit: int = 2200, user_char_limit: int = 1375,
+                 provider_kind: str = "") -> None:
+        self.data_dir = data_dir
+        self.max_open = max_open
+        self._fsync = fsync
+        self._memory_limits = (memory_char_limit, user_char_limit)
+        self._provider_kind = provider_kind
+        make_provider(provider_kind)  # fail at start-up, not at the first turn
+        self._open: OrderedDict[str, Profile] = OrderedDict()
+        self._opening: dict[str, asyncio.Lock] = {}
+        self._lock = asyncio.Lock()
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    @asynccontextmanager
+    async def use(self, tenant_id: str, *, kind: str = "person") -> AsyncIterator[Profile]:
+        """Hold `tenant_id`'s profile open for the duration of the block."""
+        profile = await self._acquire(tenant_id, kind)
+        try:
+            yield profile
+        finally:
+            profile.users -= 1
+            profile.last_used = time.monotonic()
+
+    async def _acquire(self, tenant_id: str, kind: str) -> Profile:
+        async with self._lock:
+            profile = self._open.get(tenant_id)
+            if profile is not None:
+                profile.users += 1
+                self._open.move_to_end(tenant_id)
+                return profile
+            opening = self._opening.setdefault(tenant_id, asyncio.Lock())
+        async with opening:
+            async with self._lock:
+                profile = self._open.get(tenant_id)
+                if profile is not None:  # opened by a concurrent caller meanwhile
+                    profile.users += 1
+                    self._open.move_to_end(tenant_id)
+                    return profile
+            profile = await self._open_profile(tenant_id, kind)
+            async with self._lock:
+                profile.users += 1
+                self._open[tenant_id] = profile
+                self._opening.pop(tenant_id, None)
+                victims = self._pick_victims()
+            for victim in victims:
+                await victim.close()
+            return profile
+
+    def _pick_victims(self) -> list[Profile]:
+        victims = []
+        for tid in list(self._open):
+            if len(self._open) <= self.max_open:
+                break
+            if self._open[tid].users == 0:
+                victims.append(self._open.pop(tid))
+        return victims
+
+    async def _open_profile(self, tenant_id: str, kind: str) -> Profile:
+        path = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
+        sessions = SessionStore(path, fsync=self._fsync)
+        await sessions.open()
+        mem_limit, user_limit = self._memory_limits
+        memory = MemoryStore(path, mem_limit, user_limit)
+        provider = make_provider(self._provider_kind)
+        if provider is not None:
+            await provider.initialize(tenant_id, path)
+        profile = Profile(tenant_id=tenant_id, path=path, sessions=sessions, memory=memory, provider=provider)
+        profile.principals = set(profile.read_manifest().get("principals", []))
+        return profile
+
+    async def evict(self, tenant_id: str) -> bool:
+        """Close a profile now (e.g. before deleting it); False if it is in use."""
+        async with self._lock:
+            profile = self._open.get(tenant_id)
+            if profile is None:
+                return True
+            if profile.users:
+                return False
+            del self._open[tenant_id]
+        await profile.close()
+        return True
+
+    async def close_all(self) -> None:
+        async with self._lock:
+            profiles = list(self._open.values())
+            self._open.clear()
+        for profile in profiles:
+            await profile.close()

@@ -1,0 +1,594 @@
+"""A fake OpenAI-compatible chat server: a real aiohttp server on 127.0.0.1, ephemeral port.
+
+    async with FakeLLM() as llm:                 # or: await llm.start() ... await llm.stop()
+        llm.script(reply("hi"), tool_call("memory", {"action": "add", ...}))
+        client = LLMClient(llm.base_url, "fake-model")
+        ...
+        assert llm.requests_containing("remember")
+
+Unscripted requests go to `llm.responder` (if set), else the default answer
+`"ok: <last user message text>"`. A gateway in a subprocess can use it too: keep the test's
+event loop running (asyncio subprocess APIs), or use the blocking form
+`with FakeLLM() as llm:` which serves from a background thread.
+
+Responses are built by the pure functions below (`reply`, `tool_call`, `tool_calls`,
+`assistant_message`, `error`, `context_length_error`, `hang`, `disconnect`). Anywhere a
+response is expected you may also give a `str` (a reply), `None` (the default answer) or a
+callable `(request_json) -> response` (sync or async).
+
+With `strict=True` (the default) requests are checked the way OpenAI checks them: every
+assistant `tool_calls` entry must be answered by a `tool` message with its id before the next
+non-tool message, tool messages must answer a pending call, arguments must be JSON strings.
+Violations get a 400 and are listed in `llm.violations`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Union
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+__all__ = [
+    "FakeLLM",
+    "Response",
+    "reply",
+    "tool_call",
+    "tool_calls",
+    "assistant_message",
+    "error",
+    "context_length_error",
+    "hang",
+    "disconnect",
+    "default_responder",
+    "memory_saving_responder",
+    "when_user_says",
+    "last_user_text",
+    "message_text",
+    "prompt_chars",
+]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class Response:
+    """What the fake answers. Build with the functions below rather than directly."""
+
+    kind: Literal["completion", "http", "default", "disconnect"]
+    status: int = 200
+    message: Mapping[str, Any] | None = None  # the assistant message of a completion
+    finish_reason: str | None = "stop"
+    usage: Mapping[str, int] | Literal[False] | None = None  # None: computed; False: omitted
+    body: Any = None  # for kind="http": a dict (sent as JSON) or str (sent as text)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    delay_s: float = 0.0
+
+
+Responder = Callable[[dict[str, Any]], Union["ResponseLike", Awaitable["ResponseLike"]]]
+ResponseLike = Union[Response, str, None, Responder]
+
+
+def assistant_message(
+    message: Mapping[str, Any],
+    *,
+    finish_reason: str | None = "stop",
+    usage: Mapping[str, int] | Literal[False] | None = None,
+) -> Response:
+    """A completion whose assistant message is sent exactly as given (for odd dialects)."""
+    return Response(kind="completion", message=dict(message), finish_reason=finish_reason, usage=usage)
+
+
+def reply(
+    text: str | None,
+    *,
+    usage: Mapping[str, int] | Literal[False] | None = None,
+    finish_reason: str | None = "stop",
+) -> Response:
+    """A plain text answer. `usage` keys override the computed ones; `False` omits usage."""
+    return assistant_message({"role": "assistant", "content": text}, finish_reason=finish_reason, usage=usage)
+
+
+def tool_calls(
+    calls: Iterable[tuple[str, Mapping[str, Any]] | tuple[str, Mapping[str, Any], str]],
+    *,
+    content: str | None = None,
+    usage: Mapping[str, int] | Literal[False] | None = None,
+) -> Response:
+    """Several tool calls in one turn: `[(name, args), (name, args, call_id), ...]`."""
+    out = []
+    for call in calls:
+        name, args = call[0], call[1]
+        call_id = call[2] if len(call) > 2 else None  # type: ignore[misc]
+        out.append({
+            "id": call_id or f"call_{uuid.uuid4().hex[:16]}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(dict(args), ensure_ascii=False)},
+        })
+    msg = {"role": "assistant", "content": content, "tool_calls": out}
+    return assistant_message(msg, finish_reason="tool_calls", usage=usage)
+
+
+def tool_call(
+    name: str,
+    arguments: Mapping[str, Any],
+    *,
+    call_id: str | None = None,
+    content: str | None = None,
+    usage: Mapping[str, int] | Literal[False] | None = None,
+) -> Response:
+    """One tool call (arguments sent as a JSON string, as OpenAI does)."""
+    return tool_calls([(name, arguments, call_id)] if call_id else [(name, arguments)], content=content, usage=usage)
+
+
+def error(status: int, body: Mapping[str, Any] | str = "", headers: Mapping[str, str] | None = None) -> Response:
+    """Any HTTP answer: a dict body goes out as JSON, a str as text/plain."""
+    if isinstance(body, Mapping):
+        body = dict(body)
+    return Response(kind="http", status=status, body=body, headers=dict(headers or {}))
+
+
+def context_length_error(
+    dialect: Literal["openai", "vllm", "llamacpp", "ollama", "anthropic"] = "openai",
+    *,
+    limit: int = 8192,
+    requested: int = 9000,
+) -> Response:
+    """The 'prompt does not fit' error exactly as each server family words it."""
+    if dialect == "openai":
+        return error(400, {"error": {
+            "message": f"This model's maximum context length is {limit} tokens. However, your messages "
+                       f"resulted in {requested} tokens. Please reduce the length of the messages.",
+            "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}})
+    if dialect == "vllm":
+        return error(400, {
+            "object": "error",
+            "message": f"This model's maximum context length is {limit} tokens. However, you requested "
+                       f"{requested} tokens ({requested - 100} in the messages, 100 in the completion). "
+                       "Please reduce the length of the messages or completion.",
+            "type": "BadRequestError", "param": None, "code": 400})
+    if dialect == "llamacpp":
+        return error(400, {"error": {
+            "code": 400, "message": "the request exceeds the available context size, try increasing it",
+            "type": "exceed_context_size_error", "n_prompt_tokens": requested, "n_ctx": limit}})
+    if dialect == "ollama":
+        return error(400, {"error": {
+            "message": "input length exceeds the context length", "type": "invalid_request_error",
+            "param": None, "code": None}})
+    if dialect == "anthropic":
+        return error(400, {"type": "error", "error": {
+            "type": "invalid_request_error", "message": f"prompt is too long: {requested} tokens > {limit} maximum"}})
+    raise ValueError(f"unknown dialect {dialect!r}")
+
+
+def hang(seconds: float, then: ResponseLike = None) -> Response:
+    """Wait `seconds` before answering with `then` (default: the default answer)."""
+    if isinstance(then, Response):
+        return replace(then, delay_s=then.delay_s + seconds)
+    if then is None:
+        return Response(kind="default", delay_s=seconds)
+    if isinstance(then, str):
+        return replace(reply(then), delay_s=seconds)
+    raise TypeError("hang(then=...) takes a Response, a str or None")
+
+
+def disconnect() -> Response:
+    """Close the connection without sending any answer."""
+    return Response(kind="disconnect")
+
+
+# --------------------------------------------------------------------------- request helpers
+
+
+def message_text(msg: Mapping[str, Any]) -> str:
+    """The text of a message's content (content parts joined)."""
+    content = msg.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def last_user_text(request: Mapping[str, Any]) -> str:
+    for msg in reversed(request.get("messages") or []):
+        if isinstance(msg, Mapping) and msg.get("role") == "user":
+            return message_text(msg)
+    return ""
+
+
+def prompt_chars(request: Mapping[str, Any]) -> int:
+    """Characters of the request messages: content text plus tool_calls JSON."""
+    n = 0
+    for msg in request.get("messages") or []:
+        if isinstance(msg, Mapping):
+            n += len(message_text(msg))
+            if msg.get("tool_calls"):
+                n += len(json.dumps(msg["tool_calls"], ensure_ascii=False, separators=(",", ":")))
+    return n
+
+
+def default_responder(request: dict[str, Any]) -> Response:
+    """`ok: <last user message text>`."""
+    return reply(f"ok: {last_user_text(request)}")
+
+
+_REMEMBER = re.compile(r"^\s*remember(?:\s+that)?\s*:?\s+(.+)$", re.IGNORECASE | re.DOTALL)
+
+
+def memory_saving_responder(request: dict[str, Any]) -> Response:
+    """A model that saves memories: "remember X" -> memory add X; a tool result -> "done: <result>".
+
+    Only calls the tool if the request offers a `memory` tool; otherwise answers by default.
+    """
+    messages = request.get("messages") or []
+    if messages and messages[-1].get("role") == "tool":
+        return reply(f"done: {message_text(messages[-1])}")
+    offered = {t.get("function", {}).get("name") for t in request.get("tools") or [] if isinstance(t, dict)}
+    m = _REMEMBER.match(last_user_text(request))
+    if m and "memory" in offered:
+        return tool_call("memory", {"action": "add", "target": "memory", "content": m.group(1).strip()})
+    return default_responder(request)
+
+
+def when_user_says(rules: Mapping[str, ResponseLike], fallback: ResponseLike = None) -> Responder:
+    """A responder: the first rule whose key is a substring of the last user message wins.
+
+    The last message must be the user's (after a tool result the fallback answers).
+    """
+
+    def responder(request: dict[str, Any]) -> ResponseLike:
+        messages = request.get("messages") or []
+        if messages and messages[-1].get("role") == "user":
+            text = last_user_text(request)
+            for needle, response in rules.items():
+                if needle in text:
+                    return response
+        return fallback
+
+    return responder
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _violations(body: Any) -> list[str]:
+    """What a strict OpenAI endpoint would reject in this request body."""
+    if not isinstance(body, dict):
+        return ["request body must be a JSON object"]
+    problems: list[str] = []
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        problems.append("'model' is required")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return problems + ["'messages' must be a non-empty list"]
+    if body.get("stream"):
+        problems.append("FakeLLM does not implement streaming ('stream': true)")
+    pending: dict[str, int] = {}
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            problems.append(f"messages[{i}] is not an object")
+            continue
+        role = msg.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            problems.append(f"messages[{i}].role {role!r} is invalid")
+            continue
+        if role == "tool":
+            cid = msg.get("tool_call_id")
+            if cid not in pending:
+                problems.append(
+                    f"messages[{i}]: messages with role 'tool' must be a response to a preceding "
+                    f"message with 'tool_calls' (tool_call_id {cid!r})")
+            else:
+                del pending[cid]
+            if not isinstance(msg.get("content"), (str, list)):
+                problems.append(f"messages[{i}]: tool message content must be a string")
+            continue
+        if pending:
+            problems.append(
+                f"messages[{i}]: an assistant message with 'tool_calls' must be followed by tool messages "
+                f"responding to each 'tool_call_id'; missing: {sorted(pending)}")
+            pending.clear()
+        if role == "user" and msg.get("content") is None:
+            problems.append(f"messages[{i}]: user message content is required")
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            calls = msg["tool_calls"]
+            if not isinstance(calls, list) or not calls:
+                problems.append(f"messages[{i}].tool_calls must be a non-empty list")
+                continue
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not isinstance(fn, dict):
+                    problems.append(f"messages[{i}].tool_calls[{j}] needs 'id' and 'function'")
+                    continue
+                if not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+                    problems.append(f"messages[{i}].tool_calls[{j}].function needs string 'name' and 'arguments'")
+                pending[call["id"]] = i
+    if pending:
+        problems.append(f"tool_call_ids without a tool response: {sorted(pending)}")
+    for k, tool in enumerate(body.get("tools") or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            problems.append(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+    return problems
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class FakeLLM:
+    """An OpenAI-compatible `/v1/chat/completions` (and `/v1/models`) on 127.0.0.1.
+
+    Recorded per chat request, in arrival order: `requests` (parsed JSON bodies),
+    `request_headers` (case-insensitive), `statuses` (HTTP status answered).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str = "fake-model",
+        api_key: str | None = None,
+        context_length: int | None = None,
+        context_dialect: str = "openai",
+        strict: bool = True,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.model = model
+        self.context_length = context_length  # prompt_chars//4 above this -> context error
+        self.context_dialect = context_dialect
+        self.strict = strict
+        self.responder: ResponseLike = None
+        self.requests: list[dict[str, Any]] = []
+        self.request_headers: list[CIMultiDict[str]] = []
+        self.statuses: list[int] = []
+        self.violations: list[str] = []
+        self.responder_errors: list[BaseException] = []
+        self._api_key = api_key
+        self._host, self._port = host, port
+        self._queue: deque[ResponseLike] = deque()
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._counter = 0
+        self.base_url = ""
+
+    # ------------------------------------------------------------------ scripting
+
+    def script(self, *responses: ResponseLike) -> "FakeLLM":
+        """Queue responses, consumed one per chat request in order (then the responder)."""
+        self._queue.extend(responses)
+        return self
+
+    @property
+    def pending(self) -> int:
+        """Scripted responses not yet consumed."""
+        return len(self._queue)
+
+    def set_api_key(self, key: str | None) -> None:
+        """Require `Authorization: Bearer <key>` (None: accept anything); others get 401."""
+        self._api_key = key
+
+    def requests_containing(self, text: str) -> list[dict[str, Any]]:
+        """Requests where any message's content contains `text`."""
+        return [r for r in self.requests
+                if any(isinstance(m, Mapping) and text in message_text(m) for m in r.get("messages") or [])]
+
+    @property
+    def last_request(self) -> dict[str, Any] | None:
+        return self.requests[-1] if self.requests else None
+
+    def reset(self) -> None:
+        """Forget recorded requests, scripted responses and the responder."""
+        self.requests.clear()
+        self.request_headers.clear()
+        self.statuses.clear()
+        self.violations.clear()
+        self.responder_errors.clear()
+        self._queue.clear()
+        self.responder = None
+
+    async def wait_for_requests(self, n: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Wait (from any loop) until at least `n` chat requests were answered."""
+        deadline = time.monotonic() + timeout
+        while len(self.statuses) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"FakeLLM saw {len(self.statuses)} chat requests, wanted {n}")
+            await asyncio.sleep(0.01)
+        return self.requests[:]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> "FakeLLM":
+        if self._runner is not None:
+            return self
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._handle_chat)
+        app.router.add_get("/v1/models", self._handle_models)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self._host, self._port)
+        await site.start()
+        self._runner = runner
+        host, port = runner.addresses[0][:2]
+        self.base_url = f"http://{host}:{port}/v1"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is None:
+            return
+        assert self._stopping is not None
+        self._stopping.set()  # wakes hanging handlers, which then drop their connections
+        runner, self._runner = self._runner, None
+        await runner.cleanup()
+
+    async def __aenter__(self) -> "FakeLLM":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def start_in_thread(self) -> "FakeLLM":
+        """Serve from a background thread with its own loop (for blocking tests)."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        loop = asyncio.new_event_loop()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start())
+            except BaseException as exc:  # pragma: no cover - reported to the caller
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self.stop())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="FakeLLM", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        if failure:
+            raise failure[0]
+        return self
+
+    def stop_thread(self) -> None:
+        if self._thread is None or self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._thread = None
+
+    def __enter__(self) -> "FakeLLM":
+        return self.start_in_thread()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_thread()
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _handle_models(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return self._unauthorized()
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]})
+
+    def _authorized(self, request: web.Request) -> bool:
+        return self._api_key is None or request.headers.get("Authorization") == f"Bearer {self._api_key}"
+
+    @staticmethod
+    def _unauthorized() -> web.Response:
+        return web.json_response({"error": {
+            "message": "Incorrect API key provided.", "type": "invalid_request_error",
+            "param": None, "code": "invalid_api_key"}}, status=401)
+
+    async def _handle_chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body: Any = json.loads(raw or b"null")
+        except ValueError:
+            body = None
+        self.requests.append(body if isinstance(body, dict) else {"_raw": raw.decode("utf-8", "replace")})
+        self.request_headers.append(CIMultiDict(request.headers))
+        try:
+            response = await self._answer(request, body)
+        except Exception as exc:
+            self.responder_errors.append(exc)
+            response = web.json_response({"error": {"message": f"FakeLLM responder failed: {exc!r}",
+                                                    "type": "server_error"}}, status=500)
+        self.statuses.append(response.status if response is not None else 0)  # 0: disconnected
+        if response is None:
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response()
+        return response
+
+    async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse | None:
+        if not self._authorized(request):
+            return self._unauthorized()
+        if self.strict or not isinstance(body, dict):
+            problems = _violations(body) if self.strict else ["request body must be a JSON object"]
+            if problems:
+                self.violations.extend(problems)
+                return web.json_response({"error": {"message": "; ".join(problems),
+                                                    "type": "invalid_request_error", "code": None}}, status=400)
+        estimate = prompt_chars(body) // 4
+        if self.context_length is not None and estimate > self.context_length:
+            chosen: ResponseLike = context_length_error(
+                self.context_dialect, limit=self.context_length, requested=estimate)  # type: ignore[arg-type]
+        elif self._queue:
+            chosen = self._queue.popleft()
+        else:
+            chosen = self.responder
+        resp = await self._resolve(chosen, body)
+        if resp.delay_s > 0:
+            assert self._stopping is not None
+            try:
+                await asyncio.wait_for(self._stopping.wait(), resp.delay_s)
+                return None  # server stopping: drop the connection
+            except asyncio.TimeoutError:
+                pass
+        if resp.kind == "default":
+            resp = default_responder(body)
+        return self._render(resp, body)
+
+    async def _resolve(self, value: ResponseLike, body: dict[str, Any]) -> Response:
+        for _ in range(10):  # callables may return callables; bounded
+            if value is None:
+                return Response(kind="default")
+            if isinstance(value, Response):
+                return value
+            if isinstance(value, str):
+                return reply(value)
+            if callable(value):
+                value = value(body)
+                if inspect.isawaitable(value):
+                    value = await value
+                continue
+            raise TypeError(f"FakeLLM cannot answer with {type(value).__name__}")
+        raise TypeError("FakeLLM responder returned callables 10 levels deep")
+
+    def _render(self, resp: Response, body: dict[str, Any]) -> web.StreamResponse | None:
+        if resp.kind == "disconnect":
+            return None
+        if resp.kind == "http":
+            if isinstance(resp.body, (dict, list)):
+                return web.json_response(resp.body, status=resp.status, headers=resp.headers)
+            return web.Response(text=str(resp.body or ""), status=resp.status, headers=resp.headers)
+        message = dict(resp.message or {"role": "assistant", "content": ""})
+        self._counter += 1
+        out: dict[str, Any] = {
+            "id": f"chatcmpl-fake-{self._counter}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": resp.finish_reason, "logprobs": None}],
+        }
+        if resp.usage is not False:
+            completion_text = message_text(message)
+            if message.get("tool_calls"):
+                completion_text += json.dumps(message["tool_calls"], ensure_ascii=False, separators=(",", ":"))
+            given = dict(resp.usage or {})
+            usage = {"prompt_tokens": prompt_chars(body) // 4, "completion_tokens": len(completion_text) // 4}
+            usage.update(given)
+            if "total_tokens" not in given:
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            out["usage"] = usage
+        return web.json_response(out, status=resp.status, headers=resp.headers)

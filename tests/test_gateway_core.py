@@ -1,0 +1,271 @@
+"""The core contract end to end: isolation between people, dedupe across restarts,
+replay of unanswered messages, commands, limits — against the fake LLM server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from agent.sessions import SessionStore
+from gateway.app import GatewayApp
+from tenancy.keys import tenant_dir
+from tests.conftest import RecordingAdapter, dm, group, say
+from tests.fakes.llm import memory_saving_responder, tool_call, reply
+
+SECRET = "locker code 4711-QX"
+
+
+async def started(cfg, *adapters):
+    app = GatewayApp(cfg, list(adapters))
+    await app.start()
+    return app
+
+
+async def test_secret_told_by_a_never_reaches_b(config_for, fake_llm):
+    fake_llm.responder = memory_saving_responder
+    adapter = RecordingAdapter()
+    app = await started(config_for(), adapter)
+    try:
+        out = await say(app, adapter, dm("alice", f"remember that my {SECRET}"))
+        assert out and out[-1].startswith("done:")
+        # the next session of A sees it in the frozen snapshot
+        await say(app, adapter, dm("alice", "/new"))
+        n = len(fake_llm.requests)
+        await say(app, adapter, dm("alice", "what is my code?"))
+        assert any(SECRET in json.dumps(r) for r in fake_llm.requests[n:])
+
+        n = len(fake_llm.requests)
+        await say(app, adapter, dm("bob", "what is alice's locker code?"))
+        await say(app, adapter, group("room1", "alice", "hello from alice in the group"))
+        m = len(fake_llm.requests)
+        await say(app, adapter, group("room1", "bob", "hello, what do you know?"))
+        fake_llm.script(tool_call("session_search", {"query": "4711"}))
+        await say(app, adapter, dm("bob", "search your notes"))
+        bob_requests = fake_llm.requests[n:n + 1] + fake_llm.requests[m:]
+        assert bob_requests
+        for request in bob_requests:
+            assert SECRET not in json.dumps(request), "bob's request carried alice's secret"
+        # bob's session_search result (the tool message) found nothing
+        tool_msgs = [msg for msg in fake_llm.requests[-1]["messages"] if msg["role"] == "tool"]
+        assert tool_msgs and json.loads(tool_msgs[-1]["content"])["count"] == 0
+    finally:
+        await app.stop()
+    data = config_for().data_dir
+    alice_dir, bob_dir = tenant_dir(data, "testchat-alice"), tenant_dir(data, "testchat-bob")
+    assert SECRET in (alice_dir / "memories" / "MEMORY.md").read_text()
+    assert alice_dir != bob_dir
+    for path in bob_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), f"{path} holds alice's secret"
+
+
+async def test_group_member_cannot_see_other_members_memory(config_for, fake_llm):
+    fake_llm.responder = memory_saving_responder
+    adapter = RecordingAdapter()
+    app = await started(config_for(), adapter)
+    try:
+        await say(app, adapter, group("g1", "alice", f"remember {SECRET}"))
+        n = len(fake_llm.requests)
+        await say(app, adapter, group("g1", "bob", "/new"))
+        await say(app, adapter, group("g1", "bob", "anything you remember?"))
+        assert fake_llm.requests[n:]
+        assert not any(SECRET in json.dumps(r) for r in fake_llm.requests[n:])
+        assert await say(app, adapter, group("g1", "bob", "/memory")) == ["I don't remember anything about you yet."]
+        mine = await say(app, adapter, group("g1", "alice", "/memory"))
+        assert SECRET in mine[0]
+    finally:
+        await app.stop()
+
+
+async def test_shared_lane_gets_group_memory_not_personal(config_for, fake_llm):
+    fake_llm.responder = memory_saving_responder
+    adapter = RecordingAdapter()
+    app = await started(config_for(tenancy={"group_sessions_per_user": False}), adapter)
+    try:
+        await say(app, adapter, dm("alice", f"remember {SECRET}"))
+        n = len(fake_llm.requests)
+        await say(app, adapter, group("g2", "alice", "hi all"))
+        assert not any(SECRET in json.dumps(r) for r in fake_llm.requests[n:])
+        # messages in a shared lane carry the sender's name
+        assert "[alice]: hi all" in json.dumps(fake_llm.requests[-1])
+    finally:
+        await app.stop()
+
+
+async def test_same_message_twice_across_restart_is_answered_once(config_for, fake_llm):
+    cfg = config_for()
+    adapter = RecordingAdapter()
+    msg = dm("carol", "hello once", message_id="tg-42")
+    app = await started(cfg, adapter)
+    await say(app, adapter, msg)
+    await say(app, adapter, msg)  # duplicate delivery before the restart
+    await app.stop()
+    assert adapter.texts() == ["ok: hello once"]
+    adapter2 = RecordingAdapter()
+    app2 = await started(cfg, adapter2)
+    try:
+        await say(app2, adapter2, msg)  # redelivered after the restart
+        assert adapter2.sent == []
+        assert len(fake_llm.requests) == 1
+    finally:
+        await app2.stop()
+
+
+async def test_unanswered_message_is_replayed_after_restart_and_stored_once(config_for, fake_llm):
+    cfg = config_for()
+    fake_llm.script(reply("first"))
+    adapter = RecordingAdapter()
+    app = await started(cfg, adapter)
+    # the model hangs: stop the gateway mid-turn (as a crash would leave it)
+    from tests.fakes.llm import hang
+    fake_llm.script(hang(30))
+    await say(app, adapter, dm("dave", "one"))
+    await adapter.sink(dm("dave", "two", message_id="two-1"))
+    for _ in range(200):
+        if len(fake_llm.requests) >= 2:
+            break
+        await asyncio.sleep(0.02)
+    assert len(fake_llm.requests) == 2
+    await app.stop(drain_timeout=0.2)
+    adapter2 = RecordingAdapter()
+    app2 = await started(cfg, adapter2)
+    try:
+        assert await app2.drain(20)
+        assert adapter2.texts() == ["ok: two"]
+    finally:
+        await app2.stop()
+    async with SessionStore(tenant_dir(cfg.data_dir, "testchat-dave")) as store:
+        sid = await store.route("agent:main:testchat:dm:dm-dave")
+        users = [m.content for m in await store.history(sid) if m.role == "user"]
+    assert users == ["one", "two"]
+
+
+async def test_many_tenants_interleaved_never_mix(config_for, fake_llm):
+    """Turns of 30 people run at once with random model latency; every request holds
+    only its own person's secret (catches leaked context variables and loose caches)."""
+    rng = random.Random(7)
+
+    async def responder(request):
+        await asyncio.sleep(rng.random() * 0.05)
+        return memory_saving_responder(request)
+
+    fake_llm.responder = responder
+    adapter = RecordingAdapter()
+    app = await started(config_for(limits={"rate_limit_per_minute": 100}), adapter)
+    people = [f"user{i:02d}" for i in range(30)]
+    try:
+        for text in ("remember secret-{p}-X", "/new", "who am I, {p}?"):
+            await asyncio.gather(*(adapter.sink(dm(p, text.format(p=p))) for p in people))
+            assert await app.drain(60)
+    finally:
+        await app.stop()
+    assert len(fake_llm.requests) >= 90
+    for request in fake_llm.requests:
+        blob = json.dumps(request)
+        speaker = {p for p in people if p in json.dumps(request["messages"][-1])} or \
+            {p for p in people if f"secret-{p}-X" in blob}
+        secrets = {p for p in people if f"secret-{p}-X" in blob}
+        assert secrets <= speaker, f"request of {speaker} carried secrets of {secrets - speaker}"
+    answered = adapter.texts()
+    for p in people:
+        assert f"ok: who am I, {p}?" in answered
+        assert (tenant_dir(config_for().data_dir, f"testchat-{p}") / "memories" / "MEMORY.md").read_text() == f"secret-{p}-X"
+
+
+async def test_rate_limit_refuses_with_clear_message(config_for, fake_llm):
+    adapter = RecordingAdapter()
+    app = await started(config_for(limits={"rate_limit_per_minute": 2}), adapter)
+    try:
+        await say(app, adapter, dm("erin", "a"))
+        await say(app, adapter, dm("erin", "b"))
+        out = await say(app, adapter, dm("erin", "c"))
+        assert len(out) == 1 and "faster than I can answer" in out[0]
+        assert len(fake_llm.requests) == 2
+    finally:
+        await app.stop()
+
+
+async def test_too_long_message_is_refused_and_not_sent_to_model(config_for, fake_llm):
+    adapter = RecordingAdapter()
+    app = await started(config_for(limits={"max_text_length": 100}), adapter)
+    try:
+        out = await say(app, adapter, dm("fay", "x" * 101))
+        assert "at most 100" in out[0]
+        assert fake_llm.requests == []
+    finally:
+        await app.stop()
+
+
+async def test_dead_llm_gives_one_clear_sentence_and_keeps_input(config_for, fake_llm, tmp_path):
+    cfg = config_for(llm={"base_url": "http://127.0.0.1:9/v1", "max_retries": 0})
+    adapter = RecordingAdapter()
+    app = await started(cfg, adapter)
+    try:
+        out = await say(app, adapter, dm("gus", "are you there?"))
+        assert out == ["The assistant's model is unreachable right now; your message was kept — please try again in a minute."] or \
+            (len(out) == 1 and "unreachable" in out[0])
+        assert adapter.sent[-1].kind == "error"
+    finally:
+        await app.stop()
+    async with SessionStore(tenant_dir(cfg.data_dir, "testchat-gus")) as store:
+        sid = await store.route("agent:main:testchat:dm:dm-gus")
+        assert [m.content for m in await store.history(sid) if m.role == "user"] == ["are you there?"]
+
+
+async def test_full_lane_answers_busy(config_for, fake_llm):
+    from tests.fakes.llm import hang
+    adapter = RecordingAdapter()
+    app = await started(config_for(limits={"max_queued_turns": 1}), adapter)
+    fake_llm.script(hang(0.5, reply("slow")))
+    try:
+        await adapter.sink(dm("hal", "one"))
+        await asyncio.sleep(0.1)  # "one" is running now
+        await adapter.sink(dm("hal", "two"))  # queued
+        await adapter.sink(dm("hal", "three"))  # lane full
+        assert await app.drain(20)
+        texts = adapter.texts()
+        assert any("still working on your earlier messages" in t for t in texts)
+        assert "slow" in texts and "ok: two" in texts
+    finally:
+        await app.stop()
+
+
+async def test_commands_new_status_whoami_forget(config_for, fake_llm):
+    fake_llm.responder = memory_saving_responder
+    adapter = RecordingAdapter()
+    app = await started(config_for(), adapter)
+    try:
+        await say(app, adapter, dm("ivy", "remember I like tea"))
+        who = (await say(app, adapter, dm("ivy", "/whoami")))[0]
+        assert "testchat:ivy" in who and "testchat-ivy" in who
+        status = (await say(app, adapter, dm("ivy", "/status")))[0]
+        assert "Messages:" in status
+        assert "I like tea" in (await say(app, adapter, dm("ivy", "/memory")))[0]
+        await say(app, adapter, dm("ivy", "/forget all"))
+        assert "don't remember" in (await say(app, adapter, dm("ivy", "/memory")))[0]
+        old = app.profiles
+        assert "new conversation" in (await say(app, adapter, dm("ivy", "/reset")))[0]
+        helptext = (await say(app, adapter, dm("ivy", "/help")))[0]
+        assert "/new" in helptext and "/pair" not in helptext
+    finally:
+        await app.stop()
+
+
+async def test_unknown_dm_user_gets_pairing_code_and_admin_approves(config_for, fake_llm):
+    adapter = RecordingAdapter()
+    cfg = config_for(access={"allowed_users": [], "admins": ["testchat:boss"]})
+    app = await started(cfg, adapter)
+    try:
+        out = await say(app, adapter, dm("stranger", "hi"))
+        assert "pairing code" in out[0]
+        code = out[0].split("pairing code is ")[1].split(".")[0]
+        assert fake_llm.requests == []
+        assert "Approved testchat:stranger" in (await say(app, adapter, dm("boss", f"/pair {code}")))[0]
+        assert await say(app, adapter, dm("stranger", "hi again")) == ["ok: hi again"]
+        # a group message from an unknown user is ignored silently
+        assert await say(app, adapter, group("g", "nobody", "hello")) == []
+    finally:
+        await app.stop()

@@ -1,0 +1,108 @@
+"""TokenCounter: the offline cl100k encoding, the per-message cache and the chars/4 fallback."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+import tiktoken.registry
+
+from agent.messages import StoredMessage
+from agent.tokens import MESSAGE_OVERHEAD, OFFLINE_ENCODING, TokenCounter
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+def test_offline_encoding_loads_without_network(no_network: None, monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    # force a real load (not tiktoken's in-process copy) and no on-disk tiktoken cache
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, OFFLINE_ENCODING, raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.WARNING)
+    counter = TokenCounter.create()
+    assert counter.exact and counter.encoding_name == OFFLINE_ENCODING
+    assert counter.count_text("hello world") == 2  # the real BPE, not chars/4 (= 3)
+    assert counter.count_text("") == 0 and counter.count_text(None) == 0
+    assert counter.count_text("<|endoftext|>") > 1  # special tokens are plain text here
+    assert caplog.records == []
+
+
+def test_create_is_cheap_after_the_first_load() -> None:
+    a, b = TokenCounter.create(), TokenCounter.create()
+    assert a._enc is b._enc  # tiktoken keeps one Encoding per exact name
+
+
+def test_count_message_caches_on_the_record() -> None:
+    counter = TokenCounter.create()
+    calls = [{"id": "c1", "type": "function", "function": {"name": "memory", "arguments": '{"action":"add"}'}}]
+    msg = StoredMessage(session_id="s", role="assistant", content="hello world", tool_calls=calls)
+    n = counter.count_message(msg)
+    assert n > 2 + MESSAGE_OVERHEAD and msg.token_count == n
+    assert StoredMessage.from_json(msg.to_json()).token_count == n  # persisted with the message
+    msg.content = "something much longer than before " * 10
+    assert counter.count_message(msg) == n  # the stored count is trusted
+    plain = StoredMessage(session_id="s", role="user", content="hello world")
+    assert counter.count_message(plain) == 2 + MESSAGE_OVERHEAD
+    empty = StoredMessage(session_id="s", role="assistant", content=None)
+    assert counter.count_message(empty) == MESSAGE_OVERHEAD
+    assert counter.count_messages([msg, plain, empty]) == n + 2 + 2 * MESSAGE_OVERHEAD
+
+
+def test_fallback_when_no_encoding_loads(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    counter = TokenCounter.create(encoding_name="no_such_encoding")
+    assert not counter.exact and "chars/4" in repr(counter)
+    assert counter.count_text("hello world") == 3  # ceil(11 / 4)
+    assert counter.count_text("abcd") == 1 and counter.count_text("abcde") == 2
+    msg = StoredMessage(session_id="s", role="user", content="x" * 40)
+    assert counter.count_message(msg) == 10 + MESSAGE_OVERHEAD
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "characters/4" in warnings[0].getMessage()
+
+
+def test_encoding_that_fails_while_encoding_falls_back_once(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        name = "broken"
+
+        def encode_ordinary(self, text: str) -> list[int]:
+            raise RuntimeError("corrupt ranks")
+
+    log = logging.getLogger("test.tokens")
+    caplog.set_level(logging.WARNING, logger="test.tokens")
+    counter = TokenCounter(Broken(), logger=log)
+    assert counter.count_text("hello world") == 3
+    assert counter.count_text("hello world again") == 5
+    assert not counter.exact
+    assert len([r for r in caplog.records if r.name == "test.tokens"]) == 1
+
+
+def test_none_encoding_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    counter = TokenCounter(None)
+    for _ in range(3):
+        counter.count_text("abc")
+    assert len(caplog.records) == 1
+
+
+def test_estimate_rough_is_chars_over_4() -> None:
+    msgs = [
+        {"role": "system", "content": "a" * 40},
+        {"role": "user", "content": [{"type": "text", "text": "b" * 20}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "m", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    import json
+    tc_chars = len(json.dumps(msgs[2]["tool_calls"], separators=(",", ":")))
+    assert TokenCounter.estimate_rough(msgs) == (40 + 20 + tc_chars + 1 + 2) // 4
+    assert TokenCounter.create().estimate_rough([]) == 0

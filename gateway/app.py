@@ -97,6 +97,7 @@ class GatewayApp:
             coalesce=(lambda job: parse_command(job.msg.text) is None) if coalesce_ms else None,
             coalesce_wait_s=coalesce_ms / 1000)
         self._started = False
+        self._accepting = False
 
     # ----- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -104,6 +105,7 @@ class GatewayApp:
         self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
         await self.inbox.open()
         self._started = True
+        self._accepting = True
         pending = await self.inbox.pending()
         if pending:
             log.info("replaying %d message(s) left unanswered by the previous run", len(pending))
@@ -116,15 +118,18 @@ class GatewayApp:
                 log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
-        """Stop taking messages, let running turns finish (bounded), close everything."""
+        """Stop taking new turns, let running ones finish and deliver (bounded), then stop
+        the adapters and close everything. Messages arriving meanwhile are recorded and
+        replayed on the next start."""
+        self._accepting = False
+        if not await self.lanes.drain(drain_timeout):
+            log.warning("turns still running after %.0fs; they will be replayed on the next start", drain_timeout)
+            await self.lanes.cancel()
         for adapter in self.adapters.values():
             try:
                 await adapter.stop()
             except Exception:
                 log.exception("%s adapter failed to stop cleanly", adapter.platform)
-        if not await self.lanes.drain(drain_timeout):
-            log.warning("turns still running after %.0fs; they will be replayed on the next start", drain_timeout)
-            await self.lanes.cancel()
         await self.profiles.close_all()
         if self._started:
             await self.inbox.close()
@@ -142,7 +147,8 @@ class GatewayApp:
         if not await self.inbox.record(msg):
             log.info("duplicate %s message ignored", msg.platform)
             return
-        await self._admit(msg)
+        if self._accepting:
+            await self._admit(msg)
 
     async def _admit(self, msg: InboundMessage, *, replay: bool = False) -> None:
         if not await self.access.is_allowed(msg.principal):

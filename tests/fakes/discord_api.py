@@ -1,0 +1,1027 @@
+"""A fake Discord (REST API v10 + gateway websocket) on 127.0.0.1 that the real
+discord.py client connects to.
+
+    async with FakeDiscord() as fake:
+        guild = fake.add_guild("Test")
+        general = fake.add_channel(guild, "general")
+        alice = fake.add_user("alice")
+        adapter = DiscordAdapter(DiscordConfig(enabled=True, api_base=fake.api_base,
+                                               gateway_url=fake.gateway_url), fake.token)
+        await adapter.start(sink)
+        fake.push_guild_message(general, alice, "hi", mention_bot=True)
+
+Every REST call and every gateway op (both directions) is recorded in `fake.calls`;
+`fake.sent_messages(channel_id)` lists what the bot posted (channel messages and
+interaction followups), each with the request body and the pings Discord would have
+delivered given the body's `allowed_mentions` (`record["pings"]`).
+
+Gateway behaviour modelled: HELLO, heartbeat ACK, IDENTIFY -> READY (+ one GUILD_CREATE
+per guild, with channels, threads, roles and the bot's member), dispatch with sequence
+numbers, RESUME -> replay of missed events + RESUMED, INVALID_SESSION, RECONNECT-style
+drops, close 4004 on a bad token and 4014 when the message content intent is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from aiohttp import WSMsgType, web
+
+DISCORD_EPOCH_MS = 1420070400000
+
+# Gateway intents (https://discord.com/developers/docs/events/gateway#gateway-intents)
+INTENT_MESSAGE_CONTENT = 1 << 15
+# Application flags
+APP_FLAG_GATEWAY_MESSAGE_CONTENT = 1 << 18
+APP_FLAG_GATEWAY_MESSAGE_CONTENT_LIMITED = 1 << 19
+
+OP_DISPATCH, OP_HEARTBEAT, OP_IDENTIFY, OP_RESUME, OP_RECONNECT = 0, 1, 2, 6, 7
+OP_INVALID_SESSION, OP_HELLO, OP_HEARTBEAT_ACK = 9, 10, 11
+
+CH_TEXT, CH_DM, CH_PUBLIC_THREAD, CH_PRIVATE_THREAD = 0, 1, 11, 12
+
+_MENTION_USER = re.compile(r"<@!?(\d+)>")
+_MENTION_ROLE = re.compile(r"<@&(\d+)>")
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+class _Snowflakes:
+    """Real-looking, strictly increasing snowflakes (timestamp << 22 | counter)."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def __call__(self) -> str:
+        value = (int(time.time() * 1000) - DISCORD_EPOCH_MS) << 22
+        value = max(value, self._last + 1)
+        self._last = value
+        return str(value)
+
+
+class _Session:
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.seq = 0
+        self.events: list[tuple[int, str, Any]] = []  # (seq, event name, data)
+
+
+class FakeDiscord:
+    def __init__(
+        self,
+        token: str = "fake-discord-bot-token.abc123",
+        *,
+        bot_name: str = "hermes",
+        app_flags: int = APP_FLAG_GATEWAY_MESSAGE_CONTENT_LIMITED,
+        heartbeat_interval_ms: int = 41250,
+    ) -> None:
+        self.token = token
+        self.app_flags = app_flags
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.snowflake = _Snowflakes()
+        self.bot_id = self.snowflake()
+        self.app_id = self.snowflake()
+        self.owner_id = self.snowflake()
+        self.users: dict[str, dict[str, Any]] = {
+            self.bot_id: self._user_obj(self.bot_id, bot_name, bot=True),
+            self.owner_id: self._user_obj(self.owner_id, "owner"),
+        }
+        self.guilds: dict[str, dict[str, Any]] = {}
+        self.channels: dict[str, dict[str, Any]] = {}
+        self.dm_channels: dict[str, str] = {}  # user id -> DM channel id
+        self.messages: dict[str, dict[str, Any]] = {}
+        self.commands: list[dict[str, Any]] = []
+        self.interactions: dict[str, dict[str, Any]] = {}  # token -> state
+        self.calls: list[dict[str, Any]] = []
+        self._sent: list[dict[str, Any]] = []
+        self.forbidden_channels: set[str] = set()
+        self._rate_limits: list[tuple[str, float, bool]] = []  # (path regex, retry_after, global)
+        self._refuse_intents = False
+        self._replay_extra = 0
+        self._session: _Session | None = None
+        self._ws: web.WebSocketResponse | None = None
+        self._ws_ready = False  # READY (or RESUMED) sent on the current socket
+        self._pending: set[asyncio.Task[None]] = set()
+        self._send_lock = asyncio.Lock()  # frames go out in dispatch order
+        self._nonces: dict[str, tuple[float, str]] = {}  # enforce_nonce: nonce -> (time, message id)
+        self._fail_after_create: list[int] = []  # statuses to answer after creating a message
+        self.identify_count = 0
+        self.resume_count = 0
+        self.connection_count = 0
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, port: int = 0) -> "FakeDiscord":
+        """Serve on 127.0.0.1:`port` (0 = any). A stopped fake can be started again
+        (same state, e.g. same port) to model an outage."""
+        app = web.Application()
+        app.router.add_get("/gateway", self._gateway_ws)
+        app.router.add_route("*", "/api/{tail:.*}", self._rest)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._ws is not None and not self._ws.closed:
+            await self._ws.close(code=1001)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> "FakeDiscord":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_base(self) -> str:
+        return f"{self.base_url}/api/v10"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/gateway"
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None and not self._ws.closed and self._ws_ready
+
+    # ------------------------------------------------------------------ world building
+    @staticmethod
+    def _user_obj(uid: str, name: str, bot: bool = False) -> dict[str, Any]:
+        return {
+            "id": uid,
+            "username": name,
+            "global_name": name.title(),
+            "discriminator": "0",
+            "avatar": None,
+            "bot": bot,
+            "public_flags": 0,
+            "flags": 0,
+        }
+
+    @property
+    def bot_user(self) -> dict[str, Any]:
+        return self.users[self.bot_id]
+
+    def add_user(self, name: str, *, bot: bool = False) -> str:
+        uid = self.snowflake()
+        self.users[uid] = self._user_obj(uid, name, bot=bot)
+        return uid
+
+    def add_guild(self, name: str = "Test Guild") -> str:
+        gid = self.snowflake()
+        bot_role = self.snowflake()
+        self.guilds[gid] = {
+            "id": gid,
+            "name": name,
+            "owner_id": self.owner_id,
+            "bot_role_id": bot_role,
+            "roles": [
+                self._role(gid, "@everyone", permissions=str((1 << 10) | (1 << 11) | (1 << 16) | (1 << 38))),
+                self._role(bot_role, "hermes", managed=True, bot_id=self.bot_id),
+            ],
+            "channel_ids": [],
+        }
+        self.add_channel(gid, "general")
+        return gid
+
+    def add_role(self, guild_id: str, name: str) -> str:
+        rid = self.snowflake()
+        self.guilds[guild_id]["roles"].append(self._role(rid, name))
+        return rid
+
+    @staticmethod
+    def _role(rid: str, name: str, *, permissions: str = "0", managed: bool = False, bot_id: str | None = None) -> dict[str, Any]:
+        role: dict[str, Any] = {
+            "id": rid,
+            "name": name,
+            "color": 0,
+            "hoist": False,
+            "icon": None,
+            "unicode_emoji": None,
+            "position": 1 if managed else 0,
+            "permissions": permissions,
+            "managed": managed,
+            "mentionable": True,
+            "flags": 0,
+        }
+        if bot_id:
+            role["tags"] = {"bot_id": bot_id}
+        return role
+
+    def channel_named(self, guild_id: str, name: str) -> str:
+        for cid in self.guilds[guild_id]["channel_ids"]:
+            if self.channels[cid]["name"] == name:
+                return cid
+        raise KeyError(name)
+
+    def add_channel(self, guild_id: str, name: str) -> str:
+        cid = self.snowflake()
+        guild = self.guilds[guild_id]
+        self.channels[cid] = {
+            "id": cid,
+            "type": CH_TEXT,
+            "guild_id": guild_id,
+            "name": name,
+            "position": len(guild["channel_ids"]),
+            "permission_overwrites": [],
+            "topic": None,
+            "nsfw": False,
+            "last_message_id": None,
+            "rate_limit_per_user": 0,
+            "parent_id": None,
+        }
+        guild["channel_ids"].append(cid)
+        if self.connected:
+            self.dispatch("CHANNEL_CREATE", dict(self.channels[cid]))
+        return cid
+
+    def add_thread(self, parent_id: str, name: str, *, private: bool = False, announce: bool = True) -> str:
+        """A thread under a text channel; announced with THREAD_CREATE when connected,
+        otherwise included in the next GUILD_CREATE."""
+        parent = self.channels[parent_id]
+        tid = self.snowflake()
+        self.channels[tid] = {
+            "id": tid,
+            "type": CH_PRIVATE_THREAD if private else CH_PUBLIC_THREAD,
+            "guild_id": parent["guild_id"],
+            "parent_id": parent_id,
+            "owner_id": self.owner_id,
+            "name": name,
+            "last_message_id": None,
+            "rate_limit_per_user": 0,
+            "message_count": 0,
+            "member_count": 1,
+            "flags": 0,
+            "thread_metadata": {
+                "archived": False,
+                "auto_archive_duration": 1440,
+                "archive_timestamp": _now_iso(),
+                "locked": False,
+                "invitable": True,
+                "create_timestamp": _now_iso(),
+            },
+        }
+        if announce and self.connected:
+            self.dispatch("THREAD_CREATE", dict(self.channels[tid], newly_created=True))
+        return tid
+
+    def dm_channel(self, user_id: str) -> str:
+        cid = self.dm_channels.get(user_id)
+        if cid is None:
+            cid = self.snowflake()
+            self.dm_channels[user_id] = cid
+            self.channels[cid] = {
+                "id": cid,
+                "type": CH_DM,
+                "last_message_id": None,
+                "recipients": [self.users[user_id]],
+                "flags": 0,
+            }
+        return cid
+
+    def _guild_create(self, gid: str) -> dict[str, Any]:
+        g = self.guilds[gid]
+        channels = [self.channels[c] for c in g["channel_ids"]]
+        threads = [
+            c for c in self.channels.values() if c.get("guild_id") == gid and c["type"] in (CH_PUBLIC_THREAD, CH_PRIVATE_THREAD)
+        ]
+        return {
+            "id": gid,
+            "name": g["name"],
+            "icon": None,
+            "splash": None,
+            "discovery_splash": None,
+            "owner_id": g["owner_id"],
+            "afk_channel_id": None,
+            "afk_timeout": 300,
+            "verification_level": 0,
+            "default_message_notifications": 0,
+            "explicit_content_filter": 0,
+            "roles": g["roles"],
+            "emojis": [],
+            "stickers": [],
+            "features": [],
+            "mfa_level": 0,
+            "application_id": None,
+            "system_channel_id": None,
+            "system_channel_flags": 0,
+            "rules_channel_id": None,
+            "vanity_url_code": None,
+            "description": None,
+            "banner": None,
+            "premium_tier": 0,
+            "preferred_locale": "en-US",
+            "public_updates_channel_id": None,
+            "nsfw_level": 0,
+            "premium_progress_bar_enabled": False,
+            "joined_at": _now_iso(),
+            "large": False,
+            "unavailable": False,
+            "member_count": 2,
+            "voice_states": [],
+            "members": [self._member(self.bot_id, roles=[g["bot_role_id"]])],
+            "channels": channels,
+            "threads": threads,
+            "presences": [],
+            "stage_instances": [],
+            "guild_scheduled_events": [],
+            "soundboard_sounds": [],
+        }
+
+    def _member(self, user_id: str, roles: list[str] | None = None, with_user: bool = True) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "roles": roles or [],
+            "joined_at": _now_iso(),
+            "deaf": False,
+            "mute": False,
+            "flags": 0,
+            "pending": False,
+            "nick": None,
+            "avatar": None,
+            "communication_disabled_until": None,
+        }
+        if with_user:
+            m["user"] = self.users[user_id]
+        return m
+
+    # ------------------------------------------------------------------ test controls
+    def refuse_intents(self, refuse: bool = True) -> None:
+        """Close with 4014 on IDENTIFY when the message content intent is requested."""
+        self._refuse_intents = refuse
+
+    def rate_limit_next(self, path_regex: str = r"^/channels/\d+/messages$", *, retry_after: float = 0.05, is_global: bool = False, count: int = 1) -> None:
+        """The next `count` POSTs matching `path_regex` answer 429 with Discord's headers."""
+        for _ in range(count):
+            self._rate_limits.append((path_regex, retry_after, is_global))
+
+    def fail_after_create_next(self, status: int = 502) -> None:
+        """The next channel message POST creates the message but answers `status`
+        (a lost response): the client's retry must not create a second message."""
+        self._fail_after_create.append(status)
+
+    def forbid_channel(self, channel_id: str) -> None:
+        self.forbidden_channels.add(channel_id)
+
+    def seq_of(self, message_id: str) -> int:
+        """The sequence number of the MESSAGE_CREATE of `message_id` on this session."""
+        assert self._session is not None
+        for seq, event, data in self._session.events:
+            if event == "MESSAGE_CREATE" and data.get("id") == message_id:
+                return seq
+        raise KeyError(message_id)
+
+    @property
+    def session_seq(self) -> int:
+        return self._session.seq if self._session else 0
+
+    async def drop_connection(self, *, resume: bool = True, replay_last: int = 0, replay_from_message: str | None = None) -> None:
+        """Cut the gateway socket. `resume=True`: close with 4000 (the client RESUMEs and
+        gets every event it missed; `replay_last=N` also re-sends the last N events it had
+        already received, as Discord may; `replay_from_message=id` re-sends everything from that
+        message's MESSAGE_CREATE on). `resume=False`: INVALID_SESSION (d=false), the
+        client must IDENTIFY again and gets a new session (no replay)."""
+        ws = self._ws
+        if ws is None or ws.closed:
+            raise RuntimeError("no gateway connection to drop")
+        if replay_from_message is not None:  # replay everything from that message on
+            replay_last = self.session_seq - self.seq_of(replay_from_message) + 1
+        self._ws_ready = False
+        if resume:
+            self._replay_extra = replay_last
+            await ws.close(code=4000, message=b"fake: dropped")
+        else:
+            self._session = None
+            await self._send(ws, {"op": OP_INVALID_SESSION, "d": False, "s": None, "t": None})
+
+    async def send_reconnect(self) -> None:
+        """op 7 RECONNECT: the client closes and RESUMEs."""
+        if self._ws is not None:
+            await self._send(self._ws, {"op": OP_RECONNECT, "d": None, "s": None, "t": None})
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not predicate():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError("fake discord: condition not reached in time")
+            await asyncio.sleep(0.01)
+
+    # ------------------------------------------------------------------ inspecting
+    def rest_calls(self, method: str | None = None, path_regex: str | None = None) -> list[dict[str, Any]]:
+        out = [c for c in self.calls if c["kind"] == "rest"]
+        if method:
+            out = [c for c in out if c["method"] == method]
+        if path_regex:
+            out = [c for c in out if re.search(path_regex, c["path"])]
+        return out
+
+    def gateway_ops(self, direction: str = "recv") -> list[dict[str, Any]]:
+        return [c for c in self.calls if c["kind"] == "gateway" and c["direction"] == direction]
+
+    def sent_messages(self, channel_id: str | None = None) -> list[dict[str, Any]]:
+        """Messages the bot created (channel POSTs and interaction followups), in order."""
+        return [m for m in self._sent if channel_id is None or m["channel_id"] == channel_id]
+
+    def typing_calls(self, channel_id: str | None = None) -> list[dict[str, Any]]:
+        return [c for c in self.rest_calls("POST", r"^/channels/\d+/typing$") if channel_id is None or c["path"].split("/")[2] == channel_id]
+
+    # ------------------------------------------------------------------ event injection
+    def dispatch(self, event: str, data: Any) -> int:
+        """Send a DISPATCH on the current session (stored for RESUME replay)."""
+        session = self._session
+        if session is None:
+            raise RuntimeError("no gateway session: is the client connected?")
+        session.seq += 1
+        seq = session.seq
+        session.events.append((seq, event, data))
+        if self.connected:
+            task = asyncio.get_running_loop().create_task(self._send_dispatch(self._ws, seq, event, data))  # type: ignore[arg-type]
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+        return seq
+
+    def _user_message(
+        self,
+        channel_id: str,
+        user_id: str,
+        content: str,
+        *,
+        reply_to: str | None = None,
+        attachments: list[dict[str, Any]] | None = None,
+        mention_ids: list[str] | None = None,
+        message_type: int | None = None,
+    ) -> dict[str, Any]:
+        channel = self.channels[channel_id]
+        guild_id = channel.get("guild_id")
+        mids = list(mention_ids or [])
+        for uid in _MENTION_USER.findall(content):
+            if uid not in mids:
+                mids.append(uid)
+        msg: dict[str, Any] = {
+            "id": self.snowflake(),
+            "channel_id": channel_id,
+            "author": self.users[user_id],
+            "content": content,
+            "timestamp": _now_iso(),
+            "edited_timestamp": None,
+            "tts": False,
+            "mention_everyone": False,
+            "mentions": [self.users[u] for u in mids if u in self.users],
+            "mention_roles": _MENTION_ROLE.findall(content),
+            "attachments": attachments or [],
+            "embeds": [],
+            "pinned": False,
+            "type": 0,
+            "flags": 0,
+            "components": [],
+        }
+        if guild_id:
+            msg["guild_id"] = guild_id
+            msg["member"] = self._member(user_id, with_user=False)
+        if reply_to is not None:
+            msg["type"] = 19
+            msg["message_reference"] = {
+                "type": 0,
+                "message_id": reply_to,
+                "channel_id": channel_id,
+                "fail_if_not_exists": False,
+                **({"guild_id": guild_id} if guild_id else {}),
+            }
+            msg["referenced_message"] = self.messages.get(reply_to)
+        if message_type is not None:
+            msg["type"] = message_type
+        self.messages[msg["id"]] = msg
+        channel["last_message_id"] = msg["id"]
+        return msg
+
+    def push_dm(self, user_id: str, text: str, **kw: Any) -> dict[str, Any]:
+        msg = self._user_message(self.dm_channel(user_id), user_id, text, **kw)
+        self.dispatch("MESSAGE_CREATE", msg)
+        return msg
+
+    def push_guild_message(
+        self,
+        channel_id: str,
+        user_id: str,
+        text: str,
+        *,
+        mention_bot: bool = False,
+        nick_mention: bool = False,
+        reply_to: str | None = None,
+        **kw: Any,
+    ) -> dict[str, Any]:
+        if mention_bot:
+            tag = f"<@!{self.bot_id}>" if nick_mention else f"<@{self.bot_id}>"
+            text = f"{tag} {text}"
+        msg = self._user_message(channel_id, user_id, text, reply_to=reply_to, **kw)
+        self.dispatch("MESSAGE_CREATE", msg)
+        return msg
+
+    def push_thread_message(self, thread_id: str, user_id: str, text: str, **kw: Any) -> dict[str, Any]:
+        if self.channels[thread_id]["type"] not in (CH_PUBLIC_THREAD, CH_PRIVATE_THREAD):
+            raise ValueError(f"{thread_id} is not a thread")
+        return self.push_guild_message(thread_id, user_id, text, **kw)
+
+    def replay_message(self, message: dict[str, Any]) -> None:
+        """Deliver the same MESSAGE_CREATE again (same id), as after a session restart."""
+        self.dispatch("MESSAGE_CREATE", message)
+
+    def push_interaction(
+        self,
+        name: str,
+        args: str | None = None,
+        *,
+        user_id: str,
+        channel_id: str,
+    ) -> dict[str, Any]:
+        """An application command (type 2, chat input) used in `channel_id`."""
+        channel = self.channels[channel_id]
+        guild_id = channel.get("guild_id")
+        cmd = next((c for c in self.commands if c["name"] == name), None)
+        iid = self.snowflake()
+        token = "itok-" + secrets.token_urlsafe(24)
+        data: dict[str, Any] = {"id": cmd["id"] if cmd else self.snowflake(), "name": name, "type": 1}
+        if args is not None:
+            data["options"] = [{"name": "args", "type": 3, "value": args}]
+        payload: dict[str, Any] = {
+            "id": iid,
+            "application_id": self.app_id,
+            "type": 2,
+            "data": data,
+            "channel_id": channel_id,
+            "channel": dict(channel),
+            "token": token,
+            "version": 1,
+            "locale": "en-US",
+            "app_permissions": str((1 << 10) | (1 << 11) | (1 << 16) | (1 << 38)),
+            "entitlements": [],
+            "authorizing_integration_owners": {"0": guild_id} if guild_id else {"1": user_id},
+            "context": 0 if guild_id else 1,
+            "attachment_size_limit": 10 * 1024 * 1024,
+        }
+        if guild_id:
+            payload["guild_id"] = guild_id
+            payload["guild_locale"] = "en-US"
+            payload["member"] = {**self._member(user_id), "permissions": "0"}
+        else:
+            payload["user"] = self.users[user_id]
+        self.interactions[token] = {"id": iid, "token": token, "channel_id": channel_id, "guild_id": guild_id,
+                                    "user_id": user_id, "response": None, "original_id": None}
+        self.dispatch("INTERACTION_CREATE", payload)
+        return payload
+
+    # ------------------------------------------------------------------ gateway
+    async def _send(self, ws: web.WebSocketResponse, payload: dict[str, Any]) -> None:
+        await self._send_many(ws, [payload])
+
+    async def _send_many(self, ws: web.WebSocketResponse, payloads: list[dict[str, Any]]) -> None:
+        async with self._send_lock:  # FIFO: frames leave in the order they were queued
+            for payload in payloads:
+                if ws.closed:
+                    return
+                self.calls.append({"kind": "gateway", "direction": "send", "op": payload["op"], "t": payload.get("t"),
+                                   "s": payload.get("s"), "d": payload.get("d")})
+                try:
+                    await ws.send_str(json.dumps(payload))
+                except ConnectionError:
+                    return
+
+    async def _send_dispatch(self, ws: web.WebSocketResponse, seq: int, event: str, data: Any) -> None:
+        await self._send_many(ws, [{"op": OP_DISPATCH, "t": event, "s": seq, "d": data}])
+
+    async def _gateway_ws(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.connection_count += 1
+        old = self._ws
+        self._ws = ws
+        self._ws_ready = False
+        if old is not None and not old.closed:
+            await old.close(code=4000)
+        await self._send(ws, {"op": OP_HELLO, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None})
+        async for frame in ws:
+            if frame.type != WSMsgType.TEXT:
+                continue
+            payload = json.loads(frame.data)
+            op = payload.get("op")
+            d = payload.get("d")
+            logged = d
+            if op in (OP_IDENTIFY, OP_RESUME) and isinstance(d, dict):
+                logged = {**d, "token": "<ok>" if d.get("token") == self.token else "<wrong>"}
+            self.calls.append({"kind": "gateway", "direction": "recv", "op": op, "d": logged})
+            if op == OP_HEARTBEAT:
+                await self._send(ws, {"op": OP_HEARTBEAT_ACK, "d": None, "s": None, "t": None})
+            elif op == OP_IDENTIFY:
+                await self._on_identify(ws, d)
+            elif op == OP_RESUME:
+                await self._on_resume(ws, d)
+        if self._ws is ws:
+            self._ws_ready = False
+        return ws
+
+    async def _on_identify(self, ws: web.WebSocketResponse, d: dict[str, Any]) -> None:
+        self.identify_count += 1
+        if d.get("token") != self.token:
+            await ws.close(code=4004, message=b"Authentication failed.")
+            return
+        if self._refuse_intents and int(d.get("intents", 0)) & INTENT_MESSAGE_CONTENT:
+            await ws.close(code=4014, message=b"Disallowed intent(s).")
+            return
+        self._session = session = _Session(secrets.token_hex(16))
+        ready = {
+            "v": 10,
+            "user": self.bot_user,
+            "guilds": [{"id": gid, "unavailable": True} for gid in self.guilds],
+            "session_id": session.session_id,
+            "resume_gateway_url": self.gateway_url,
+            "application": {"id": self.app_id, "flags": self.app_flags},
+            "private_channels": [],
+            "relationships": [],
+            "user_settings": {},
+            "presences": [],
+            "guild_join_requests": [],
+            "geo_ordered_rtc_regions": [],
+            "_trace": ["fake-discord"],
+        }
+        batch = []
+        for event, data in [("READY", ready)] + [("GUILD_CREATE", self._guild_create(g)) for g in self.guilds]:
+            session.seq += 1
+            session.events.append((session.seq, event, data))
+            batch.append({"op": OP_DISPATCH, "t": event, "s": session.seq, "d": data})
+        self._ws_ready = True
+        await self._send_many(ws, batch)
+
+    async def _on_resume(self, ws: web.WebSocketResponse, d: dict[str, Any]) -> None:
+        self.resume_count += 1
+        session = self._session
+        if d.get("token") != self.token or session is None or d.get("session_id") != session.session_id:
+            await self._send(ws, {"op": OP_INVALID_SESSION, "d": False, "s": None, "t": None})
+            return
+        client_seq = int(d.get("seq") or 0)
+        start = max(0, client_seq - self._replay_extra)
+        self._replay_extra = 0
+        batch = [
+            {"op": OP_DISPATCH, "t": event, "s": seq, "d": data}
+            for seq, event, data in session.events
+            if seq > start and event not in ("READY", "GUILD_CREATE", "RESUMED")
+        ]
+        session.seq += 1
+        session.events.append((session.seq, "RESUMED", {"_trace": ["fake-discord"]}))
+        batch.append({"op": OP_DISPATCH, "t": "RESUMED", "s": session.seq, "d": {"_trace": ["fake-discord"]}})
+        self._ws_ready = True
+        await self._send_many(ws, batch)
+
+    # ------------------------------------------------------------------ REST
+    async def _rest(self, request: web.Request) -> web.StreamResponse:
+        path = "/" + request.match_info["tail"]
+        m = re.match(r"^/v\d+(/.*)$", path)
+        path = m.group(1) if m else path
+        body: Any = None
+        if request.can_read_body:
+            raw = await request.read()
+            try:
+                body = json.loads(raw) if raw else None
+            except ValueError:
+                body = raw.decode("utf-8", "replace")
+        auth = request.headers.get("Authorization")
+        call: dict[str, Any] = {
+            "kind": "rest",
+            "method": request.method,
+            "path": path,
+            "query": dict(request.query),
+            "json": body,
+            "authorized": auth == f"Bot {self.token}",
+            "auth_header_present": auth is not None,
+            "time": time.monotonic(),
+        }
+        self.calls.append(call)
+        resp = await self._route(request.method, path, body, call, dict(request.query))
+        call["status"] = resp.status
+        return resp
+
+    @staticmethod
+    def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+        # exactly "application/json": discord.py only parses that (no charset suffix)
+        return web.Response(body=json.dumps(data).encode(), status=status,
+                            headers={**(headers or {}), "Content-Type": "application/json"})
+
+    def _error(self, status: int, code: int, message: str) -> web.Response:
+        return self._json({"message": message, "code": code}, status=status)
+
+    def _take_rate_limit(self, method: str, path: str) -> tuple[float, bool] | None:
+        if method != "POST":
+            return None
+        for i, (rx, retry_after, is_global) in enumerate(self._rate_limits):
+            if re.search(rx, path):
+                del self._rate_limits[i]
+                return retry_after, is_global
+        return None
+
+    def _rate_limited(self, retry_after: float, is_global: bool) -> web.Response:
+        headers = {
+            "Via": "1.1 google",
+            "Retry-After": str(max(1, int(retry_after + 0.999))),
+            "X-RateLimit-Limit": "5",
+            "X-RateLimit-Remaining": "0",
+            "X-RateLimit-Reset": f"{time.time() + retry_after:.3f}",
+            "X-RateLimit-Reset-After": f"{retry_after:.3f}",
+            "X-RateLimit-Bucket": "fake-bucket-messages",
+            "X-RateLimit-Scope": "global" if is_global else "user",
+        }
+        if is_global:
+            headers["X-RateLimit-Global"] = "true"
+        return self._json({"message": "You are being rate limited.", "retry_after": retry_after, "global": is_global}, status=429, headers=headers)
+
+    @staticmethod
+    def _ok_headers() -> dict[str, str]:
+        return {
+            "Via": "1.1 google",
+            "X-RateLimit-Limit": "5",
+            "X-RateLimit-Remaining": "4",
+            "X-RateLimit-Reset": f"{time.time() + 5:.3f}",
+            "X-RateLimit-Reset-After": "5.000",
+            "X-RateLimit-Bucket": "fake-bucket-messages",
+        }
+
+    async def _route(self, method: str, path: str, body: Any, call: dict[str, Any], query: dict[str, str]) -> web.Response:
+        webhook = re.match(r"^/webhooks/(\d+)/([^/]+)(?:/messages/([^/]+))?$", path)
+        callback = re.match(r"^/interactions/(\d+)/([^/]+)/callback$", path)
+        # interaction endpoints authenticate with the interaction token, not the bot token
+        if webhook:
+            return self._webhook(method, webhook.group(1), webhook.group(2), webhook.group(3), body)
+        if callback:
+            return self._interaction_callback(callback.group(1), callback.group(2), body, query)
+        if not call["authorized"]:
+            return self._error(401, 0, "401: Unauthorized")
+        limited = self._take_rate_limit(method, path)
+        if limited is not None:
+            return self._rate_limited(*limited)
+
+        if method == "GET" and path == "/users/@me":
+            return self._json(self.bot_user)
+        if method == "GET" and path == "/oauth2/applications/@me":
+            return self._json(self._application())
+        if method == "GET" and path == "/applications/@me":
+            return self._json(self._application())
+        if method == "GET" and path in ("/gateway", "/gateway/bot"):
+            data: dict[str, Any] = {"url": self.gateway_url}
+            if path == "/gateway/bot":
+                data.update(shards=1, session_start_limit={"total": 1000, "remaining": 999, "reset_after": 0, "max_concurrency": 1})
+            return self._json(data)
+        m = re.match(r"^/applications/(\d+)(?:/guilds/(\d+))?/commands$", path)
+        if m:
+            if m.group(1) != self.app_id:
+                return self._error(403, 50001, "Missing Access")
+            if method == "PUT":
+                self.commands = [self._command(c) for c in (body or [])]
+                return self._json(self.commands)
+            if method == "GET":
+                return self._json(self.commands)
+        m = re.match(r"^/channels/(\d+)$", path)
+        if m and method == "GET":
+            ch = self.channels.get(m.group(1))
+            return self._json(ch) if ch else self._error(404, 10003, "Unknown Channel")
+        m = re.match(r"^/channels/(\d+)/typing$", path)
+        if m and method == "POST":
+            if m.group(1) not in self.channels:
+                return self._error(404, 10003, "Unknown Channel")
+            if m.group(1) in self.forbidden_channels:
+                return self._error(403, 50013, "Missing Permissions")
+            return web.Response(status=204)
+        m = re.match(r"^/channels/(\d+)/messages$", path)
+        if m and method == "POST":
+            return self._create_channel_message(m.group(1), body or {})
+        m = re.match(r"^/channels/(\d+)/messages/(\d+)$", path)
+        if m and method == "PATCH":
+            return self._edit_message(m.group(2), body or {}, channel_id=m.group(1))
+        if m and method == "GET":
+            msg = self.messages.get(m.group(2))
+            return self._json(msg) if msg else self._error(404, 10008, "Unknown Message")
+        m = re.match(r"^/users/@me/channels$", path)
+        if m and method == "POST":
+            return self._json(self.channels[self.dm_channel(str(body["recipient_id"]))])
+        return self._error(404, 0, f"404: Not Found ({method} {path})")
+
+    def _application(self) -> dict[str, Any]:
+        return {
+            "id": self.app_id,
+            "name": self.bot_user["username"],
+            "icon": None,
+            "description": "",
+            "summary": "",
+            "type": None,
+            "bot_public": True,
+            "bot_require_code_grant": False,
+            "verify_key": "0" * 64,
+            "owner": self.users[self.owner_id],
+            "team": None,
+            "flags": self.app_flags,
+            "bot": self.bot_user,
+            "rpc_origins": [],
+            "interactions_endpoint_url": None,
+            "install_params": {"scopes": ["bot", "applications.commands"], "permissions": "0"},
+        }
+
+    def _command(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.snowflake(),
+            "application_id": self.app_id,
+            "version": self.snowflake(),
+            "type": spec.get("type", 1),
+            "name": spec["name"],
+            "description": spec.get("description", ""),
+            "options": spec.get("options", []),
+            "default_member_permissions": spec.get("default_member_permissions"),
+            "dm_permission": spec.get("dm_permission", True),
+            "nsfw": spec.get("nsfw", False),
+            "contexts": spec.get("contexts"),
+            "integration_types": spec.get("integration_types", [0]),
+        }
+
+    # -- pings: what Discord would notify for this content + allowed_mentions
+    def _pings(self, content: str, allowed: dict[str, Any] | None, channel_id: str, reply_author: str | None) -> dict[str, Any]:
+        if allowed is None:  # Discord's default: everything parses
+            parse = {"everyone", "users", "roles"}
+            users_ok: list[str] = []
+            roles_ok: list[str] = []
+            replied = True
+        else:
+            parse = set(allowed.get("parse", []))
+            users_ok = [str(u) for u in allowed.get("users", [])]
+            roles_ok = [str(r) for r in allowed.get("roles", [])]
+            replied = bool(allowed.get("replied_user", False))
+        everyone = ("@everyone" in content or "@here" in content) and "everyone" in parse
+        users = [u for u in _MENTION_USER.findall(content) if "users" in parse or u in users_ok]
+        roles = [r for r in _MENTION_ROLE.findall(content) if "roles" in parse or r in roles_ok]
+        if reply_author and replied and reply_author not in users:
+            users.append(reply_author)
+        return {"everyone": everyone, "users": users, "roles": roles, "any": bool(everyone or users or roles)}
+
+    def _bot_message(self, channel_id: str, body: dict[str, Any], *, reference: dict[str, Any] | None, via: str, interaction: dict[str, Any] | None = None) -> dict[str, Any]:
+        channel = self.channels[channel_id]
+        content = body.get("content") or ""
+        ref_msg = self.messages.get(str(reference["message_id"])) if reference else None
+        pings = self._pings(content, body.get("allowed_mentions"), channel_id, ref_msg["author"]["id"] if ref_msg else None)
+        msg: dict[str, Any] = {
+            "id": self.snowflake(),
+            "channel_id": channel_id,
+            "author": self.bot_user,
+            "content": content,
+            "timestamp": _now_iso(),
+            "edited_timestamp": None,
+            "tts": bool(body.get("tts", False)),
+            "mention_everyone": pings["everyone"],
+            "mentions": [self.users[u] for u in pings["users"] if u in self.users],
+            "mention_roles": pings["roles"],
+            "attachments": [],
+            "embeds": body.get("embeds") or [],
+            "pinned": False,
+            "type": 19 if reference else 0,
+            "flags": int(body.get("flags") or 0),
+            "components": [],
+            "nonce": body.get("nonce"),
+        }
+        if channel.get("guild_id"):
+            msg["guild_id"] = channel["guild_id"]
+        if reference:
+            msg["message_reference"] = {"type": 0, "message_id": str(reference["message_id"]), "channel_id": channel_id}
+            msg["referenced_message"] = ref_msg
+        if interaction is not None:
+            msg["type"] = 20
+            msg["webhook_id"] = self.app_id
+            msg["application_id"] = self.app_id
+            msg["interaction_metadata"] = {"id": interaction["id"], "type": 2, "user": self.users[interaction["user_id"]],
+                                           "authorizing_integration_owners": {}}
+        self.messages[msg["id"]] = msg
+        channel["last_message_id"] = msg["id"]
+        self._sent.append({
+            "id": msg["id"],
+            "channel_id": channel_id,
+            "content": content,
+            "message_reference": body.get("message_reference"),
+            "allowed_mentions": body.get("allowed_mentions"),
+            "pings": pings,
+            "via": via,
+            "interaction_id": interaction["id"] if interaction else None,
+            "body": body,
+        })
+        if self._session is not None:
+            self.dispatch("MESSAGE_CREATE", msg)  # Discord echoes the bot's own messages
+        return msg
+
+    def _create_channel_message(self, channel_id: str, body: dict[str, Any]) -> web.Response:
+        if channel_id not in self.channels:
+            return self._error(404, 10003, "Unknown Channel")
+        if channel_id in self.forbidden_channels:
+            return self._error(403, 50013, "Missing Permissions")
+        content = body.get("content") or ""
+        if len(content) > 2000:
+            return self._json({"message": "Invalid Form Body", "code": 50035,
+                               "errors": {"content": {"_errors": [{"code": "BASE_TYPE_MAX_LENGTH", "message": "Must be 2000 or fewer in length."}]}}}, status=400)
+        if not content and not body.get("embeds"):
+            return self._error(400, 50006, "Cannot send an empty message")
+        reference = body.get("message_reference")
+        if reference is not None and str(reference.get("message_id")) not in self.messages:
+            if reference.get("fail_if_not_exists", True):
+                return self._json({"message": "Invalid Form Body", "code": 50035,
+                                   "errors": {"message_reference": {"_errors": [{"code": "REPLIES_UNKNOWN_MESSAGE", "message": "Unknown message"}]}}}, status=400)
+            reference = None
+        nonce = body.get("nonce")
+        if nonce is not None and body.get("enforce_nonce"):
+            seen = self._nonces.get(str(nonce))
+            if seen is not None and time.monotonic() - seen[0] < 300 and seen[1] in self.messages:
+                return self._json(self.messages[seen[1]], headers=self._ok_headers())  # Discord's dedupe
+        msg = self._bot_message(channel_id, body, reference=reference, via="channel")
+        if nonce is not None and body.get("enforce_nonce"):
+            self._nonces[str(nonce)] = (time.monotonic(), msg["id"])
+        if self._fail_after_create:
+            return self._error(self._fail_after_create.pop(0), 0, "fake: response lost")
+        return self._json(msg, headers=self._ok_headers())
+
+    def _edit_message(self, message_id: str, body: dict[str, Any], *, channel_id: str | None = None) -> web.Response:
+        msg = self.messages.get(message_id)
+        if msg is None or (channel_id and msg["channel_id"] != channel_id):
+            return self._error(404, 10008, "Unknown Message")
+        if msg["author"]["id"] != self.bot_id:
+            return self._error(403, 50005, "Cannot edit a message authored by another user")
+        if "content" in body:
+            if len(body["content"] or "") > 2000:
+                return self._error(400, 50035, "Invalid Form Body")
+            msg["content"] = body["content"]
+        msg["edited_timestamp"] = _now_iso()
+        for rec in self._sent:
+            if rec["id"] == message_id:
+                rec["content"] = msg["content"]
+                rec.setdefault("edits", []).append(body)
+        return self._json(msg)
+
+    def _interaction_callback(self, iid: str, token: str, body: Any, query: dict[str, str]) -> web.Response:
+        state = self.interactions.get(token)
+        if state is None or state["id"] != iid:
+            return self._error(404, 10062, "Unknown interaction")
+        if state["response"] is not None:
+            return self._error(400, 40060, "Interaction has already been acknowledged.")
+        state["response"] = body
+        rtype = int((body or {}).get("type", 0))
+        if rtype == 4:  # immediate message
+            msg = self._bot_message(state["channel_id"], (body or {}).get("data") or {}, reference=None, via="interaction", interaction=state)
+            state["original_id"] = msg["id"]
+        if query.get("with_response") in ("1", "true", "True"):
+            return self._json({
+                "interaction": {"id": iid, "type": 2, "response_message_loading": rtype == 5,
+                                "response_message_ephemeral": bool(((body or {}).get("data") or {}).get("flags", 0) & 64),
+                                **({"response_message_id": state["original_id"]} if state["original_id"] else {})},
+                "resource": {"type": rtype},
+            })
+        return web.Response(status=204)
+
+    def _webhook(self, method: str, app_id: str, token: str, message_id: str | None, body: Any) -> web.Response:
+        state = self.interactions.get(token)
+        if app_id != self.app_id or state is None:
+            return self._error(404, 10015, "Unknown Webhook")
+        if state["response"] is None:
+            return self._error(404, 10015, "Unknown Webhook")
+        if method == "POST" and message_id is None:
+            body = body or {}
+            content = body.get("content") or ""
+            if len(content) > 2000:
+                return self._error(400, 50035, "Invalid Form Body")
+            deferred = int(state["response"].get("type", 0)) == 5
+            msg = self._bot_message(state["channel_id"], body, reference=None,
+                                    via="followup" if state["original_id"] or not deferred else "interaction", interaction=state)
+            if deferred and state["original_id"] is None:
+                state["original_id"] = msg["id"]  # the first followup replaces "thinking..."
+            return self._json(msg)
+        mid = state["original_id"] if message_id == "@original" else message_id
+        if message_id == "@original" and mid is None and method == "DELETE":
+            state["original_deleted"] = True  # the "thinking..." placeholder goes away
+            return web.Response(status=204)
+        if mid is None or mid not in self.messages:
+            return self._error(404, 10008, "Unknown Message")
+        if method == "PATCH":
+            return self._edit_message(mid, body or {})
+        if method == "DELETE":
+            self.messages.pop(mid, None)
+            self._sent = [r for r in self._sent if r["id"] != mid]
+            return web.Response(status=204)
+        if method == "GET":
+            return self._json(self.messages[mid])
+        return self._error(405, 0, "405: Method Not Allowed")
+

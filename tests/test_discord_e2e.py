@@ -1,0 +1,219 @@
+"""End to end: fake Discord (REST + gateway websocket) <- real discord.py client in the
+DiscordAdapter <- the real GatewayApp -> fake LLM. Every Discord call is recorded."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from adapters.discord_bot import DiscordAdapter
+from gateway.app import GatewayApp
+from tenancy.keys import tenant_dir
+from tests.conftest import RecordingAdapter, dm, say
+from tests.fakes.discord_api import FakeDiscord
+from tests.fakes.llm import last_user_text, memory_saving_responder, reply
+
+SECRET = "locker code 4711-QX"
+
+
+@pytest.fixture
+async def fake():
+    async with FakeDiscord() as f:
+        f.guild = f.add_guild("Hermes Lab")
+        f.general = f.channel_named(f.guild, "general")
+        f.thread = f.add_thread(f.general, "planning")
+        f.alice = f.add_user("alice")
+        f.bob = f.add_user("bob")
+        yield f
+
+
+class Rig:
+    def __init__(self, fake: FakeDiscord, app: GatewayApp, adapter: DiscordAdapter, cfg: Any) -> None:
+        self.fake, self.app, self.adapter, self.cfg = fake, app, adapter, cfg
+
+    async def replies(self, channel_id: str, n: int, timeout: float = 20) -> list[dict[str, Any]]:
+        """Wait until the bot has posted `n` messages in `channel_id` and all turns are done."""
+        await self.fake.wait_until(lambda: len(self.fake.sent_messages(channel_id)) >= n, timeout)
+        assert await self.app.drain(timeout)
+        return self.fake.sent_messages(channel_id)
+
+
+@pytest.fixture
+async def rig(fake, config_for):
+    rigs: list[Rig] = []
+
+    async def build(*others: Any, **discord_cfg: Any) -> Rig:
+        cfg = config_for(platforms={"discord": {"enabled": True, "api_base": fake.api_base,
+                                                "gateway_url": fake.gateway_url, **discord_cfg}})
+        adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
+        app = GatewayApp(cfg, [adapter, *others])
+        await app.start()
+        r = Rig(fake, app, adapter, cfg)
+        rigs.append(r)
+        return r
+
+    yield build
+    for r in rigs:
+        await r.app.stop(drain_timeout=5)
+
+
+async def test_dm(rig, fake, fake_llm):
+    r = await rig()
+    assert r.adapter.status == "connected"
+    m = fake.push_dm(fake.alice, "hello hermes")
+    dm_channel = fake.dm_channels[fake.alice]
+    (sent,) = await r.replies(dm_channel, 1)
+    assert sent["content"] == "ok: hello hermes"
+    assert sent["message_reference"]["message_id"] == int(m["id"])
+    assert sent["allowed_mentions"] == {"parse": []}
+    assert fake.typing_calls(dm_channel), "typing shown while the turn ran"
+    assert last_user_text(fake_llm.requests[-1]) == "hello hermes"
+
+
+async def test_two_members_in_one_channel_have_separate_lanes_and_memories(rig, fake, fake_llm):
+    fake_llm.responder = memory_saving_responder
+    r = await rig()
+    a1 = fake.push_guild_message(fake.general, fake.alice, f"remember that my {SECRET}", mention_bot=True)
+    (first,) = await r.replies(fake.general, 1)
+    assert first["content"].startswith("done:") and first["message_reference"]["message_id"] == int(a1["id"])
+
+    n = len(fake_llm.requests)
+    b1 = fake.push_guild_message(fake.general, fake.bob, "what is alice's locker code?", mention_bot=True)
+    await r.replies(fake.general, 2)
+    b2 = fake.push_guild_message(fake.general, fake.bob, "and what did I say before?", mention_bot=True)
+    replies = await r.replies(fake.general, 3)
+    bob_requests = fake_llm.requests[n:]
+    assert bob_requests
+    for request in bob_requests:
+        dumped = json.dumps(request)
+        assert "4711" not in dumped and "locker code 4711" not in dumped
+    # bob's lane has his own history (his first question), not alice's
+    assert "what is alice's locker code?" in json.dumps(bob_requests[-1])
+    assert [m["message_reference"]["message_id"] for m in replies[1:]] == [int(b1["id"]), int(b2["id"])]
+
+    # alice's lane remembers her turn; memories live in separate profiles
+    n = len(fake_llm.requests)
+    fake.push_guild_message(fake.general, fake.alice, "what did I tell you?", mention_bot=True)
+    await r.replies(fake.general, 4)
+    assert any(SECRET in json.dumps(req) for req in fake_llm.requests[n:])
+    data_dir = r.cfg.data_dir
+    alice_mem = tenant_dir(data_dir, f"discord-{fake.alice}") / "memories" / "MEMORY.md"
+    bob_mem = tenant_dir(data_dir, f"discord-{fake.bob}") / "memories" / "MEMORY.md"
+    assert SECRET in alice_mem.read_text()
+    assert not bob_mem.exists() or SECRET not in bob_mem.read_text()
+
+
+async def test_mention_gating(rig, fake, fake_llm):
+    r = await rig()
+    fake.push_guild_message(fake.general, fake.alice, "talking to bob, not the bot")
+    m = fake.push_guild_message(fake.general, fake.alice, "now you", mention_bot=True)
+    (sent,) = await r.replies(fake.general, 1)
+    assert sent["content"] == "ok: now you" and sent["message_reference"]["message_id"] == int(m["id"])
+    # a reply to the bot's message needs no mention
+    fake.push_guild_message(fake.general, fake.bob, "replying to you", reply_to=sent["id"])
+    replies = await r.replies(fake.general, 2)
+    assert replies[1]["content"] == "ok: replying to you"
+    texts = [last_user_text(req) for req in fake_llm.requests]
+    assert "talking to bob, not the bot" not in json.dumps(fake_llm.requests)
+    assert texts == ["now you", "replying to you"]
+
+
+async def test_thread_is_its_own_lane(rig, fake, fake_llm):
+    r = await rig()
+    fake.push_guild_message(fake.general, fake.alice, "channel message", mention_bot=True)
+    await r.replies(fake.general, 1)
+    t = fake.push_thread_message(fake.thread, fake.alice, "thread message", mention_bot=True)
+    (sent,) = await r.replies(fake.thread, 1)
+    assert sent["content"] in ("ok: thread message", "ok: [Alice]: thread message")  # shared lanes name the speaker
+    assert sent["message_reference"]["message_id"] == int(t["id"])
+    assert len(fake.sent_messages(fake.general)) == 1, "the thread reply went to the thread"
+    thread_request = json.dumps(fake_llm.requests[-1])
+    assert "channel message" not in thread_request, "thread lane does not see the channel lane"
+    # the thread is a shared lane in the chat's own profile (parent channel = chat id)
+    assert tenant_dir(r.cfg.data_dir, f"discord-chat-{fake.general}").exists()
+    assert fake.typing_calls(fake.thread)
+
+
+async def test_long_reply_with_code_fences_is_split_in_order(rig, fake, fake_llm):
+    code = "\n".join(f"    print('line {i:03d} of the program')" for i in range(120))
+    prose = " ".join(["This is a long explanation."] * 30)
+    answer = f"{prose}\n\n```python\n{code}\n```\n\n{prose}\n\n```\n{code[:900]}\n```\nThe end."
+    assert len(answer) >= 5000
+    fake_llm.script(reply(answer))
+    r = await rig()
+    m = fake.push_dm(fake.alice, "write me a long program")
+    dm_channel = fake.dm_channels[fake.alice]
+    await fake.wait_until(lambda: any("The end." in s["content"] for s in fake.sent_messages(dm_channel)), 20)
+    chunks = await r.replies(dm_channel, 1)
+    assert len(chunks) >= 3
+    for c in chunks:
+        assert len(c["content"]) <= 2000
+        assert c["content"].count("```") % 2 == 0, "every chunk's fences are balanced"
+        assert c["allowed_mentions"] == {"parse": []}
+    assert chunks[0]["message_reference"]["message_id"] == int(m["id"])
+    assert all(c["message_reference"] is None for c in chunks[1:])
+    joined = "\n".join(c["content"] for c in chunks)
+    lines = [ln for ln in joined.splitlines() if "line " in ln]
+    assert lines == [ln for ln in answer.splitlines() if "line " in ln], "in order, nothing lost"
+    assert chunks[-1]["content"].endswith("The end.")
+    ids = [int(c["id"]) for c in chunks]
+    assert ids == sorted(ids)
+
+
+async def test_model_reply_with_everyone_pings_nobody(rig, fake, fake_llm):
+    role = fake.add_role(fake.guild, "moderators")
+    fake_llm.script(reply(f"@everyone @here look, <@{fake.bob}> and <@&{role}>!"))
+    r = await rig()
+    fake.push_guild_message(fake.general, fake.alice, "announce something", mention_bot=True)
+    (sent,) = await r.replies(fake.general, 1)
+    assert "@everyone" in sent["content"]
+    assert sent["allowed_mentions"] == {"parse": []}
+    assert sent["pings"] == {"everyone": False, "users": [], "roles": [], "any": False}
+    assert fake.messages[sent["id"]]["mention_everyone"] is False
+
+
+async def test_resume_replaying_a_message_answers_it_once(rig, fake, fake_llm):
+    r = await rig()
+    m = fake.push_dm(fake.alice, "question one")
+    dm_channel = fake.dm_channels[fake.alice]
+    await r.replies(dm_channel, 1)
+    # the connection drops; on RESUME Discord replays from that MESSAGE_CREATE on
+    await fake.drop_connection(resume=True, replay_from_message=m["id"])
+    await fake.wait_until(lambda: fake.resume_count == 1 and fake.connected)
+    # a new session after INVALID_SESSION, and the same event delivered yet again
+    await fake.drop_connection(resume=False)
+    await fake.wait_until(lambda: fake.identify_count == 2 and fake.connected, 15)
+    await fake.wait_until(lambda: r.adapter.status == "connected")
+    fake.replay_message(m)
+    fake.push_dm(fake.alice, "question two")
+    replies = await r.replies(dm_channel, 2)
+    assert [s["content"] for s in replies] == ["ok: question one", "ok: question two"]
+    assert [last_user_text(req) for req in fake_llm.requests] == ["question one", "question two"]
+    # the replayed MESSAGE_CREATE really reached the client again
+    replayed = [c for c in fake.gateway_ops("send") if c["t"] == "MESSAGE_CREATE" and c["d"]["id"] == m["id"]]
+    assert len(replayed) == 3
+
+
+async def test_slash_command_answered_through_the_interaction(rig, fake, fake_llm):
+    r = await rig()
+    await fake.wait_until(lambda: r.adapter.commands_synced)
+    inter = fake.push_interaction("whoami", user_id=fake.bob, channel_id=fake.general)
+    (sent,) = await r.replies(fake.general, 1)
+    assert sent["via"] == "interaction" and sent["interaction_id"] == inter["id"]
+    assert fake.bob in sent["content"]
+    assert not fake_llm.requests, "a chat command, not a model turn"
+    # the typed form works too, without a mention
+    fake.push_guild_message(fake.general, fake.alice, "/whoami")
+    replies = await r.replies(fake.general, 2)
+    assert replies[1]["via"] == "channel" and fake.alice in replies[1]["content"]
+
+
+async def test_refused_intent_keeps_other_platforms_running(rig, fake, fake_llm):
+    fake.refuse_intents()
+    other = RecordingAdapter()
+    r = await rig(other)
+    assert r.adapter.status.startswith("failed: ") and "MESSAGE CONTENT INTENT" in r.adapter.status
+    out = await say(r.app, other, dm("carol", "are you there?"))
+    assert out == ["ok: are you there?"]

@@ -2,13 +2,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 CONFIG ?= hermes-gateway.yaml
-USER ?= me
+CHAT_USER ?= me
 
 .PHONY: install run test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
@@ -17,7 +16,7 @@ install: $(VENV)/.installed
 # Console chat against the configured endpoint (default: local Ollama).
 run: install
 	@test -f $(CONFIG) || $(VENV)/bin/hermes-gateway init -c $(CONFIG)
-	$(VENV)/bin/hermes-gateway chat -c $(CONFIG) --user $(USER)
+	$(VENV)/bin/hermes-gateway chat -c $(CONFIG) --user $(CHAT_USER)
 
 test: install
 	$(VENV)/bin/python -m pytest -q

@@ -98,6 +98,7 @@ class GatewayApp:
             coalesce_wait_s=coalesce_ms / 1000)
         self._started = False
         self._accepting = False
+        self._background: set[asyncio.Task] = set()
 
     # ----- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,9 +126,14 @@ class GatewayApp:
         if not await self.lanes.drain(drain_timeout):
             log.warning("turns still running after %.0fs; they will be replayed on the next start", drain_timeout)
             await self.lanes.cancel()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=drain_timeout)
         for adapter in self.adapters.values():
             try:
                 await adapter.stop()
+                aclose = getattr(adapter, "aclose", None)
+                if aclose is not None:
+                    await aclose()
             except Exception:
                 log.exception("%s adapter failed to stop cleanly", adapter.platform)
         await self.profiles.close_all()
@@ -137,9 +143,14 @@ class GatewayApp:
         if self._own_llm:
             await self.llm.aclose()
 
-    async def drain(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued turn has finished (used by tests and the console)."""
-        return await self.lanes.drain(timeout)
+    async def drain(self, timeout: float | None = 30.0) -> bool:
+        """Wait until every queued turn and pending refusal has finished (tests, console)."""
+        if not await self.lanes.drain(timeout):
+            return False
+        if self._background:
+            done, pending = await asyncio.wait(list(self._background), timeout=timeout)
+            return not pending
+        return True
 
     # ----- inbound --------------------------------------------------------------------
     async def handle_inbound(self, msg: InboundMessage) -> None:
@@ -179,12 +190,20 @@ class GatewayApp:
             await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
                                             "Please wait for my answer, then send this again.")
 
+    def _in_background(self, coro) -> None:
+        """Run a reply outside the adapter's sink, so a slow send (e.g. flood control)
+        never holds up receiving; stop() waits for these."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _refuse_stranger(self, msg: InboundMessage) -> None:
         if msg.chat_type == "dm" and self.cfg.access.unauthorized_dm == "pair":
             code = await self.access.pairing_code(msg.principal)
-            await self.send(msg, f"Hi! I don't know you yet. Your pairing code is {code}. "
-                                 "Ask the operator of this bot to approve it with /pair " + code + ".",
-                            kind="notice")
+            text = (f"Hi! I don't know you yet. Your pairing code is {code}. "
+                    f"Ask the operator of this bot to approve it with /pair {code}.")
+            self._in_background(self._send_and_finish(msg, text, "notice", "unauthorized"))
+            return
         await self.inbox.finish(msg, "unauthorized")
 
     async def _refuse(self, msg: InboundMessage, outcome: str, text: str, quiet_key: str | None = None) -> None:
@@ -193,8 +212,15 @@ class GatewayApp:
         if quiet_key is None or now - self._limit_notified.get(quiet_key, -1e9) >= 60:
             if quiet_key is not None:
                 self._limit_notified[quiet_key] = now
-            await self.send(msg, text, kind="error")
+            self._in_background(self._send_and_finish(msg, text, "error", outcome))
+            return
         await self.inbox.finish(msg, outcome)
+
+    async def _send_and_finish(self, msg: InboundMessage, text: str, kind: str, outcome: str) -> None:
+        try:
+            await self.send(msg, text, kind=kind)
+        finally:
+            await self.inbox.finish(msg, outcome)
 
     # ----- the lane worker ------------------------------------------------------------
     def place_of(self, msg: InboundMessage, lane: Lane) -> ChatPlace:

@@ -3,6 +3,7 @@ every message (user, assistant, tool) through the session store's dual write."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -199,8 +200,8 @@ class Agent:
                 fn = call.get("function", {})
                 name, args = fn.get("name", ""), fn.get("arguments")
                 out = await toolbox.call(name, args)
-                if name == "memory" and ctx.profile.provider is not None and '"success": true' in out:
-                    await self._provider_memory_write(ctx, args)
+                if name == "memory" and ctx.profile.provider is not None:
+                    await self._provider_memory_write(ctx, args, out)
                 tool_msg = StoredMessage(session_id=ctx.session_id, role="tool", content=out,
                                          tool_call_id=call.get("id"), tool_name=name)
                 self.tokens.count_message(tool_msg)
@@ -209,9 +210,11 @@ class Agent:
             history.extend(outputs)
         return "(no answer)"  # unreachable: the last iteration offers no tools
 
-    async def _provider_memory_write(self, ctx: TurnContext, args: Any) -> None:
-        import json
+    async def _provider_memory_write(self, ctx: TurnContext, args: Any, result: str) -> None:
+        """Mirror a successful built-in memory write to the external provider."""
         try:
+            if not json.loads(result).get("success"):
+                return
             data = json.loads(args) if isinstance(args, str) else dict(args or {})
             await ctx.profile.provider.on_memory_write(
                 str(data.get("action", "")), str(data.get("target", "")), str(data.get("content", "")))

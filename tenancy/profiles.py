@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -22,6 +23,8 @@ from agent.sessions import SessionStore
 from tenancy.keys import tenant_dir
 
 SCHEMA_VERSION = 1
+
+log = logging.getLogger("hermes.profiles")
 
 
 @dataclass
@@ -99,6 +102,7 @@ class ProfileManager:
         make_provider(provider_kind)  # fail at start-up, not at the first turn
         self._open: OrderedDict[str, Profile] = OrderedDict()
         self._opening: dict[str, asyncio.Lock] = {}
+        self._closing: dict[str, asyncio.Task] = {}
         self._lock = asyncio.Lock()
 
     @property
@@ -115,32 +119,39 @@ class ProfileManager:
             profile.users -= 1
             profile.last_used = time.monotonic()
 
+    def _reuse(self, tenant_id: str) -> Profile | None:
+        """The open profile, marked in use and most recently used (call under `_lock`)."""
+        profile = self._open.get(tenant_id)
+        if profile is not None:
+            profile.users += 1
+            self._open.move_to_end(tenant_id)
+        return profile
+
     async def _acquire(self, tenant_id: str, kind: str) -> Profile:
         async with self._lock:
-            profile = self._open.get(tenant_id)
+            profile = self._reuse(tenant_id)
             if profile is not None:
-                profile.users += 1
-                self._open.move_to_end(tenant_id)
                 return profile
             opening = self._opening.setdefault(tenant_id, asyncio.Lock())
         async with opening:
             async with self._lock:
-                profile = self._open.get(tenant_id)
-                if profile is not None:  # opened by a concurrent caller meanwhile
-                    profile.users += 1
-                    self._open.move_to_end(tenant_id)
+                profile = self._reuse(tenant_id)  # opened by a concurrent caller meanwhile?
+                if profile is not None:
                     return profile
+                closing = self._closing.get(tenant_id)
+            if closing is not None:  # an eviction of this very profile is finishing
+                await asyncio.wait([closing])
             profile = await self._open_profile(tenant_id, kind)
             async with self._lock:
                 profile.users += 1
                 self._open[tenant_id] = profile
                 self._opening.pop(tenant_id, None)
-                victims = self._pick_victims()
-            for victim in victims:
-                await victim.close()
+                for victim in self._pick_victims():
+                    self._close_soon(victim)
             return profile
 
     def _pick_victims(self) -> list[Profile]:
+        """Idle profiles beyond `max_open`, least recently used first (call under `_lock`)."""
         victims = []
         for tid in list(self._open):
             if len(self._open) <= self.max_open:
@@ -148,6 +159,20 @@ class ProfileManager:
             if self._open[tid].users == 0:
                 victims.append(self._open.pop(tid))
         return victims
+
+    def _close_soon(self, profile: Profile) -> None:
+        """Close an evicted profile in the background; reopening it waits for this."""
+        task = asyncio.create_task(self._close(profile))
+        self._closing[profile.tenant_id] = task
+
+    async def _close(self, profile: Profile) -> None:
+        try:
+            await profile.close()
+        except Exception:
+            log.exception("closing a profile failed")
+        finally:
+            if self._closing.get(profile.tenant_id) is asyncio.current_task():
+                del self._closing[profile.tenant_id]
 
     async def _open_profile(self, tenant_id: str, kind: str) -> Profile:
         path = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
@@ -166,6 +191,13 @@ class ProfileManager:
         """Close a profile now (e.g. before deleting it); False if it is in use."""
         async with self._lock:
             profile = self._open.get(tenant_id)
+            closing = self._closing.get(tenant_id)
+        if profile is None:
+            if closing is not None:
+                await asyncio.wait([closing])
+            return True
+        async with self._lock:
+            profile = self._open.get(tenant_id)
             if profile is None:
                 return True
             if profile.users:
@@ -178,5 +210,8 @@ class ProfileManager:
         async with self._lock:
             profiles = list(self._open.values())
             self._open.clear()
+            closing = list(self._closing.values())
+        if closing:
+            await asyncio.wait(closing)
         for profile in profiles:
             await profile.close()

@@ -269,3 +269,17 @@ async def test_unknown_dm_user_gets_pairing_code_and_admin_approves(config_for, 
         assert await say(app, adapter, group("g", "nobody", "hello")) == []
     finally:
         await app.stop()
+
+
+async def test_wrong_api_key_gives_one_clear_sentence(config_for, fake_llm, monkeypatch):
+    monkeypatch.setenv("HG_FAKE_KEY", "sk-wrong-key-123")
+    fake_llm.set_api_key("sk-right")
+    adapter = RecordingAdapter()
+    app = await started(config_for(llm={"api_key_env": "HG_FAKE_KEY"}), adapter)
+    try:
+        out = await say(app, adapter, dm("kim", "hello?"))
+        assert out == ["The assistant's model provider rejected our credentials; an operator needs to fix the API key."]
+        assert "sk-wrong" not in out[0]
+        assert len(fake_llm.requests) == 1  # an auth failure is not retried
+    finally:
+        await app.stop()

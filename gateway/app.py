@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,6 +26,9 @@ from gateway.delivery import split_text
 from gateway.inbox import Inbox
 from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
+from gateway.linking import LaneMoved, Linking
+from gateway.logs import log_text, turn_logger
+from gateway.metrics import InstrumentedLLM, Metrics
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
 from tenancy.profiles import ProfileManager
@@ -87,7 +91,15 @@ class GatewayApp:
         self._own_llm = llm is None
         self.llm = llm or LLMClient.from_config(cfg.llm)
         self.tokens = tokens or TokenCounter.create(log)
-        self.agent = Agent(cfg, self.llm, self.tokens)
+        self.metrics = Metrics()
+        self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
+        self.agent = Agent(cfg, self.llm_monitor, self.tokens)
+        compressor = getattr(self.agent, "compression", None)
+        if compressor is not None and hasattr(compressor, "on_outcome"):
+            compressor.on_outcome = self.metrics.compression  # hermes_compressions_total{outcome}
+        self.linking = Linking(self)
+        self.observability = None  # gateway.observability.Observability when observability.listen is set
+        self._run_lock = None
         self.access = Access(cfg.access, self.inbox)
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self._limit_notified: dict[str, float] = {}
@@ -98,12 +110,18 @@ class GatewayApp:
             coalesce_wait_s=coalesce_ms / 1000)
         self._started = False
         self._accepting = False
+        self.metrics.bind(platforms=self.adapters, open_profiles=lambda: self.profiles.open_count,
+                          queue_depth=lambda: self.lanes.queued_by(lambda job: job.msg.platform),
+                          adapters_up=self._adapters_up)
         self._background: set[asyncio.Task] = set()
 
     # ----- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
         """Open storage, replay what a previous run left unanswered, start the adapters."""
+        from gateway.admin import RunLock
+
         self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
         await self.inbox.open()
         self._started = True
         self._accepting = True
@@ -117,6 +135,11 @@ class GatewayApp:
                 await adapter.start(self.handle_inbound)
             except Exception:
                 log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
+        if self.cfg.observability.listen:
+            from gateway.observability import Observability
+
+            self.observability = Observability(self, self.cfg.observability.listen)
+            await self.observability.start()
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
         """Stop taking new turns, let running ones finish and deliver (bounded), then stop
@@ -128,6 +151,7 @@ class GatewayApp:
             await self.lanes.cancel()
         if self._background:
             await asyncio.wait(list(self._background), timeout=drain_timeout)
+        await self.linking.close(drain_timeout)
         for adapter in self.adapters.values():
             try:
                 await adapter.stop()
@@ -142,6 +166,12 @@ class GatewayApp:
             self._started = False
         if self._own_llm:
             await self.llm.aclose()
+        if self.observability is not None:
+            await self.observability.stop()
+            self.observability = None
+        if self._run_lock is not None:
+            self._run_lock.release()
+            self._run_lock = None
 
     async def drain(self, timeout: float | None = 30.0) -> bool:
         """Wait until every queued turn and pending refusal has finished (tests, console)."""
@@ -156,8 +186,10 @@ class GatewayApp:
     async def handle_inbound(self, msg: InboundMessage) -> None:
         """The adapters' sink: returns once `msg` is durably recorded (or known already)."""
         if not await self.inbox.record(msg):
+            self.metrics.inbound.inc(platform=msg.platform, outcome="duplicate")
             log.info("duplicate %s message ignored", msg.platform)
             return
+        self.metrics.inbound.inc(platform=msg.platform, outcome="new")
         if self._accepting:
             await self._admit(msg)
 
@@ -198,6 +230,7 @@ class GatewayApp:
         task.add_done_callback(self._background.discard)
 
     async def _refuse_stranger(self, msg: InboundMessage) -> None:
+        self.metrics.refused(msg.platform, "unauthorized")
         if msg.chat_type == "dm" and self.cfg.access.unauthorized_dm == "pair":
             code = await self.access.pairing_code(msg.principal)
             text = (f"Hi! I don't know you yet. Your pairing code is {code}. "
@@ -208,6 +241,7 @@ class GatewayApp:
 
     async def _refuse(self, msg: InboundMessage, outcome: str, text: str, quiet_key: str | None = None) -> None:
         """Tell the person why their message was not taken (rate refusals once a minute)."""
+        self.metrics.refused(msg.platform, outcome)
         now = time.monotonic()
         if quiet_key is None or now - self._limit_notified.get(quiet_key, -1e9) >= 60:
             if quiet_key is not None:
@@ -230,10 +264,17 @@ class GatewayApp:
     async def _run_lane(self, key: str, jobs: list[Job]) -> None:
         first, last = jobs[0], jobs[-1]
         lane, place = first.lane, self.place_of(first.msg, first.lane)
+        platform, started = first.msg.platform, time.monotonic()
+        # ids of this turn go on its log lines explicitly (no context variable)
+        tlog = turn_logger(log, turn_id=secrets.token_hex(6), platform=platform, tenant=lane.tenant_id)
+        job_kind = "command" if parse_command(first.msg.text) is not None else "turn"
+        self.metrics.in_flight.add(1, platform=platform)
         typing = asyncio.create_task(self._keep_typing(last.msg))
         outcome = "replied"
         try:
-            async with self.profiles.use(lane.tenant_id, kind=lane.kind) as profile:
+            async with self.linking.use(first.msg, lane) as profile:
+                for job in jobs:
+                    log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
                 if lane.principal not in profile.principals and lane.kind == "person":
                     await asyncio.to_thread(profile.add_principal, lane.principal)
                 command = parse_command(first.msg.text)
@@ -252,17 +293,37 @@ class GatewayApp:
                     text, kind = result.text, result.kind
                     if kind == "error":
                         outcome = "llm_error"
+        except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
+            await self._move_jobs(jobs, moved.lane)
+            return
         except Exception:
-            log.exception("turn failed")
+            tlog.exception("turn failed")
             text, kind, outcome = ("Something went wrong on my side while answering; your message "
                                    "was kept. Please try again."), "error", "error"
         finally:
             typing.cancel()
+            self.metrics.in_flight.add(-1, platform=platform)
         sent = await self.send(last.msg, text, kind=kind)
         if sent is None and last.msg.platform in self.adapters:
             outcome = "undelivered" if outcome == "replied" else outcome
         for job in jobs:
             await self.inbox.finish(job.msg, outcome)
+        seconds = time.monotonic() - started
+        self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
+        tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
+                  extra={"outcome": outcome, "duration_ms": round(seconds * 1000)})
+
+    async def _move_jobs(self, jobs: list[Job], lane: Lane) -> None:
+        """Queue jobs whose tenant changed (a /link or /unlink) on the lane they belong to now."""
+        for job in jobs:
+            if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(job.msg, lane)):
+                await self._refuse(job.msg, "busy", "I'm still working on your earlier messages. "
+                                                    "Please wait for my answer, then send this again.")
+
+    def _adapters_up(self) -> dict[str, bool | None]:
+        from gateway.observability import adapter_state
+
+        return {platform: adapter_state(adapter)[0] for platform, adapter in self.adapters.items()}
 
     @staticmethod
     def _input_text(msg: InboundMessage) -> str:
@@ -313,8 +374,7 @@ class GatewayApp:
 
     # ----- identity links (the /link command) -----------------------------------------
     async def link_command(self, msg: InboundMessage, args: str) -> str:
-        return ("Linking accounts from the chat isn't enabled yet; the operator can link them in "
-                "the config (tenancy.identity_links).")
+        return await self.linking.link_command(msg, args)
 
     async def unlink_command(self, msg: InboundMessage) -> str:
-        return "Unlinking from the chat isn't enabled yet; the operator can change tenancy.identity_links."
+        return await self.linking.unlink_command(msg)

@@ -10,17 +10,17 @@ import signal
 import sys
 from pathlib import Path
 
+from gateway.admin import AdminError
 from gateway.config import Config, ConfigError, load_config
 
 DEFAULT_CONFIG = "hermes-gateway.yaml"
 
 
 def setup_logging(cfg: Config | None, *, quiet: bool = False) -> None:
-    level = "WARNING" if quiet else (cfg.logging.level if cfg else "INFO")
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "httpcore", "aiosqlite", "discord", "telegram"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    """stderr logging as `logging.format` says (text or JSON lines), with secrets redacted."""
+    from gateway.logs import configure_logging
+
+    configure_logging(cfg, quiet=quiet)
 
 
 def build_adapters(cfg: Config) -> list:
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(err, file=sys.stderr)
             return 2
+        except AdminError as err:  # another gateway holds the data directory
+            print(f"error: {err}", file=sys.stderr)
+            return 1
     handler = getattr(args, "handler", None)
     if handler is not None:
         setup_logging(cfg, quiet=True)
@@ -140,6 +143,15 @@ def main(argv: list[str] | None = None) -> int:
 # Extra subcommands register here (e.g. `profiles`, `backup`): callables taking the
 # subparsers object and setting `handler=fn(cfg, args) -> int` on their parser.
 _EXTRA_COMMANDS: list = []
+
+
+def _register_admin(sub) -> None:
+    from gateway.admin import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_admin)
 
 if __name__ == "__main__":
     sys.exit(main())

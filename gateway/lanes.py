@@ -34,6 +34,15 @@ class Lanes(Generic[Job]):
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values()) + len(self._workers)
 
+    def queued_by(self, label: Callable[[Job], str]) -> dict[str, int]:
+        """Jobs waiting (not yet running) per `label(job)`, e.g. per platform for /metrics."""
+        out: dict[str, int] = {}
+        for queue in self._queues.values():
+            for job in queue:
+                key = label(job)
+                out[key] = out.get(key, 0) + 1
+        return out
+
     def submit(self, key: str, job: Job) -> bool:
         """Queue `job` on lane `key`; False when the lane already holds `max_queued` jobs."""
         queue = self._queues.setdefault(key, deque())

@@ -1,0 +1,901 @@
+"""Operator commands: `profiles list|show|export|delete|restore`, `backup`, `restore`, `health`.
+
+Consistency rules:
+- Reads (`list`, `show`, `export`, `backup`) work while the gateway runs. SQLite files are
+  copied with SQLite's online backup API (a consistent snapshot, writers not blocked), the
+  database first and the journals after, so a copy's journals are never older than its
+  database; opening the copy reconciles the two (a torn last journal line is cut).
+- Changes (`profiles delete`, `profiles restore`, `restore`) need the gateway stopped: the
+  running gateway holds `<data_dir>/gateway.lock` (an flock), keeps links.json and
+  gateway.db in memory, and may have the profile open. They refuse with a clear message
+  while the lock is held, and hold it themselves while they work, so a gateway cannot
+  start halfway through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import sqlite3
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+from urllib.parse import unquote
+
+from gateway.config import Config
+from tenancy.identity import IdentityLinks
+from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir
+
+LOCK_NAME = "gateway.lock"
+RETIRED_MARKER = "merged-into.json"  # written by gateway/linking.py into a merged-away profile
+EXPORT_FORMAT = "hermes-gateway-profile-export"
+BACKUP_FORMAT = "hermes-gateway-backup"
+_STATE_FILES = {"state.db", "state.db-wal", "state.db-shm", "state.db-journal"}
+# kv keys of gateway.db that name a principal after the prefix
+_PRINCIPAL_KEYS = ("paired:", "pairing-of:", "link-code-of:", "link-issued:", "link-fail:")
+
+
+class AdminError(Exception):
+    """A refusal or failure to report to the operator (exit status 1)."""
+
+
+# ----- the run lock -----------------------------------------------------------------------
+
+class RunLock:
+    """`<data_dir>/gateway.lock`, held (flock) by a running gateway and by admin commands
+    that change data. Released when the holder exits, however it exits."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = Path(data_dir) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self, what: str = "the gateway") -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise AdminError(
+                f"{self.path.parent} is in use: a hermes-gateway (or an admin command) holds {self.path}. "
+                f"Stop the gateway first (systemctl stop hermes-gateway, or docker compose stop), "
+                f"then run {what} again. Exports and backups work while it runs.") from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire() if self._fd is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def gateway_running(data_dir: Path) -> bool:
+    """True while some process (this one included) holds the run lock."""
+    path = Path(data_dir) / LOCK_NAME
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+# ----- finding tenants ----------------------------------------------------------------------
+
+@dataclass
+class TenantInfo:
+    tenant_id: str
+    dir_name: str
+    path: Path
+    kind: str = "person"
+    principals: list[str] = field(default_factory=list)
+    created_at: float | None = None
+    merged_into: str | None = None  # a profile merged away by /link and not yet removed
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((path / "tenant.json").read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def tenant_info(path: Path) -> TenantInfo:
+    manifest = read_manifest(path)
+    merged = None
+    try:
+        merged = json.loads((path / RETIRED_MARKER).read_text(encoding="utf-8")).get("tenant")
+    except (OSError, ValueError, AttributeError):
+        pass
+    tid = manifest.get("tenant_id") if isinstance(manifest.get("tenant_id"), str) else path.name
+    return TenantInfo(tenant_id=tid, dir_name=path.name, path=path, kind=str(manifest.get("kind", "person")),
+                      principals=[p for p in manifest.get("principals", []) if isinstance(p, str)],
+                      created_at=manifest.get("created_at"), merged_into=merged)
+
+
+def scan_profiles(data_dir: Path) -> list[TenantInfo]:
+    root = Path(data_dir) / "profiles"
+    if not root.is_dir():
+        return []
+    return [tenant_info(p) for p in sorted(root.iterdir())
+            if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")]
+
+
+def load_links(cfg: Config) -> IdentityLinks:
+    return IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
+
+
+def link_names_of(links: IdentityLinks, tenant_id: str) -> list[str]:
+    """The link name(s) whose tenant is `tenant_id` (at most one in practice)."""
+    if not tenant_id.startswith("link-"):
+        return []
+    return [n for n in links.names() if link_tenant_id(n) == tenant_id]
+
+
+def find_tenant(cfg: Config, ref: str) -> TenantInfo:
+    """A tenant by id (`telegram-111`, `link-alice`), directory name, or principal
+    (`telegram:111`, following identity links)."""
+    profiles = scan_profiles(cfg.data_dir)
+    for info in profiles:
+        if ref in (info.tenant_id, info.dir_name):
+            return info
+    linked = load_links(cfg).tenant_for(ref) if ":" in ref else None
+    if linked is not None:
+        for info in profiles:
+            if info.tenant_id == linked:
+                return info
+    owners = [i for i in profiles if ref in i.principals and i.merged_into is None]
+    if len(owners) == 1:
+        return owners[0]
+    if len(owners) > 1:
+        raise AdminError(f"{ref} appears in several profiles: {', '.join(i.tenant_id for i in owners)}; "
+                         "name the tenant id instead")
+    try:
+        path = tenant_dir(cfg.data_dir, ref)
+    except (TypeError, ValueError):
+        path = None
+    if path is not None and path.is_dir():
+        return tenant_info(path)
+    raise AdminError(f"no profile found for {ref!r} under {cfg.data_dir / 'profiles'} "
+                     "(see `hermes-gateway profiles list`)")
+
+
+# ----- reading a profile --------------------------------------------------------------------
+
+def _connect_ro(db: Path) -> sqlite3.Connection:
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")
+        return conn
+    except sqlite3.Error:
+        return sqlite3.connect(db, timeout=10)
+
+
+def disk_usage(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def profile_stats(path: Path) -> dict[str, Any]:
+    stats: dict[str, Any] = {"sessions": 0, "messages": 0, "last_activity": None, "disk_bytes": disk_usage(path)}
+    db = path / "state.db"
+    if db.exists():
+        conn = _connect_ro(db)
+        try:
+            row = conn.execute(
+                "SELECT (SELECT count(*) FROM sessions), (SELECT count(*) FROM messages), "
+                "max(COALESCE((SELECT max(timestamp) FROM messages), 0), "
+                "COALESCE((SELECT max(max(COALESCE(started_at,0), COALESCE(ended_at,0))) FROM sessions), 0))"
+            ).fetchone()
+            stats.update(sessions=row[0], messages=row[1], last_activity=row[2] or None)
+        except sqlite3.Error as err:
+            stats["error"] = f"state.db unreadable: {err}"
+        finally:
+            conn.close()
+    return stats
+
+
+def session_rows(path: Path) -> list[dict[str, Any]]:
+    db = path / "state.db"
+    if not db.exists():
+        return []
+    conn = _connect_ro(db)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in conn.execute(
+            "SELECT id, session_key, started_at, ended_at, end_reason, parent_session_id, message_count, "
+            "input_tokens, output_tokens, compressions FROM sessions ORDER BY started_at, id")]
+    finally:
+        conn.close()
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts)) if ts else "-"
+
+
+# ----- copying --------------------------------------------------------------------------------
+
+def _skip(rel: Path) -> bool:
+    name = rel.name
+    return (name == ".lock" or name.endswith(".tmp") or (len(rel.parts) == 1 and name in _STATE_FILES)
+            or name.startswith(".tenant.json."))
+
+
+def copy_profile_files(src: Path, dst: Path) -> list[str]:
+    """Copy every regular file of a profile except state.db* and lock/temp files (symlinks
+    are never followed). Returns the relative paths copied."""
+    copied = []
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        for name in sorted(files):
+            full = Path(root) / name
+            rel = full.relative_to(src)
+            if _skip(rel) or full.is_symlink() or not full.is_file():
+                continue
+            target = dst / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.copyfile(full, target)
+            except FileNotFoundError:  # removed meanwhile (e.g. a temp file renamed)
+                continue
+            copied.append(str(rel))
+    return copied
+
+
+def sqlite_backup(src: Path, dst: Path) -> None:
+    """Online backup of `src` to `dst` (a consistent snapshot; writers are not blocked)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        dst.unlink()
+    source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)
+    try:
+        target = sqlite3.connect(dst)
+        try:
+            source.backup(target)
+            target.execute("PRAGMA journal_mode=DELETE")  # a self-contained file, no -wal
+        finally:
+            target.close()
+    finally:
+        source.close()
+    for suffix in ("-wal", "-shm"):
+        Path(f"{dst}{suffix}").unlink(missing_ok=True)
+
+
+def integrity_check(db: Path) -> str:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _safe_extract(archive: Path, dest: Path) -> None:
+    with tarfile.open(archive, "r:*") as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+                raise AdminError(f"{archive}: refusing unsafe archive member {member.name!r}")
+        tar.extractall(dest, filter="data")
+
+
+def _write_tar(src_dir: Path, out: Path) -> None:
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        for entry in sorted(src_dir.iterdir()):
+            tar.add(entry, arcname=entry.name)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+
+
+# ----- gateway.db traces ------------------------------------------------------------------------
+
+def _kv_principal(key: str, value: str) -> str | None:
+    for prefix in _PRINCIPAL_KEYS:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    if key.startswith(("pairing:", "link-code:")):
+        try:
+            data = json.loads(value)
+        except ValueError:
+            return None
+        return data.get("principal") if isinstance(data, dict) else None
+    return None
+
+
+def dm_chats(path: Path) -> set[tuple[str, str]]:
+    """(platform, chat_id) of every DM lane in a profile, from its sessions' keys."""
+    out = set()
+    for row in session_rows(path):
+        parts = (row.get("session_key") or "").split(":")
+        if len(parts) == 5 and parts[:2] == ["agent", "main"] and parts[3] == "dm":
+            out.add((unquote(parts[2]), unquote(parts[4])))
+    return out
+
+
+def paired_principals(data_dir: Path, principals: Iterable[str]) -> list[str]:
+    db = Path(data_dir) / "gateway.db"
+    if not db.exists():
+        return []
+    conn = _connect_ro(db)
+    try:
+        return [p for p in principals
+                if conn.execute("SELECT 1 FROM kv WHERE key=?", (f"paired:{p}",)).fetchone()]
+    except sqlite3.Error:
+        return []
+    finally:
+        conn.close()
+
+
+def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str, str]]) -> int:
+    """Remove a tenant's traces from gateway.db: kv rows naming its principals and inbox rows
+    of its DM chats (or pending rows from its principals), then VACUUM so no freed page
+    keeps them. The gateway must be stopped."""
+    db = Path(data_dir) / "gateway.db"
+    if not db.exists():
+        return 0
+    for platform, user in (p.split(":", 1) for p in principals if ":" in p):
+        chats = chats | {(platform, user)}  # Telegram: a DM chat id is the user id
+    conn = sqlite3.connect(db, timeout=30)
+    removed = 0
+    try:
+        conn.execute("PRAGMA secure_delete=ON")
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        with conn:
+            if "kv" in tables:
+                for key, value in conn.execute("SELECT key, value FROM kv").fetchall():
+                    if _kv_principal(key, value) in principals:
+                        conn.execute("DELETE FROM kv WHERE key=?", (key,))
+                        removed += 1
+            if "inbound" in tables:
+                for platform, chat in chats:
+                    removed += conn.execute("DELETE FROM inbound WHERE platform=? AND chat_id=?",
+                                            (platform, chat)).rowcount
+                for platform, chat, mid, payload in conn.execute(
+                        "SELECT platform, chat_id, message_id, payload FROM inbound WHERE payload IS NOT NULL"
+                ).fetchall():
+                    try:
+                        data = json.loads(payload)
+                        who = f"{data.get('platform')}:{data.get('user_id')}"
+                    except (ValueError, AttributeError):
+                        continue
+                    if who in principals:
+                        conn.execute("DELETE FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
+                                     (platform, chat, mid))
+                        removed += 1
+        conn.execute("VACUUM")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+    return removed
+
+
+def _kv_put(data_dir: Path, items: dict[str, str]) -> None:
+    db = Path(data_dir) / "gateway.db"
+    conn = sqlite3.connect(db, timeout=30)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        with conn:
+            conn.executemany("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)", list(items.items()))
+    finally:
+        conn.close()
+
+
+# ----- export / restore of one profile --------------------------------------------------------
+
+def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Path:
+    """One .tar.gz with everything the tenant owns: EXPORT.json, profile/tenant.json,
+    profile/memories/, profile/sessions/*.jsonl, profile/provider/, profile/state.db (online
+    backup) and profile/state.sql (a text dump of it). Mode 0600."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = Path(out) if out else Path.cwd() / f"hermes-export-{info.dir_name}-{stamp}.tar.gz"
+    if out.is_dir():
+        out = out / f"hermes-export-{info.dir_name}-{stamp}.tar.gz"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    links = load_links(cfg)
+    link_name = next(iter(link_names_of(links, info.tenant_id)), None)
+    principals = sorted(set(info.principals) | set(links.principals_of(link_name) if link_name else []))
+    with tempfile.TemporaryDirectory(prefix=".hermes-export-", dir=out.parent) as tmp:
+        stage = Path(tmp) / "profile"
+        stage.mkdir()
+        if (info.path / "state.db").exists():
+            sqlite_backup(info.path / "state.db", stage / "state.db")  # database first, journals after
+            conn = sqlite3.connect(stage / "state.db")
+            try:
+                with open(stage / "state.sql", "w", encoding="utf-8") as fh:
+                    for line in conn.iterdump():
+                        fh.write(line + "\n")
+            finally:
+                conn.close()
+        files = copy_profile_files(info.path, stage)
+        manifest = {
+            "format": EXPORT_FORMAT, "version": 1, "exported_at": time.time(),
+            "tenant_id": info.tenant_id, "dir_name": info.dir_name, "kind": info.kind,
+            "principals": principals,
+            "link": {"name": link_name, "principals": links.principals_of(link_name)} if link_name else None,
+            "paired": paired_principals(cfg.data_dir, principals),
+            "files": sorted(files + (["state.db", "state.sql"] if (stage / "state.db").exists() else [])),
+        }
+        (Path(tmp) / "EXPORT.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
+        _write_tar(Path(tmp), out)
+    return out
+
+
+def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> TenantInfo:
+    """Put an exported profile back (gateway stopped): its directory, its identity link and
+    its pairing approval."""
+    archive = Path(archive)
+    if not archive.is_file():
+        raise AdminError(f"{archive}: no such archive")
+    with RunLock(cfg.data_dir).acquire("`profiles restore`"):
+        profiles_root = cfg.data_dir / "profiles"
+        profiles_root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".restore-", dir=profiles_root) as tmp:
+            _safe_extract(archive, Path(tmp))
+            try:
+                manifest = json.loads((Path(tmp) / "EXPORT.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                raise AdminError(f"{archive}: not a hermes-gateway profile export (no EXPORT.json)") from None
+            if manifest.get("format") != EXPORT_FORMAT:
+                raise AdminError(f"{archive}: not a hermes-gateway profile export")
+            tid = manifest["tenant_id"]
+            target = tenant_dir(cfg.data_dir, tid)
+            if manifest.get("dir_name") not in (None, target.name):
+                raise AdminError(f"{archive}: tenant {tid!r} belongs in {target.name}, the archive says "
+                                 f"{manifest.get('dir_name')}")
+            if target.exists() and any(target.iterdir()):
+                if not force:
+                    raise AdminError(f"{tid} already has a profile at {target}; use --force to replace it")
+                shutil.rmtree(target)
+            stage = Path(tmp) / "profile"
+            (stage / "state.sql").unlink(missing_ok=True)  # the dump is for people; state.db is the copy
+            if (stage / "state.db").exists() and integrity_check(stage / "state.db") != "ok":
+                raise AdminError(f"{archive}: state.db fails PRAGMA integrity_check")
+            for sub in ("memories", "sessions", "provider"):
+                (stage / sub).mkdir(exist_ok=True)
+            _fsync_tree(stage)
+            os.replace(stage, target)
+        link = manifest.get("link") or None
+        if link and link.get("name"):
+            links = load_links(cfg)
+            for p in link.get("principals", []):
+                current = links.name_for(p)
+                if current is None:
+                    links.link(link["name"], p)
+                elif current != link["name"]:
+                    print(f"warning: {p} is now linked to {current!r}; not re-linked to {link['name']!r}",
+                          file=sys.stderr)
+            links.save()
+        paired = manifest.get("paired") or []
+        if paired:
+            _kv_put(cfg.data_dir, {f"paired:{p}": str(time.time()) for p in paired})
+    return tenant_info(target)
+
+
+# ----- delete -----------------------------------------------------------------------------------
+
+@dataclass
+class DeleteReport:
+    tenant_id: str
+    removed_dirs: list[str]
+    principals: list[str]
+    links_removed: list[str]
+    gateway_rows: int
+    pinned: list[str]
+
+
+def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
+    """Remove everything a tenant owns (the gateway must be stopped): its profile directory
+    (memory, journals, state.db, provider namespace, exports), profiles merged into it and
+    left behind, its identity link, and its rows in gateway.db."""
+    data_dir = cfg.data_dir
+    with RunLock(data_dir).acquire("`profiles delete`"):
+        lock_fd = _lock_profile(info.path)
+        try:
+            links = load_links(cfg)
+            principals = set(info.principals)
+            link_names = {links.name_for(p) for p in principals} - {None}
+            link_names |= set(link_names_of(links, info.tenant_id))
+            for name in link_names:
+                principals |= set(links.principals_of(name))
+            chats = dm_chats(info.path)
+            dirs = [info.path]
+            for other in scan_profiles(data_dir):
+                if other.path != info.path and other.merged_into == info.tenant_id:
+                    dirs.append(other.path)  # a profile /link merged into this one, not yet removed
+            if link_names:
+                for p in principals:  # personal profiles of linked principals are never used again
+                    platform, _, uid = p.partition(":")
+                    try:
+                        stale = tenant_dir(data_dir, person_tenant_id(platform, uid))
+                    except (TypeError, ValueError):
+                        continue
+                    if stale.is_dir() and stale != info.path and stale not in dirs:
+                        dirs.append(stale)
+            for extra in dirs[1:]:
+                chats |= dm_chats(extra)
+            for path in dirs:
+                shutil.rmtree(path)
+        finally:
+            os.close(lock_fd)
+        removed_links, pinned = [], []
+        for p in sorted(principals):
+            if links.name_for(p) is None:
+                continue
+            if links.is_pinned(p):
+                pinned.append(p)
+                continue
+            links.unlink(p)
+            removed_links.append(p)
+        if removed_links or (data_dir / "links.json").exists():
+            links.save()
+        rows = scrub_gateway_db(data_dir, principals, chats)
+    return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned)
+
+
+def _lock_profile(path: Path) -> int:
+    """Take the profile's SessionStore lock so nothing has it open while it is removed."""
+    lock = path / "sessions" / ".lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise AdminError(f"{path} is open in another process; stop the gateway first") from None
+    return fd
+
+
+# ----- backup / restore of the whole data directory ---------------------------------------------
+
+def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> Path:
+    """A consistent copy of the data directory while the gateway runs: every state.db and
+    gateway.db through SQLite's online backup, then journals, memories, provider files and
+    links.json. `dest` ending in .tar.gz/.tgz gives one archive (mode 0600); an existing
+    directory gets a timestamped archive inside (and `keep` prunes older ones); any other
+    path becomes a new directory."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise AdminError(f"{data_dir}: no such data directory")
+    dest = Path(dest)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    rotate_in = None
+    if dest.is_dir():
+        rotate_in = dest
+        dest = dest / f"hermes-backup-{stamp}.tar.gz"
+    as_tar = dest.name.endswith((".tar.gz", ".tgz"))
+    if dest.exists():
+        raise AdminError(f"{dest} already exists")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".hermes-backup-", dir=dest.parent) as tmp:
+        stage = Path(tmp) / "data"
+        stage.mkdir(mode=0o700)
+        report: dict[str, Any] = {"format": BACKUP_FORMAT, "version": 1, "created_at": time.time(),
+                                  "source": str(data_dir), "profiles": 0, "databases": []}
+        for entry in sorted(data_dir.iterdir()):  # gateway.db, links.json, anything a future version adds
+            name = entry.name
+            if name.startswith(".") or name == LOCK_NAME or not entry.is_file() or entry.is_symlink() \
+                    or name.endswith(("-wal", "-shm", "-journal", ".tmp")):
+                continue
+            if name.endswith(".db"):
+                sqlite_backup(entry, stage / name)
+                report["databases"].append(name)
+            else:
+                shutil.copyfile(entry, stage / name)
+        for info in scan_profiles(data_dir):
+            target = stage / "profiles" / info.dir_name
+            target.mkdir(parents=True)
+            if (info.path / "state.db").exists():
+                sqlite_backup(info.path / "state.db", target / "state.db")  # database first, journals after
+                report["databases"].append(f"profiles/{info.dir_name}/state.db")
+            copy_profile_files(info.path, target)
+            report["profiles"] += 1
+        (stage / "BACKUP.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+        if as_tar:
+            _write_tar(stage, dest)
+        else:
+            _fsync_tree(stage)
+            os.replace(stage, dest)
+    if rotate_in is not None and keep:
+        old = sorted(rotate_in.glob("hermes-backup-*.tar.gz"))
+        for path in old[:-keep]:
+            path.unlink()
+    return dest
+
+
+def restore_data_dir(src: Path, data_dir: Path) -> dict[str, Any]:
+    """Restore a `backup` (directory or archive) into an empty data directory."""
+    src, data_dir = Path(src), Path(data_dir)
+    if data_dir.exists() and any(p.name != LOCK_NAME for p in data_dir.iterdir()):
+        raise AdminError(f"{data_dir} is not empty; restore goes into an empty data directory "
+                         "(move the old one aside first)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with RunLock(data_dir).acquire("`restore`"):
+        with tempfile.TemporaryDirectory(prefix=".hermes-restore-", dir=data_dir) as tmp:
+            if src.is_dir():
+                stage = Path(tmp) / "data"
+                shutil.copytree(src, stage, symlinks=False)
+            elif src.is_file():
+                _safe_extract(src, Path(tmp))
+                stage = Path(tmp)
+            else:
+                raise AdminError(f"{src}: no such backup")
+            try:
+                report = json.loads((stage / "BACKUP.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                raise AdminError(f"{src}: not a hermes-gateway backup (no BACKUP.json)") from None
+            if report.get("format") != BACKUP_FORMAT:
+                raise AdminError(f"{src}: not a hermes-gateway backup")
+            for db in report.get("databases", []):
+                if (stage / db).exists() and integrity_check(stage / db) != "ok":
+                    raise AdminError(f"{src}: {db} fails PRAGMA integrity_check")
+            _fsync_tree(stage)
+            for entry in stage.iterdir():
+                if entry.name in ("BACKUP.json", LOCK_NAME) or entry.name.startswith(".hermes-restore-"):
+                    continue
+                os.replace(entry, data_dir / entry.name)
+    return report
+
+
+# ----- the command line -----------------------------------------------------------------------
+
+def _check_owner(cfg: Config) -> None:
+    """Refuse to run as root on a data directory owned by the service user: files root
+    creates (SQLite -shm/-wal, restored profiles) would lock the gateway out."""
+    try:
+        owner = cfg.data_dir.stat().st_uid
+    except FileNotFoundError:
+        return
+    if os.geteuid() == 0 and owner != 0:
+        raise AdminError(f"{cfg.data_dir} belongs to uid {owner}; run this as that user "
+                         f"(e.g. sudo -u hermes-gateway hermes-gateway ...) so new files stay readable by the gateway")
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=1, ensure_ascii=False, default=str))
+
+
+def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
+    _check_owner(cfg)
+    rows = []
+    links = load_links(cfg)
+    for info in scan_profiles(cfg.data_dir):
+        stats = profile_stats(info.path)
+        principals = info.principals
+        for name in link_names_of(links, info.tenant_id):
+            principals = sorted(set(principals) | set(links.principals_of(name)))
+        rows.append({"tenant": info.tenant_id, "kind": info.kind, "principals": principals, **stats,
+                     **({"merged_into": info.merged_into} if info.merged_into else {})})
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print(f"no profiles under {cfg.data_dir / 'profiles'}")
+        return 0
+    header = ("TENANT", "PRINCIPALS", "SESSIONS", "MESSAGES", "DISK", "LAST ACTIVITY (UTC)")
+    table = [header] + [
+        (r["tenant"] + (f" (merged into {r['merged_into']})" if r.get("merged_into") else ""),
+         ",".join(r["principals"]) or "-", str(r["sessions"]), str(r["messages"]),
+         _human_bytes(r["disk_bytes"]), _when(r["last_activity"])) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
+    _check_owner(cfg)
+    info = find_tenant(cfg, args.tenant)
+    links = load_links(cfg)
+    stats = profile_stats(info.path)
+    memory = {}
+    for target, fname in (("memory", "MEMORY.md"), ("user", "USER.md")):
+        try:
+            text = (info.path / "memories" / fname).read_text(encoding="utf-8")
+        except OSError:
+            text = ""
+        entries = [e for e in text.split("\n§\n") if e.strip()]
+        memory[target] = {"entries": len(entries), "chars": len(text)}
+    provider_files = sorted(str(p.relative_to(info.path)) for p in (info.path / "provider").rglob("*")
+                            if p.is_file()) if (info.path / "provider").is_dir() else []
+    linked = sorted({links.name_for(p) for p in info.principals} - {None})
+    data = {"tenant": info.tenant_id, "directory": str(info.path), "kind": info.kind,
+            "principals": info.principals, "created_at": info.created_at,
+            "links": {n: links.principals_of(n) for n in linked}, **stats, "memory": memory,
+            "provider_files": provider_files, "sessions_detail": session_rows(info.path),
+            **({"merged_into": info.merged_into} if info.merged_into else {})}
+    if args.json:
+        _print_json(data)
+        return 0
+    print(f"tenant:        {info.tenant_id} ({info.kind})")
+    print(f"directory:     {info.path}")
+    print(f"principals:    {', '.join(info.principals) or '-'}")
+    if data["links"]:
+        print(f"linked:        " + "; ".join(f"{n}: {', '.join(ps)}" for n, ps in data["links"].items()))
+    if info.merged_into:
+        print(f"merged into:   {info.merged_into} (left behind by /link; safe to delete)")
+    print(f"created:       {_when(info.created_at)}")
+    print(f"last activity: {_when(stats['last_activity'])}")
+    print(f"disk use:      {_human_bytes(stats['disk_bytes'])}")
+    print(f"memory:        MEMORY.md {memory['memory']['entries']} entries / {memory['memory']['chars']} chars, "
+          f"USER.md {memory['user']['entries']} entries / {memory['user']['chars']} chars")
+    print(f"provider:      {len(provider_files)} file(s)")
+    print(f"sessions:      {stats['sessions']} ({stats['messages']} messages)")
+    for s in data["sessions_detail"]:
+        state = f"ended {_when(s['ended_at'])} ({s['end_reason']})" if s["ended_at"] else "live"
+        print(f"  {s['id']}  {s['session_key']}  {s['message_count']} msgs  started {_when(s['started_at'])}  {state}")
+    return 0
+
+
+def cmd_profiles_export(cfg: Config, args: argparse.Namespace) -> int:
+    _check_owner(cfg)
+    info = find_tenant(cfg, args.tenant)
+    out = export_profile(cfg, info, Path(args.output) if args.output else None)
+    print(f"exported {info.tenant_id} to {out}")
+    return 0
+
+
+def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
+    _check_owner(cfg)
+    info = find_tenant(cfg, args.tenant)
+    if gateway_running(cfg.data_dir):
+        RunLock(cfg.data_dir).acquire("`profiles delete`")  # raises the explanation
+    stats = profile_stats(info.path)
+    print(f"This permanently deletes {info.tenant_id} ({', '.join(info.principals) or 'no principals'}): "
+          f"{stats['sessions']} session(s), {stats['messages']} message(s), memory, provider data, "
+          f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db.")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print("Refusing without confirmation: run it in a terminal, or pass --yes.", file=sys.stderr)
+            return 1
+        answer = input(f"Type the tenant id ({info.tenant_id}) to confirm: ").strip()
+        if answer != info.tenant_id:
+            print("Not confirmed; nothing was deleted.")
+            return 1
+    report = delete_tenant(cfg, info)
+    print(f"deleted {report.tenant_id}: {len(report.removed_dirs)} profile director(y/ies), "
+          f"{len(report.links_removed)} link entr(y/ies), {report.gateway_rows} gateway.db row(s)")
+    if report.pinned:
+        print(f"note: {', '.join(report.pinned)} are linked in the config file (tenancy.identity_links); "
+              "remove them there too.")
+    return 0
+
+
+def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
+    _check_owner(cfg)
+    info = restore_profile(cfg, Path(args.archive), force=args.force)
+    stats = profile_stats(info.path)
+    print(f"restored {info.tenant_id} to {info.path}: {stats['sessions']} session(s), {stats['messages']} message(s)")
+    return 0
+
+
+def cmd_backup(cfg: Config, args: argparse.Namespace) -> int:
+    _check_owner(cfg)
+    dest = backup_data_dir(cfg.data_dir, Path(args.dest), keep=args.keep)
+    print(f"backup written to {dest}")
+    return 0
+
+
+def cmd_restore(cfg: Config, args: argparse.Namespace) -> int:
+    _check_owner(cfg)
+    report = restore_data_dir(Path(args.src), cfg.data_dir)
+    print(f"restored {report.get('profiles', 0)} profile(s) into {cfg.data_dir} "
+          f"(backup of {_when(report.get('created_at'))} UTC)")
+    return 0
+
+
+def cmd_health(cfg: Config, args: argparse.Namespace) -> int:
+    from gateway.observability import probe_health
+
+    listen = args.listen or cfg.observability.listen
+    if not listen:
+        print("observability.listen is not set in the config; there is no health endpoint to ask.",
+              file=sys.stderr)
+        return 2
+    status, body = probe_health(listen, timeout=args.timeout)
+    if not args.quiet:
+        print(body.strip())
+    return 0 if status == 200 else 1
+
+
+def _guard(fn: Any) -> Any:
+    def run(cfg: Config, args: argparse.Namespace) -> int:
+        try:
+            return fn(cfg, args)
+        except AdminError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    return run
+
+
+def register(sub: Any) -> None:
+    """Add the operator subcommands to the CLI (see gateway/cli.py `_EXTRA_COMMANDS`)."""
+    profiles = sub.add_parser("profiles", help="list, show, export, delete or restore tenant profiles")
+    psub = profiles.add_subparsers(dest="profiles_command", required=True)
+    p = psub.add_parser("list", help="every tenant: principals, sessions, messages, disk use, last activity")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_guard(cmd_profiles_list))
+    p = psub.add_parser("show", help="one tenant in detail (id, principal like telegram:111, or directory)")
+    p.add_argument("tenant")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_guard(cmd_profiles_show))
+    p = psub.add_parser("export", help="one .tar.gz of everything a tenant owns (works while running)")
+    p.add_argument("tenant")
+    p.add_argument("-o", "--output", default=None, help="archive path or directory (default: current directory)")
+    p.set_defaults(handler=_guard(cmd_profiles_export))
+    p = psub.add_parser("delete", help="delete everything a tenant owns (gateway stopped; asks to confirm)")
+    p.add_argument("tenant")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(handler=_guard(cmd_profiles_delete))
+    p = psub.add_parser("restore", help="put back a profile from a `profiles export` archive (gateway stopped)")
+    p.add_argument("archive")
+    p.add_argument("--force", action="store_true", help="replace an existing profile of the same tenant")
+    p.set_defaults(handler=_guard(cmd_profiles_restore))
+    for p in psub.choices.values():
+        p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS)
+
+    p = sub.add_parser("backup", help="consistent copy of the whole data directory (works while running)")
+    p.add_argument("dest", help="new directory, FILE.tar.gz, or an existing directory for a timestamped archive")
+    p.add_argument("--keep", type=int, default=None, help="with a directory: keep only the newest N archives")
+    p.set_defaults(handler=_guard(cmd_backup))
+    p = sub.add_parser("restore", help="restore a `backup` into an empty data directory")
+    p.add_argument("src", help="backup directory or archive")
+    p.set_defaults(handler=_guard(cmd_restore))
+    p = sub.add_parser("health", help="ask the running gateway's /healthz (exit 0 when healthy)")
+    p.add_argument("--listen", default=None, help="host:port (default: observability.listen)")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(handler=_guard(cmd_health))

@@ -1,0 +1,663 @@
+"""Identity linking from the chat: `/link` gives a code, `/link CODE` from the person's other
+account joins both into one tenant, `/unlink` separates an account again.
+
+Codes: 10 characters (shown `XXXXX-XXXXX`, about 50 bits), valid `CODE_TTL_S` (10 min),
+single use, stored in gateway.db's kv table only as a SHA-256 hash (`link-code:<hash>`),
+one live code per account (a new one revokes the old). At most `MAX_CODES_PER_HOUR` codes
+per account per hour and `MAX_FAILS_PER_HOUR` wrong codes. Codes are never logged: this
+module logs no code, and `logging.include_text` logs `/link [code]`. Both `/link` and
+`/link CODE` only work in a private chat.
+
+Joining (A issued the code, B redeems it):
+- If neither is linked, a new link name is drawn and both join tenant `link-<name>`; if
+  one of them is linked already, the other joins that link. Two different links are
+  refused (send /unlink first).
+- Data moves, it is not shared: the personal profile of each joining account is merged
+  into the link's profile and then removed, so a person's data lives in exactly one place
+  (and `profiles delete` of the link removes all of it). Sessions keep their ids, journals
+  are copied byte for byte, state.db rows (sessions, messages with FTS, routes, journal
+  offsets) are copied with SQLite ATTACH, so every conversation continues where it was on
+  both platforms. MEMORY.md and USER.md entries are merged and deduplicated; if the result
+  is over the limit, the oldest entries of the larger side are set aside (one note entry
+  says so, the entries themselves go to `memories/merged-overflow.md`). Provider files are
+  copied (`*.jsonl` appended).
+- The merge runs in a background task once every profile involved is idle: the tenants
+  involved are gated (new turns for them wait), their in-flight turns finish, the profiles
+  are closed, merged, the link is saved (links.json), the old personal profiles removed,
+  and the gates opened. Jobs that were queued for an old tenant are moved to the lane of
+  the new one (`LaneMoved`). Both chats get a confirmation.
+
+`/unlink` (runtime links only; config links are the operator's) removes this account from
+its link from now on: it starts over with a fresh personal profile, and everything from the
+linked time (memory, sessions of both accounts) stays with the link. The last account of a
+link cannot unlink (its data would be stranded).
+
+All state lives on the instance (one per GatewayApp); nothing is module-global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import sqlite3
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from adapters.base import InboundMessage
+from agent.memory import ENTRY_DELIMITER, parse_entries
+from agent.sessions import SessionStore
+from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
+from tenancy.profiles import SCHEMA_VERSION, write_manifest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gateway.app import GatewayApp
+    from tenancy.profiles import Profile
+
+log = logging.getLogger("hermes.linking")
+
+CODE_TTL_S = 600
+MAX_CODES_PER_HOUR = 5
+MAX_FAILS_PER_HOUR = 10
+IDLE_TIMEOUT_S = 300.0
+CODE_LEN = 10
+_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no 0/O/1/I
+RETIRED_MARKER = "merged-into.json"
+OVERFLOW_FILE = "merged-overflow.md"
+_MEMORY_FILES = {"memory": "MEMORY.md", "user": "USER.md"}
+
+
+class LaneMoved(Exception):
+    """A queued job's tenant changed (an account was linked or unlinked) before it ran;
+    the job belongs to `lane` now."""
+
+    def __init__(self, lane: Lane) -> None:
+        super().__init__(lane.tenant_id)
+        self.lane = lane
+
+
+def _hash(code: str) -> str:
+    return hashlib.sha256(f"hermes-link:{code}".encode()).hexdigest()
+
+
+def normalize_code(text: str) -> str:
+    return "".join(ch for ch in text.upper() if ch.isalnum())
+
+
+def _platform_name(principal: str) -> str:
+    return principal.partition(":")[0].capitalize()
+
+
+@dataclass
+class _Plan:
+    name: str
+    target: str                      # the link tenant id
+    joiners: list[str]               # principals to add to the link
+    sources: list[str]               # person tenants merged into the target, then removed
+    notify: list[InboundMessage] = field(default_factory=list)
+    principals: list[str] = field(default_factory=list)
+
+
+class Linking:
+    """Link codes, the merge, and the gates that keep turns out of profiles being merged."""
+
+    def __init__(self, app: "GatewayApp", *, clock: Callable[[], float] = time.time) -> None:
+        self.app = app
+        self.clock = clock
+        self.ttl_s = CODE_TTL_S
+        self.max_codes_per_hour = MAX_CODES_PER_HOUR
+        self.max_fails_per_hour = MAX_FAILS_PER_HOUR
+        self.idle_timeout_s = IDLE_TIMEOUT_S
+        self._gates: dict[str, asyncio.Event] = {}
+        self._active: dict[str, int] = {}
+        self._busy: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    # ----- lane integration -------------------------------------------------------------
+    @asynccontextmanager
+    async def use(self, msg: InboundMessage, lane: Lane) -> AsyncIterator["Profile"]:
+        """Open the lane's profile for a job: waits while the tenant is being merged, and
+        raises LaneMoved when links changed the job's tenant since it was queued."""
+        while True:
+            gate = self._gates.get(lane.tenant_id)
+            if gate is not None:
+                await gate.wait()
+                continue
+            current = resolve_lane(msg, self.app.cfg.tenancy, self.app.links)
+            if current.tenant_id != lane.tenant_id:
+                raise LaneMoved(current)
+            break
+        # no await between the gate check and this count, so a merge that sets the gate
+        # afterwards always sees this job and waits for it
+        tid = lane.tenant_id
+        self._active[tid] = self._active.get(tid, 0) + 1
+        try:
+            async with self.app.profiles.use(tid, kind=lane.kind) as profile:
+                yield profile
+        finally:
+            self._active[tid] -= 1
+            if not self._active[tid]:
+                del self._active[tid]
+
+    def _gate(self, tenants: list[str]) -> None:
+        for t in tenants:
+            self._gates.setdefault(t, asyncio.Event())
+
+    def _ungate(self, tenants: list[str]) -> None:
+        for t in tenants:
+            gate = self._gates.pop(t, None)
+            if gate is not None:
+                gate.set()
+
+    async def _wait_idle(self, tenants: list[str]) -> None:
+        """Until no job uses any of `tenants` and each profile is closed."""
+        deadline = time.monotonic() + self.idle_timeout_s
+        pending = list(tenants)
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the accounts stayed busy")
+            t = pending[0]
+            if self._active.get(t, 0) == 0 and await self.app.profiles.evict(t):
+                pending.pop(0)
+                continue
+            await asyncio.sleep(0.05)
+
+    async def wait_idle(self, timeout: float | None = None) -> None:
+        """Wait for every running merge (tests, shutdown)."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    async def close(self, timeout: float = 30.0) -> None:
+        await self.wait_idle(timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ----- the commands -----------------------------------------------------------------
+    async def link_command(self, msg: InboundMessage, args: str) -> str:
+        if msg.chat_type != "dm":
+            return "For your privacy, send /link in a private chat with me, not here."
+        code = normalize_code(args)
+        if not code:
+            return await self._issue(msg)
+        return await self._redeem(msg, code)
+
+    async def _recent(self, key: str, window: float = 3600.0) -> list[float]:
+        raw = await self.app.inbox.get(key)
+        now = self.clock()
+        try:
+            stamps = [float(t) for t in json.loads(raw)] if raw else []
+        except (ValueError, TypeError):
+            stamps = []
+        return [t for t in stamps if now - t < window]
+
+    async def _issue(self, msg: InboundMessage) -> str:
+        inbox, principal, now = self.app.inbox, msg.principal, self.clock()
+        issued = await self._recent(f"link-issued:{principal}")
+        if len(issued) >= self.max_codes_per_hour:
+            wait_min = int((3600 - (now - min(issued))) // 60) + 1
+            self.app.metrics.links.inc(kind="issue", outcome="rate_limited")
+            return (f"You've asked for {self.max_codes_per_hour} link codes in the last hour. "
+                    f"Please try again in about {wait_min} minutes.")
+        await self._prune(now)
+        old = await inbox.get(f"link-code-of:{principal}")
+        if old:
+            await inbox.put(f"link-code:{old}", None)
+        code = "".join(secrets.choice(_ALPHABET) for _ in range(CODE_LEN))
+        digest = _hash(code)
+        record = {"principal": principal, "platform": msg.platform, "chat_id": msg.chat_id,
+                  "user_id": msg.user_id, "user_name": msg.user_name, "expires": now + self.ttl_s}
+        await inbox.put(f"link-code:{digest}", json.dumps(record))
+        await inbox.put(f"link-code-of:{principal}", digest)
+        await inbox.put(f"link-issued:{principal}", json.dumps([*issued, now]))
+        self.app.metrics.links.inc(kind="issue", outcome="ok")
+        shown = f"{code[:5]}-{code[5:]}"
+        minutes = max(1, int(self.ttl_s // 60))
+        return (f"Your link code is {shown}\n\nWithin {minutes} minutes, send\n/link {shown}\nto me from "
+                "your other account (for example on Telegram or Discord) in a private chat. Both accounts "
+                "will then share one memory and keep all their conversations. The code works once; "
+                "don't share it with anyone.")
+
+    async def _prune(self, now: float) -> None:
+        db = self.app.inbox.db
+        async with db.execute("SELECT key, value FROM kv WHERE key >= 'link-code:' AND key < 'link-code;'") as cur:
+            rows = await cur.fetchall()
+        stale = []
+        for key, value in rows:
+            try:
+                if json.loads(value)["expires"] <= now:
+                    stale.append(key)
+            except (ValueError, KeyError, TypeError):
+                stale.append(key)
+        for key in stale:
+            await self.app.inbox.put(key, None)
+
+    async def _fail(self, principal: str, fails: list[float], text: str) -> str:
+        await self.app.inbox.put(f"link-fail:{principal}", json.dumps([*fails, self.clock()]))
+        self.app.metrics.links.inc(kind="redeem", outcome="refused")
+        return text
+
+    async def _redeem(self, msg: InboundMessage, code: str) -> str:
+        inbox, principal, links = self.app.inbox, msg.principal, self.app.links
+        fails = await self._recent(f"link-fail:{principal}")
+        if len(fails) >= self.max_fails_per_hour:
+            self.app.metrics.links.inc(kind="redeem", outcome="rate_limited")
+            return "Too many wrong link codes from this account. Please try again in an hour."
+        key = f"link-code:{_hash(code)}"
+        raw = await inbox.get(key)
+        record = json.loads(raw) if raw else None
+        unknown = ("That link code is unknown, expired or already used. Send /link from your other "
+                   "account to get a new one.")
+        if record is None:
+            return await self._fail(principal, fails, unknown)
+        issuer = record["principal"]
+        if issuer == principal:
+            return ("That code was made by this account. Send it from your other account (the one "
+                    "you want to link with this one).")
+        await inbox.put(key, None)  # single use, expired or not
+        if await inbox.get(f"link-code-of:{issuer}") == _hash(code):
+            await inbox.put(f"link-code-of:{issuer}", None)
+        if record["expires"] <= self.clock():
+            return await self._fail(principal, fails, unknown)
+        name_a, name_b = links.name_for(issuer), links.name_for(principal)
+        if name_a is not None and name_a == name_b:
+            return f"These accounts are already linked ({', '.join(links.principals_of(name_a))})."
+        if name_a is not None and name_b is not None:
+            return ("Both accounts already belong to different linked identities. Send /unlink from one "
+                    "of them first, then link again.")
+        name = name_a or name_b or secrets.token_hex(5)
+        if {issuer, principal} & self._busy or link_tenant_id(name) in self._gates:
+            return "A link for these accounts is already in progress; please wait a minute and try again."
+
+        joiners = [p for p, n in ((issuer, name_a), (principal, name_b)) if n is None]
+        sources = []
+        for p in joiners:
+            platform, _, uid = p.partition(":")
+            sources.append(person_tenant_id(platform, uid))
+        plan = _Plan(name=name, target=link_tenant_id(name), joiners=joiners, sources=sources,
+                     principals=[issuer, principal])
+        plan.notify = [msg, InboundMessage(platform=record["platform"], chat_id=record["chat_id"], chat_type="dm",
+                                           user_id=record["user_id"], user_name=record.get("user_name") or "",
+                                           message_id=f"link-{secrets.token_hex(4)}")]
+        self._busy |= {issuer, principal}
+        tenants = [plan.target, *plan.sources]
+        self._gate(tenants)  # before returning: no new turn may start in these profiles
+        task = asyncio.get_running_loop().create_task(self._run_merge(plan, tenants), name="link-merge")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return (f"Code accepted. Joining this account with your {_platform_name(issuer)} account now; "
+                "I'll confirm here in a moment.")
+
+    async def _run_merge(self, plan: _Plan, tenants: list[str]) -> None:
+        links = self.app.links
+        linked: list[str] = []
+        try:
+            redeem = plan.notify[0]
+            deadline = time.monotonic() + self.idle_timeout_s
+            # let the /link CODE reply go out first (the inbox marks it done after sending)
+            while await self.app.inbox.status(redeem.platform, redeem.chat_id, redeem.message_id) == "pending":
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the accounts stayed busy")
+                await asyncio.sleep(0.02)
+            await self._wait_idle(tenants)
+            await self._merge(plan)
+            for p in plan.joiners:
+                if links.link(plan.name, p):
+                    linked.append(p)
+            await asyncio.to_thread(links.save)
+        except BaseException as err:
+            for p in linked:
+                try:
+                    links.unlink(p)
+                except ValueError:
+                    pass
+            if linked:
+                try:
+                    await asyncio.to_thread(links.save)
+                except Exception:
+                    log.exception("link: could not save links.json after a failed merge")
+            self.app.metrics.links.inc(kind="merge", outcome="error")
+            if isinstance(err, asyncio.CancelledError):
+                log.warning("link: merge into %s cancelled; nothing was linked", plan.target)
+                raise
+            log.exception("link: merge into %s failed; nothing was linked", plan.target)
+            reason = "the accounts stayed busy" if isinstance(err, TimeoutError) else "an internal error"
+            for target in plan.notify:
+                await self._tell(target, f"Linking didn't work ({reason}); nothing was changed. Send /link "
+                                         "from your other account to get a new code and try again.")
+            return
+        else:
+            for source in plan.sources:  # merged and linked: the old personal profiles go
+                try:
+                    await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source), plan.target)
+                except Exception:
+                    log.exception("link: could not remove a merged profile (`profiles delete` of the link "
+                                  "removes it)")
+        finally:
+            self._ungate(tenants)
+            self._busy -= set(plan.principals)
+        self.app.metrics.links.inc(kind="merge", outcome="ok")
+        log.info("link: merged %d profile(s) into %s", len(plan.sources), plan.target)
+        everyone = ", ".join(links.principals_of(plan.name))
+        for target in plan.notify:
+            await self._tell(target, f"Linked: {everyone} are now one person for me, with one memory and all "
+                                     "conversations kept. Send /unlink from an account to separate it again.")
+
+    async def _tell(self, msg: InboundMessage, text: str) -> None:
+        try:
+            await self.app.send(msg, text, kind="notice", reply=False)
+        except Exception:
+            log.exception("link: could not send a notice")
+
+    async def _merge(self, plan: _Plan) -> None:
+        cfg = self.app.cfg
+        data_dir = cfg.data_dir
+        fsync = cfg.storage.fsync
+        limits = {"memory": cfg.memory.memory_char_limit, "user": cfg.memory.user_char_limit}
+        sources = []
+        for tid in plan.sources:
+            path = tenant_dir(data_dir, tid)
+            if path.is_dir():
+                async with SessionStore(path, fsync=fsync):  # reconcile journal and state.db first
+                    pass
+                sources.append(path)
+        target = tenant_dir(data_dir, plan.target)
+        await asyncio.to_thread(_clean_staging, data_dir / "profiles")
+        staging = None
+        if not target.exists():
+            staging = data_dir / "profiles" / f".link-{secrets.token_hex(6)}"
+            await asyncio.to_thread(_init_profile, staging, plan.target)
+            work = staging
+        else:
+            work = target
+        async with SessionStore(work, fsync=fsync):  # schema (new) or reconcile (existing)
+            pass
+        try:
+            await asyncio.to_thread(merge_profiles, work, sources, limits, plan.principals)
+            async with SessionStore(work, fsync=fsync):  # the merged profile opens cleanly
+                pass
+            if staging is not None:
+                await asyncio.to_thread(os.replace, staging, target)
+        except BaseException:
+            if staging is not None:
+                await asyncio.to_thread(shutil.rmtree, staging, True)
+            raise
+
+    async def unlink_command(self, msg: InboundMessage) -> str:
+        links, principal = self.app.links, msg.principal
+        name = links.name_for(principal)
+        if name is None:
+            return "This account isn't linked to another one."
+        if links.is_pinned(principal):
+            return ("This account is linked in the gateway's configuration (tenancy.identity_links); "
+                    "ask the operator to change it there.")
+        others = [p for p in links.principals_of(name) if p != principal]
+        if not others:
+            return "This is the only account left in its link, so there is nothing to separate."
+        if principal in self._busy:
+            return "A link for this account is in progress; please wait a minute."
+        platform, _, uid = principal.partition(":")
+        personal = person_tenant_id(platform, uid)
+        self._gate([personal])
+        try:
+            links.unlink(principal)
+            await asyncio.to_thread(links.save)
+            # a personal profile left from before the link is never used again: start fresh
+            path = tenant_dir(self.app.cfg.data_dir, personal)
+            if path.exists() and self._active.get(personal, 0) == 0 and await self.app.profiles.evict(personal):
+                await asyncio.to_thread(shutil.rmtree, path, True)
+        finally:
+            self._ungate([personal])
+        self.app.metrics.links.inc(kind="unlink", outcome="ok")
+        log.info("unlink: one account left %s", link_tenant_id(name))
+        return (f"Done: this account is separate again from now on, with a fresh memory. Everything from the "
+                f"linked time stays with {', '.join(others)}.")
+
+
+# ----- file-level merge (runs in a thread, on closed profiles) ------------------------------
+
+def _init_profile(path: Path, tenant_id: str) -> None:
+    for sub in ("memories", "sessions", "provider"):
+        (path / sub).mkdir(parents=True, exist_ok=True)
+    write_manifest(path, {"tenant_id": tenant_id, "kind": "person", "principals": [],
+                          "created_at": time.time(), "schema_version": SCHEMA_VERSION})
+
+
+def _clean_staging(profiles: Path, older_than_s: float = 3600.0) -> None:
+    """Remove staging directories a crash mid-merge left behind."""
+    now = time.time()
+    for path in profiles.glob(".link-*"):
+        try:
+            if now - path.stat().st_mtime > older_than_s:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _retire(path: Path, into: str) -> None:
+    """Remove a personal profile merged into `into` (marker first, so a crash midway leaves
+    a profile `profiles list` shows as merged and `profiles delete` of the link removes)."""
+    if not path.exists():
+        return
+    marker = {"tenant": into, "at": time.time()}
+    (path / RETIRED_MARKER).write_text(json.dumps(marker), encoding="utf-8")
+    shutil.rmtree(path)
+
+
+class _Flock:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __enter__(self) -> "_Flock":
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise RuntimeError(f"{self.path.parent.parent} is open elsewhere") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_file(path)
+
+
+def merge_profiles(target: Path, sources: list[Path], limits: dict[str, int], principals: list[str]) -> None:
+    """Merge closed profiles `sources` into the closed profile `target` (idempotent)."""
+    with _Flock(target / "sessions" / ".lock"):
+        for src in sources:
+            with _Flock(src / "sessions" / ".lock"):
+                _merge_journals(src, target)
+                _merge_db(src, target)
+                _merge_files(src, target)
+        merge_memory(target, sources, limits)
+        manifest = json.loads((target / "tenant.json").read_text(encoding="utf-8"))
+        have = manifest.setdefault("principals", [])
+        for src in sources:
+            try:
+                theirs = json.loads((src / "tenant.json").read_text(encoding="utf-8")).get("principals", [])
+            except (OSError, ValueError):
+                theirs = []
+            for p in [*theirs, *principals]:
+                if p not in have:
+                    have.append(p)
+        write_manifest(target, manifest)
+
+
+def _merge_journals(src: Path, target: Path) -> None:
+    out_dir = target / "sessions"
+    for journal in sorted((src / "sessions").glob("*.jsonl")):
+        dest = out_dir / journal.name
+        data = journal.read_bytes()
+        if dest.exists():
+            have = dest.read_bytes()
+            if have == data or not data.startswith(have):
+                if have != data:
+                    log.warning("link: journal %s differs in both profiles; keeping the target's", journal.name)
+                continue
+        tmp = out_dir / f".{journal.name}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    _fsync_dir(out_dir)
+
+
+def _columns(conn: sqlite3.Connection, schema: str, table: str) -> list[str]:
+    return [r[1] for r in conn.execute(f"PRAGMA {schema}.table_info({table})")]
+
+
+def _merge_db(src: Path, target: Path) -> None:
+    if not (src / "state.db").exists():
+        return
+    conn = sqlite3.connect(target / "state.db", timeout=30, isolation_level=None)
+    try:
+        conn.execute("ATTACH DATABASE ? AS src", (str(src / "state.db"),))
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for table, conflict in (("sessions", "REPLACE"), ("routes", "IGNORE"), ("journal_offsets", "REPLACE")):
+                cols = [c for c in _columns(conn, "main", table) if c in _columns(conn, "src", table)]
+                names = ", ".join(f'"{c}"' for c in cols)
+                conn.execute(f"INSERT OR {conflict} INTO main.{table}({names}) SELECT {names} FROM src.{table}")
+            cols = [c for c in _columns(conn, "main", "messages") if c != "id" and c in _columns(conn, "src", "messages")]
+            names = ", ".join(f'"{c}"' for c in cols)
+            conn.execute(f"INSERT INTO main.messages({names}) SELECT {names} FROM src.messages WHERE true ORDER BY id "
+                         "ON CONFLICT(uid) DO UPDATE SET active=excluded.active, compacted=excluded.compacted")
+            missing = conn.execute("SELECT count(*) FROM src.messages WHERE uid NOT IN "
+                                   "(SELECT uid FROM main.messages)").fetchone()[0]
+            if missing:
+                raise RuntimeError(f"{missing} message(s) did not copy")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("DETACH DATABASE src")
+    finally:
+        conn.close()
+
+
+def _merge_files(src: Path, target: Path) -> None:
+    """Provider files, exports and anything else: copy what's missing, append *.jsonl, keep
+    both when two different files have one name."""
+    skip_top = {"tenant.json", "state.db", "state.db-wal", "state.db-shm", "state.db-journal", RETIRED_MARKER}
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        for name in files:
+            full = Path(root) / name
+            rel = full.relative_to(src)
+            if (len(rel.parts) == 1 and name in skip_top) or name == ".lock" or name.endswith(".tmp") \
+                    or full.is_symlink() or rel.parts[0] == "sessions" \
+                    or (rel.parts[0] == "memories" and name in _MEMORY_FILES.values()):
+                continue
+            dest = target / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            data = full.read_bytes()
+            if not dest.exists():
+                dest.write_bytes(data)
+            elif name.endswith(".jsonl"):
+                have = dest.read_bytes()
+                if data and data not in have:
+                    with open(dest, "ab") as fh:
+                        if have and not have.endswith(b"\n"):
+                            fh.write(b"\n")
+                        fh.write(data)
+            elif dest.read_bytes() != data:
+                alt = dest.with_name(f"{dest.stem}.from-{src.name}{dest.suffix}")
+                if not alt.exists():
+                    alt.write_bytes(data)
+            _fsync_file(dest)
+
+
+def combine_entries(lists: list[list[str]], limit: int, note_date: str) -> tuple[list[str], list[str]]:
+    """Merge entry lists (deduplicated, in order); when over `limit`, set aside the oldest
+    entries of whichever side is larger and put one note entry first. Returns (kept, dropped)."""
+    seen: set[str] = set()
+    items: list[tuple[int, str]] = []
+    for i, entries in enumerate(lists):
+        for e in entries:
+            if e not in seen:
+                seen.add(e)
+                items.append((i, e))
+
+    def size(entries: list[str]) -> int:
+        return len(ENTRY_DELIMITER.join(entries))
+
+    dropped: list[str] = []
+
+    def note() -> str:
+        n = len(dropped)
+        return (f"(Accounts linked {note_date}: {n} older entr{'y' if n == 1 else 'ies'} did not fit "
+                "and were set aside.)")
+
+    while items and size(([note()] if dropped else []) + [e for _, e in items]) > limit:
+        sides: dict[int, int] = {}
+        for i, e in items:
+            sides[i] = sides.get(i, 0) + len(e)
+        side = max(sides, key=lambda k: (sides[k], -k))
+        idx = next(j for j, (i, _) in enumerate(items) if i == side)
+        dropped.append(items.pop(idx)[1])
+    kept = [e for _, e in items]
+    if dropped and size([note(), *kept]) <= limit:
+        kept = [note(), *kept]
+    return kept, dropped
+
+
+def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> None:
+    mem_dir = target / "memories"
+    mem_dir.mkdir(parents=True, exist_ok=True)
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    fd = os.open(mem_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for target_name, fname in _MEMORY_FILES.items():
+            lists = []
+            for d in (target, *sources):
+                try:
+                    lists.append(parse_entries((d / "memories" / fname).read_text(encoding="utf-8")))
+                except FileNotFoundError:
+                    lists.append([])
+            if not any(lists[1:]):
+                continue
+            kept, dropped = combine_entries(lists, limits[target_name], today)
+            _atomic_write(mem_dir / fname, ENTRY_DELIMITER.join(kept))
+            if dropped:
+                with open(mem_dir / OVERFLOW_FILE, "a", encoding="utf-8") as fh:
+                    fh.write(f"## {fname}, set aside when accounts were linked on {today}\n\n")
+                    fh.write(ENTRY_DELIMITER.join(dropped) + "\n\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(text.encode("utf-8"))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)

@@ -1,0 +1,274 @@
+"""Counters, gauges and histograms of one gateway, rendered as Prometheus text by hand.
+
+A `Metrics` object belongs to one `GatewayApp` (no module globals, no registry). Labels
+are restricted to `platform`, `kind` and `outcome`, and every label value is squeezed to
+a short `[a-z0-9_]` token, so a user id, chat id or tenant id can never become a label:
+ids are not passed in, and anything unexpected is reduced to `other`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+ALLOWED_LABELS = frozenset({"platform", "kind", "outcome"})
+_VALUE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+TURN_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+LabelValues = tuple[str, ...]
+
+
+def label_value(value: object) -> str:
+    """A safe label value: lower-case `[a-z0-9_]`, starting with a letter, at most 32 chars;
+    anything else (digits-only ids, long strings, punctuation) becomes `other`."""
+    text = str(value).lower().replace("-", "_")
+    return text if _VALUE_RE.fullmatch(text) else "other"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+class _Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help_text: str, labels: Iterable[str] = ()) -> None:
+        self.name = name
+        self.help = help_text
+        self.labels = tuple(labels)
+        bad = set(self.labels) - ALLOWED_LABELS
+        if bad:
+            raise ValueError(f"{name}: label(s) {sorted(bad)} not allowed (only {sorted(ALLOWED_LABELS)})")
+
+    def _key(self, labels: dict[str, Any]) -> LabelValues:
+        if set(labels) != set(self.labels):
+            raise ValueError(f"{self.name} takes labels {self.labels}, got {sorted(labels)}")
+        return tuple(label_value(labels[n]) for n in self.labels)
+
+    def _labelset(self, key: LabelValues, extra: str = "") -> str:
+        parts = [f'{n}="{_escape(v)}"' for n, v in zip(self.labels, key)]
+        if extra:
+            parts.append(extra)
+        return "{" + ",".join(parts) + "}" if parts else ""
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help_text: str, labels: Iterable[str] = ()) -> None:
+        super().__init__(name, help_text, labels)
+        self._values: dict[LabelValues, float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: Any) -> None:
+        key = self._key(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, **labels: Any) -> float:
+        return self._values.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        for key in sorted(self._values):
+            lines.append(f"{self.name}{self._labelset(key)} {_fmt(self._values[key])}")
+        return lines
+
+
+class Gauge(_Metric):
+    """A gauge whose samples come from a callback at scrape time (or are set directly)."""
+
+    kind = "gauge"
+
+    def __init__(self, name: str, help_text: str, labels: Iterable[str] = (),
+                 collect: Callable[[], dict[LabelValues, float] | float] | None = None) -> None:
+        super().__init__(name, help_text, labels)
+        self._collect = collect
+        self._values: dict[LabelValues, float] = {}
+
+    def set(self, value: float, **labels: Any) -> None:
+        self._values[self._key(labels)] = value
+
+    def add(self, amount: float, **labels: Any) -> None:
+        key = self._key(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
+    def samples(self) -> dict[LabelValues, float]:
+        if self._collect is None:
+            return dict(self._values)
+        got = self._collect()
+        if not isinstance(got, dict):
+            return {(): float(got)}
+        return {tuple(label_value(v) for v in k): float(v) for k, v in got.items()}
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        samples = self.samples()
+        for key in sorted(samples):
+            lines.append(f"{self.name}{self._labelset(key)} {_fmt(samples[key])}")
+        return lines
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help_text: str, labels: Iterable[str] = (),
+                 buckets: Iterable[float] = TURN_BUCKETS) -> None:
+        super().__init__(name, help_text, labels)
+        self.buckets = tuple(sorted(buckets))
+        self._counts: dict[LabelValues, list[int]] = {}
+        self._sums: dict[LabelValues, float] = {}
+
+    def observe(self, value: float, **labels: Any) -> None:
+        key = self._key(labels)
+        counts = self._counts.setdefault(key, [0] * (len(self.buckets) + 1))
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                counts[i] += 1
+        counts[-1] += 1  # +Inf
+        self._sums[key] = self._sums.get(key, 0.0) + value
+
+    def count(self, **labels: Any) -> int:
+        counts = self._counts.get(self._key(labels))
+        return counts[-1] if counts else 0
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        for key in sorted(self._counts):
+            counts = self._counts[key]
+            for bound, n in zip((*self.buckets, math.inf), counts):
+                le = 'le="' + _fmt(bound) + '"'
+                lines.append(f"{self.name}_bucket{self._labelset(key, le)} {n}")
+            lines.append(f"{self.name}_sum{self._labelset(key)} {_fmt(self._sums[key])}")
+            lines.append(f"{self.name}_count{self._labelset(key)} {counts[-1]}")
+        return lines
+
+
+class Metrics:
+    """Every metric the gateway exports. Owned by one GatewayApp."""
+
+    def __init__(self) -> None:
+        self.started_at = time.time()
+        self.inbound = Counter("hermes_inbound_messages_total",
+                               "Platform messages received (duplicates included).", ["platform", "outcome"])
+        self.turns = Counter("hermes_turns_total",
+                             "Lane jobs finished: agent turns (kind=turn) and chat commands (kind=command).",
+                             ["platform", "kind", "outcome"])
+        self.turn_seconds = Histogram("hermes_turn_duration_seconds",
+                                      "Wall time of an agent turn, from start to delivery.", ["platform"])
+        self.llm_requests = Counter("hermes_llm_requests_total", "Chat completion requests by outcome.",
+                                    ["outcome"])
+        self.llm_errors = Counter("hermes_llm_errors_total",
+                                  "Failed chat completion requests (after retries) by error kind.", ["kind"])
+        self.compressions = Counter("hermes_compressions_total", "Context compressions by outcome.",
+                                    ["outcome"])
+        self.refusals = Counter("hermes_refusals_total",
+                                "Messages refused with a notice (rate_limited, too_long, busy, unauthorized, ...).",
+                                ["platform", "kind"])
+        self.rate_limited = Counter("hermes_rate_limit_refusals_total",
+                                    "Messages refused by the per-person rate limit.", ["platform"])
+        self.links = Counter("hermes_identity_links_total", "Identity link operations by kind and outcome.",
+                             ["kind", "outcome"])
+        self.in_flight = Gauge("hermes_turns_in_progress", "Lane jobs running now.", ["platform"])
+        self._gauges: list[Gauge] = []
+        self._platforms: tuple[str, ...] = ()
+
+    # ----- recording helpers (called by the gateway) ---------------------------------
+    def refused(self, platform: str, kind: str) -> None:
+        self.refusals.inc(platform=platform, kind=kind)
+        if kind == "rate_limited":
+            self.rate_limited.inc(platform=platform)
+
+    def llm_result(self, error_kind: str | None) -> None:
+        if error_kind is None:
+            self.llm_requests.inc(outcome="ok")
+        else:
+            self.llm_requests.inc(outcome="error")
+            self.llm_errors.inc(kind=error_kind)
+
+    def compression(self, outcome: str = "ok") -> None:
+        self.compressions.inc(outcome=outcome)
+
+    def turn_done(self, platform: str, kind: str, outcome: str, seconds: float | None) -> None:
+        self.turns.inc(platform=platform, kind=kind, outcome=outcome)
+        if seconds is not None:
+            self.turn_seconds.observe(seconds, platform=platform)
+
+    # ----- scrape-time gauges ----------------------------------------------------------
+    def bind(self, *, platforms: Iterable[str], open_profiles: Callable[[], float],
+             queue_depth: Callable[[], dict[str, int]], adapters_up: Callable[[], dict[str, bool | None]]) -> None:
+        """Attach the gauges read from the running gateway at scrape time."""
+        self._platforms = tuple(platforms)
+        for p in self._platforms:
+            self.in_flight.add(0, platform=p)
+
+        def depth() -> dict[LabelValues, float]:
+            out: dict[LabelValues, float] = {(p,): 0 for p in self._platforms}
+            for platform, n in queue_depth().items():
+                out[(platform,)] = out.get((platform,), 0) + n
+            return out
+
+        def up() -> dict[LabelValues, float]:
+            return {(p,): 1.0 if ok else 0.0 for p, ok in adapters_up().items() if ok is not None}
+
+        self._gauges = [
+            Gauge("hermes_open_profiles", "Tenant profiles open now.", collect=open_profiles),
+            Gauge("hermes_queue_depth", "Messages waiting in lane queues (not yet running).", ["platform"],
+                  collect=depth),
+            Gauge("hermes_adapter_connected",
+                  "1 when the platform adapter reports it is connected, 0 when not (absent when unknown).",
+                  ["platform"], collect=up),
+            Gauge("hermes_start_time_seconds", "Unix time the gateway started.", collect=lambda: self.started_at),
+        ]
+
+    def render(self) -> str:
+        """The Prometheus text exposition (format 0.0.4)."""
+        lines: list[str] = []
+        for metric in (self.inbound, self.turns, self.turn_seconds, self.llm_requests, self.llm_errors,
+                       self.compressions, self.refusals, self.rate_limited, self.links, self.in_flight,
+                       *self._gauges):
+            lines.extend(metric.render())
+        return "\n".join(lines) + "\n"
+
+
+class InstrumentedLLM:
+    """Wraps an LLM client so every `chat` call is counted (errors by `LLMError.kind`) and
+    its last outcome is known to /healthz. Everything else is passed through."""
+
+    def __init__(self, inner: Any, metrics: Metrics) -> None:
+        self._inner = inner
+        self._metrics = metrics
+        self.last_ok_at: float | None = None
+        self.last_error_at: float | None = None
+        self.last_error_kind: str | None = None
+
+    async def chat(self, *args: Any, **kwargs: Any) -> Any:
+        from agent.llm import LLMError
+
+        try:
+            result = await self._inner.chat(*args, **kwargs)
+        except LLMError as err:
+            self.last_error_at, self.last_error_kind = time.monotonic(), err.kind
+            self._metrics.llm_result(err.kind)
+            raise
+        self.last_ok_at = time.monotonic()
+        self._metrics.llm_result(None)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"InstrumentedLLM({self._inner!r})"

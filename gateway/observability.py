@@ -1,0 +1,210 @@
+"""The optional HTTP listener (`observability.listen`): `/healthz` and `/metrics`.
+
+`/healthz` answers JSON with one entry per check and HTTP 200 when every check passes
+(503 otherwise):
+- `adapters.<platform>`: the adapter's own connection state. An adapter reports it through
+  a `status: str` attribute (or property) that starts with `connected` when it is
+  connected (anything else, e.g. `connecting` or `failed: bad token`, means not), or
+  through `is_connected: bool`. An adapter with neither is shown as `unknown` and does not
+  fail the check.
+- `llm`: reachable or not. A request answered in the last two minutes says yes; a recent
+  failure of kind unavailable/auth/not_found/config says no; otherwise `GET <base_url>/models`
+  is probed (at most every 30 s).
+- `data_dir`: a temp file can be written, fsynced and removed.
+
+`/metrics` is the Prometheus text format of `gateway.metrics.Metrics`.
+Nothing here carries a user, chat or tenant id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gateway.app import GatewayApp
+
+log = logging.getLogger("hermes.observability")
+
+RECENT_S = 120.0
+PROBE_TTL_S = 30.0
+UNREACHABLE_KINDS = frozenset({"unavailable", "auth", "not_found", "config"})
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` or `:port` (all interfaces) -> (host, port)."""
+    text = listen.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"observability.listen: {listen!r} must look like 127.0.0.1:9464")
+    return host or "0.0.0.0", int(port)
+
+
+def local_url(listen: str, path: str = "/healthz") -> str:
+    """The URL a local client (the `health` command) uses to reach the listener."""
+    host, port = parse_listen(listen)
+    if host in ("0.0.0.0", "", "*"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}{path}"
+
+
+def adapter_state(adapter: Any) -> tuple[bool | None, str]:
+    """(connected?, status text) of an adapter; (None, "unknown") when it doesn't say."""
+    try:
+        status = getattr(adapter, "status", None)
+        if callable(status):
+            status = status()
+        if isinstance(status, str):
+            return status.startswith("connected"), status
+        connected = getattr(adapter, "is_connected", None)
+        if callable(connected):
+            connected = connected()
+        if isinstance(connected, bool):
+            return connected, "connected" if connected else "disconnected"
+    except Exception as err:  # a broken property must not break /healthz
+        return False, f"status unavailable ({type(err).__name__})"
+    return None, "unknown"
+
+
+class Observability:
+    """The health and metrics HTTP server of one GatewayApp."""
+
+    def __init__(self, app: "GatewayApp", listen: str) -> None:
+        self.app = app
+        self.listen = listen
+        self.host, self.port = parse_listen(listen)
+        self._runner: Any = None
+        self._probe: tuple[float, bool, str] | None = None
+        self._probe_lock = asyncio.Lock()
+
+    @property
+    def bound_port(self) -> int:
+        """The actual port (useful with port 0)."""
+        if self._runner is None:
+            return self.port
+        for site in self._runner.sites:
+            server = getattr(site, "_server", None)
+            if server is not None and server.sockets:
+                return server.sockets[0].getsockname()[1]
+        return self.port
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.bound_port}"
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        web_app = web.Application()
+        web_app.router.add_get("/healthz", self._healthz)
+        web_app.router.add_get("/metrics", self._metrics)
+        web_app.router.add_get("/", self._index)
+        runner = web.AppRunner(web_app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        log.info("health and metrics on http://%s:%d (/healthz, /metrics)", self.host, self.bound_port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    # ----- checks -----------------------------------------------------------------------
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        adapters = {}
+        for platform, adapter in self.app.adapters.items():
+            ok, status = adapter_state(adapter)
+            adapters[platform] = {"ok": ok is not False, "connected": ok, "status": status}
+        llm_ok, llm_detail = await self.llm_health()
+        from gateway.doctor import check_data_dir
+
+        dd_ok, dd_detail = await asyncio.to_thread(check_data_dir, self.app.cfg)
+        checks = {
+            "adapters": adapters,
+            "llm": {"ok": llm_ok, "reachable": llm_ok, "detail": llm_detail},
+            "data_dir": {"ok": dd_ok, "writable": dd_ok, "detail": dd_detail},
+        }
+        healthy = llm_ok and dd_ok and all(a["ok"] for a in adapters.values())
+        body = {
+            "status": "ok" if healthy else "unhealthy",
+            "checks": checks,
+            "uptime_s": round(time.time() - self.app.metrics.started_at, 1),
+            "open_profiles": self.app.profiles.open_count,
+        }
+        return healthy, body
+
+    async def llm_health(self) -> tuple[bool, str]:
+        monitor = getattr(self.app, "llm_monitor", None)
+        now = time.monotonic()
+        if monitor is not None:
+            ok_at, err_at, kind = monitor.last_ok_at, monitor.last_error_at, monitor.last_error_kind
+            if ok_at is not None and now - ok_at < RECENT_S and (err_at is None or ok_at >= err_at):
+                return True, f"answered a request {now - ok_at:.0f}s ago"
+            if err_at is not None and now - err_at < RECENT_S and kind in UNREACHABLE_KINDS:
+                return False, f"the last request failed ({kind}) {now - err_at:.0f}s ago"
+        async with self._probe_lock:
+            if self._probe is not None and now - self._probe[0] < PROBE_TTL_S:
+                return self._probe[1], self._probe[2]
+            from gateway.doctor import check_llm
+
+            try:
+                ok, detail = await asyncio.wait_for(check_llm(self.app.cfg), timeout=15)
+            except asyncio.TimeoutError:
+                ok, detail = False, "probe timed out"
+            except Exception as err:
+                ok, detail = False, f"probe failed ({type(err).__name__})"
+            self._probe = (time.monotonic(), ok, detail)
+            return ok, detail
+
+    # ----- handlers ---------------------------------------------------------------------
+    async def _healthz(self, request: Any) -> Any:
+        from aiohttp import web
+
+        healthy, body = await self.health()
+        return web.Response(status=200 if healthy else 503, text=json.dumps(body, indent=1),
+                            content_type="application/json")
+
+    async def _metrics(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.Response(body=self.app.metrics.render().encode("utf-8"),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def _index(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.Response(text="hermes-gateway: /healthz /metrics\n")
+
+
+def probe_health(listen: str, timeout: float = 5.0) -> tuple[int, str]:
+    """GET /healthz from a separate process (the `health` command); (status, body).
+    Status 0 means the listener could not be reached."""
+    import urllib.error
+    import urllib.request
+
+    url = local_url(listen)
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (local URL)
+            return resp.status, resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as err:
+        return 0, f"cannot reach {url}: {getattr(err, 'reason', err)}"

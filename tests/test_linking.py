@@ -1,0 +1,236 @@
+"""Identity linking from the chat: /link codes, the merge of two people's profiles into one
+linked tenant, and /unlink."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+
+from gateway.app import GatewayApp
+from gateway.linking import combine_entries
+from tenancy.keys import link_tenant_id, tenant_dir
+from tests.conftest import RecordingAdapter, dm, group, say
+from tests.fakes.llm import memory_saving_responder, tool_call
+
+SECRET_TG = "alice keeps her bike at dock 17"
+SECRET_DC = "alice's cat is called Pixel"
+SECRET_CAROL = "carol's pin is 8086"
+CODE_RE = re.compile(r"\b([A-Z2-9]{5}-[A-Z2-9]{5})\b")
+
+
+async def started(cfg, *adapters):
+    app = GatewayApp(cfg, list(adapters))
+    await app.start()
+    return app
+
+
+def code_in(texts: list[str]) -> str:
+    for text in texts:
+        m = CODE_RE.search(text)
+        if m:
+            return m.group(1)
+    raise AssertionError(f"no code in {texts}")
+
+
+def routes(path) -> dict[str, str]:
+    conn = sqlite3.connect(path / "state.db")
+    try:
+        return dict(conn.execute("SELECT session_key, session_id FROM routes"))
+    finally:
+        conn.close()
+
+
+async def link(app, tg, dc, tg_user="111", dc_user="222") -> None:
+    code = code_in(await say(app, tg, dm(tg_user, "/link", platform="telegram")))
+    out = await say(app, dc, dm(dc_user, f"/link {code}", platform="discord"))
+    assert out and out[0].startswith("Code accepted"), out
+    await app.linking.wait_idle(30)
+    assert await app.drain(30)
+
+
+async def test_linking_joins_memory_and_sessions_and_nobody_elses(config_for, fake_llm):
+    fake_llm.responder = memory_saving_responder
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = await started(cfg, tg, dc)
+    data = cfg.data_dir
+    try:
+        await say(app, tg, dm("111", f"remember that {SECRET_TG}", platform="telegram"))
+        await say(app, dc, dm("222", f"remember that {SECRET_DC}", platform="discord"))
+        await say(app, tg, dm("333", f"remember that {SECRET_CAROL}", platform="telegram"))
+        tg_route = routes(tenant_dir(data, "telegram-111"))["agent:main:telegram:dm:dm-111"]
+        dc_route = routes(tenant_dir(data, "discord-222"))["agent:main:discord:dm:dm-222"]
+
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        out = await say(app, dc, dm("222", f"/link {code}", platform="discord"))
+        assert out[0].startswith("Code accepted")
+        # a message sent while the merge runs waits, then lands in the linked profile
+        await tg.sink(dm("111", "sent while linking", platform="telegram"))
+        await app.linking.wait_idle(30)
+        assert await app.drain(30)
+        assert any(t.startswith("Linked:") for t in tg.texts("dm-111"))
+        assert any(t.startswith("Linked:") for t in dc.texts("dm-222"))
+        assert "ok: sent while linking" in tg.texts("dm-111")
+
+        name = app.links.name_for("telegram:111")
+        assert name and name == app.links.name_for("discord:222")
+        tenant = link_tenant_id(name)
+        linked_dir = tenant_dir(data, tenant)
+        saved = json.loads((data / "links.json").read_text())
+        assert sorted(saved["links"][name]) == ["discord:222", "telegram:111"]
+        # the personal profiles were merged away; carol's is untouched
+        assert not tenant_dir(data, "telegram-111").exists()
+        assert not tenant_dir(data, "discord-222").exists()
+        assert SECRET_CAROL in (tenant_dir(data, "telegram-333") / "memories" / "MEMORY.md").read_text()
+        manifest = json.loads((linked_dir / "tenant.json").read_text())
+        assert set(manifest["principals"]) == {"telegram:111", "discord:222"}
+        # both conversations continue in the sessions they had
+        merged_routes = routes(linked_dir)
+        assert merged_routes["agent:main:telegram:dm:dm-111"] == tg_route
+        assert merged_routes["agent:main:discord:dm:dm-222"] == dc_route
+
+        # the Discord account sees the Telegram account's memory (fresh session snapshot) ...
+        await say(app, dc, dm("222", "/new", platform="discord"))
+        n = len(fake_llm.requests)
+        await say(app, dc, dm("222", "what do you know about me?", platform="discord"))
+        blob = json.dumps(fake_llm.requests[n:])
+        assert SECRET_TG in blob and SECRET_DC in blob
+        assert SECRET_CAROL not in blob
+        # ... and can search the Telegram conversation's transcript
+        fake_llm.script(tool_call("session_search", {"query": "dock"}))
+        await say(app, dc, dm("222", "search my old chats", platform="discord"))
+        tool_msgs = [m for m in fake_llm.requests[-1]["messages"] if m["role"] == "tool"]
+        assert json.loads(tool_msgs[-1]["content"])["count"] >= 1
+        mem = await say(app, tg, dm("111", "/memory", platform="telegram"))
+        assert SECRET_TG in mem[0] and SECRET_DC in mem[0] and SECRET_CAROL not in mem[0]
+        who = await say(app, tg, dm("111", "/whoami", platform="telegram"))
+        assert tenant in who[0] and "discord:222" in who[0]
+
+        # carol sees none of it
+        await say(app, tg, dm("333", "/new", platform="telegram"))
+        n = len(fake_llm.requests)
+        await say(app, tg, dm("333", "what do you know?", platform="telegram"))
+        blob = json.dumps(fake_llm.requests[n:])
+        assert SECRET_CAROL in blob and SECRET_TG not in blob and SECRET_DC not in blob
+    finally:
+        await app.stop()
+    # nothing of alice is left in carol's profile
+    for path in tenant_dir(data, "telegram-333").rglob("*"):
+        if path.is_file():
+            raw = path.read_bytes()
+            assert SECRET_TG.encode() not in raw and SECRET_DC.encode() not in raw
+
+
+async def test_expired_reused_and_wrong_codes_are_refused(config_for, fake_llm):
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = await started(cfg, tg, dc)
+    try:
+        # expired
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        real = time.time
+        app.linking.clock = lambda: real() + 11 * 60
+        out = await say(app, dc, dm("222", f"/link {code}", platform="discord"))
+        assert "unknown, expired or already used" in out[0]
+        app.linking.clock = real
+        assert app.links.name_for("discord:222") is None
+        # ... and an expired code stays dead even when the clock is right again
+        out = await say(app, dc, dm("222", f"/link {code}", platform="discord"))
+        assert "unknown, expired or already used" in out[0]
+
+        # used once, then reused by someone else
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        out = await say(app, dc, dm("222", f"/link {code.lower()}", platform="discord"))
+        assert out[0].startswith("Code accepted")
+        await app.linking.wait_idle(30)
+        out = await say(app, dc, dm("999", f"/link {code}", platform="discord"))
+        assert "unknown, expired or already used" in out[0]
+        assert app.links.name_for("discord:999") is None
+
+        # a new code revokes the previous one; a code can't link an account to itself
+        first = code_in(await say(app, tg, dm("444", "/link", platform="telegram")))
+        second = code_in(await say(app, tg, dm("444", "/link", platform="telegram")))
+        assert "unknown" in (await say(app, dc, dm("555", f"/link {first}", platform="discord")))[0]
+        assert "made by this account" in (await say(app, tg, dm("444", f"/link {second}", platform="telegram")))[0]
+        # codes are stored only as hashes
+        raw = (cfg.data_dir / "gateway.db").read_bytes()
+        assert second.replace("-", "").encode() not in raw and second.encode() not in raw
+        # only in a private chat
+        out = await say(app, tg, group("g1", "444", "/link", platform="telegram"))
+        assert "private chat" in out[0]
+    finally:
+        await app.stop()
+
+
+async def test_link_codes_and_wrong_guesses_are_rate_limited(config_for, fake_llm):
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = await started(cfg, tg, dc)
+    try:
+        for _ in range(5):
+            code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        out = await say(app, tg, dm("111", "/link", platform="telegram"))
+        assert "in the last hour" in out[0] and not CODE_RE.search(out[0])
+        for i in range(10):
+            out = await say(app, dc, dm("222", f"/link AAAAA-AAAA{'BCDEFGHJKL'[i]}", platform="discord"))
+            assert "unknown" in out[0]
+        out = await say(app, dc, dm("222", "/link AAAAA-BBBBB", platform="discord"))
+        assert "Too many wrong link codes" in out[0]
+    finally:
+        await app.stop()
+
+
+async def test_third_account_joins_existing_link_and_unlink_splits_going_forward(config_for, fake_llm):
+    fake_llm.responder = memory_saving_responder
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
+    app = await started(cfg, tg, dc, tc)
+    data = cfg.data_dir
+    try:
+        await say(app, tg, dm("111", f"remember that {SECRET_TG}", platform="telegram"))
+        await say(app, tc, dm("777", "remember that alice also uses testchat"))
+        await link(app, tg, dc)
+        name = app.links.name_for("telegram:111")
+        linked_dir = tenant_dir(data, link_tenant_id(name))
+        # a third account joins the existing link (the link profile is merged into in place)
+        code = code_in(await say(app, dc, dm("222", "/link", platform="discord")))
+        assert (await say(app, tc, dm("777", f"/link {code}")))[0].startswith("Code accepted")
+        await app.linking.wait_idle(30)
+        assert app.links.name_for("testchat:777") == name
+        assert not tenant_dir(data, "testchat-777").exists()
+        mem = await say(app, tc, dm("777", "/memory"))
+        assert SECRET_TG in mem[0] and "alice also uses testchat" in mem[0]
+        assert "agent:main:testchat:dm:dm-777" in routes(linked_dir)
+
+        # unlink the discord account: it starts fresh; the link keeps everything
+        out = await say(app, dc, dm("222", "/unlink", platform="discord"))
+        assert out[0].startswith("Done")
+        assert app.links.name_for("discord:222") is None
+        assert "discord:222" not in json.loads((data / "links.json").read_text())["links"][name]
+        mem = await say(app, dc, dm("222", "/memory", platform="discord"))
+        assert mem == ["I don't remember anything about you yet."]
+        assert tenant_dir(data, "discord-222").is_dir()
+        mem = await say(app, tg, dm("111", "/memory", platform="telegram"))
+        assert SECRET_TG in mem[0]
+        assert "isn't linked" in (await say(app, dc, dm("222", "/unlink", platform="discord")))[0]
+        # the last two can split; the very last one can't strand the data
+        assert (await say(app, tc, dm("777", "/unlink")))[0].startswith("Done")
+        out = await say(app, tg, dm("111", "/unlink", platform="telegram"))
+        assert "only account left" in out[0]
+    finally:
+        await app.stop()
+
+
+def test_memory_merge_sets_aside_oldest_entries_of_the_larger_side():
+    a = [f"a{i}-" + "x" * 40 for i in range(10)]
+    b = [f"b{i}-" + "y" * 40 for i in range(3)]
+    kept, dropped = combine_entries([a, b + [a[0]]], 400, "2026-01-01")
+    assert len("\n§\n".join(kept)) <= 400
+    assert kept[0].startswith("(Accounts linked 2026-01-01")
+    assert all(e in kept for e in b), "the smaller side keeps its entries"
+    assert dropped and dropped == a[: len(dropped)], "the oldest of the larger side go first"
+    assert kept.count(a[-1]) == 1
+    kept, dropped = combine_entries([["one"], ["two", "one"]], 100, "x")
+    assert kept == ["one", "two"] and dropped == []

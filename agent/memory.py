@@ -13,13 +13,13 @@ import fcntl
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from agent.fileio import atomic_write
 from agent.threats import first_threat
 
 log = logging.getLogger(__name__)
@@ -370,30 +370,10 @@ class MemoryStore:
             fcntl.flock(fd, fcntl.LOCK_EX)
             new, result = mutate(self._read_entries(target))
             if new is not None:
-                self._atomic_write(self.path_for(target), ENTRY_DELIMITER.join(new))
+                atomic_write(self.path_for(target), ENTRY_DELIMITER.join(new))
             return result
         finally:
             os.close(fd)  # closing releases the flock
-
-    def _atomic_write(self, path: Path, text: str) -> None:
-        tmp_fd, tmp = tempfile.mkstemp(dir=self.memory_dir, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(tmp_fd, "wb") as fh:
-                fh.write(text.encode("utf-8"))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        dir_fd = os.open(self.memory_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 __all__ = [

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from adapters.base import InboundMessage
+from agent.fileio import atomic_write, fsync_dir
 from agent.memory import ENTRY_DELIMITER, parse_entries
 from agent.sessions import SessionStore
 from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
@@ -480,10 +481,6 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    _fsync_file(path)
-
-
 def merge_profiles(target: Path, sources: list[Path], limits: dict[str, int], principals: list[str]) -> None:
     """Merge closed profiles `sources` into the closed profile `target` (idempotent)."""
     with _Flock(target / "sessions" / ".lock"):
@@ -517,13 +514,7 @@ def _merge_journals(src: Path, target: Path) -> None:
                 if have != data:
                     log.warning("link: journal %s differs in both profiles; keeping the target's", journal.name)
                 continue
-        tmp = out_dir / f".{journal.name}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-    _fsync_dir(out_dir)
+        atomic_write(dest, data)
 
 
 def _columns(conn: sqlite3.Connection, schema: str, table: str) -> list[str]:
@@ -642,7 +633,7 @@ def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> N
             if not any(lists[1:]):
                 continue
             kept, dropped = combine_entries(lists, limits[target_name], today)
-            _atomic_write(mem_dir / fname, ENTRY_DELIMITER.join(kept))
+            atomic_write(mem_dir / fname, ENTRY_DELIMITER.join(kept))
             if dropped:
                 with open(mem_dir / OVERFLOW_FILE, "a", encoding="utf-8") as fh:
                     fh.write(f"## {fname}, set aside when accounts were linked on {today}\n\n")
@@ -653,11 +644,3 @@ def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> N
         os.close(fd)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(text.encode("utf-8"))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)

@@ -16,13 +16,12 @@ All state is per instance (guarded by a lock); there are no module globals.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agent.fileio import atomic_write
 from tenancy.keys import link_tenant_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -225,29 +224,7 @@ class IdentityLinks:
             payload = {"version": _FILE_VERSION, "links": {n: ps for n, ps in runtime.items() if ps}}
             data = json.dumps(payload, ensure_ascii=False, indent=2, sort_keys=True) + "\n"
             target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-                raise
-            try:
-                dir_fd = os.open(target.parent, os.O_RDONLY)
-            except OSError:
-                return
-            try:
-                os.fsync(dir_fd)
-            except OSError:
-                pass
-            finally:
-                os.close(dir_fd)
+            atomic_write(target, data)
 
     # --- internals ------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from agent.fileio import atomic_write
 from agent.memory import MemoryStore
 from agent.providers import MemoryProvider, make_provider
 from agent.sessions import SessionStore
@@ -62,13 +63,8 @@ class Profile:
 
 
 def write_manifest(path: Path, manifest: dict) -> None:
-    """Write tenant.json atomically (temp file + fsync + rename)."""
-    tmp = path / f".tenant.json.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(manifest, fh, ensure_ascii=False, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path / "tenant.json")
+    """Write tenant.json atomically."""
+    atomic_write(path / "tenant.json", json.dumps(manifest, ensure_ascii=False, indent=2), mode=0o644)
 
 
 def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> Path:

@@ -95,3 +95,21 @@ def test_secrets_come_only_from_env(monkeypatch):
     assert cfg.llm.api_key() == "sk-123"
     with pytest.raises(ConfigError, match="llm.api_key: unknown key"):
         parse_config({"llm": {"api_key": "sk-inline"}})
+
+
+def test_doctor_says_what_is_wrong(tmp_path, capsys):
+    import asyncio as _asyncio
+    from tests.fakes.llm import FakeLLM
+
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "d"),
+                                    "llm": {"base_url": "http://127.0.0.1:9/v1"}}))
+    assert main(["doctor", "-c", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] model endpoint: cannot reach http://127.0.0.1:9/v1" in out
+    assert "[ok] data directory" in out and "[ok] tokenizer" in out
+
+    with FakeLLM() as llm:  # served from a background thread
+        path.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "d"), "llm": {"base_url": llm.base_url}}))
+        assert main(["doctor", "-c", str(path)]) == 0
+    assert "All checks passed." in capsys.readouterr().out

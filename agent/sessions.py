@@ -106,6 +106,11 @@ CREATE TABLE IF NOT EXISTS journal_offsets(
     "offset" INTEGER,
     messages INTEGER DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS compression_state(
+    session_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    updated_at REAL
+);
 """
 
 _MSG_COLS = (
@@ -234,6 +239,40 @@ async def _noop() -> None:
 
 def _message_line(m: StoredMessage) -> dict[str, Any]:
     return {"type": "message", **m.to_json()}
+
+
+# SQL: true for a compression summary row (meta {"compressed_summary": true}); undo skips them.
+_IS_SUMMARY_SQL = "(json_valid(meta) AND COALESCE(json_extract(meta, '$.compressed_summary'), 0) != 0)"
+
+
+def _conversation_order(msgs: list[StoredMessage]) -> list[StoredMessage]:
+    """Insertion order, except that a message whose meta names `after_uid` (a compression
+    summary) follows that message when it is present. Originals are never re-inserted, so a
+    summary written after the tail it precedes still reads [head..., summary, tail...]."""
+    present = {m.uid for m in msgs}
+    moved: dict[str, list[StoredMessage]] = {}
+    for m in msgs:
+        anchor = m.meta.get("after_uid") if isinstance(m.meta, dict) else None
+        if isinstance(anchor, str) and anchor != m.uid and anchor in present:
+            moved.setdefault(anchor, []).append(m)
+    if not moved:
+        return msgs
+    moved_ids = {id(m) for ms in moved.values() for m in ms}
+    out: list[StoredMessage] = []
+    emitted: set[int] = set()
+    for root in msgs:
+        if id(root) in moved_ids:
+            continue
+        stack = [root]
+        while stack:
+            m = stack.pop()
+            if id(m) in emitted:
+                continue
+            emitted.add(id(m))
+            out.append(m)
+            stack.extend(reversed(moved.pop(m.uid, [])))
+    out.extend(m for m in msgs if id(m) not in emitted)  # anchor cycles: keep insertion order
+    return out
 
 
 @dataclasses.dataclass
@@ -394,16 +433,22 @@ class SessionStore:
 
         await self._write(op)
 
-    async def rotate(self, session_key: str, old_session_id: str, reason: str, **start_kwargs: Any) -> str:
+    async def rotate(self, session_key: str, old_session_id: str, reason: str, *,
+                     carry: list[StoredMessage] | None = None, compact_uids: list[str] | None = None,
+                     **start_kwargs: Any) -> str:
         """End `old_session_id` and start its child, moving the lane's route, in one transaction.
 
-        The child inherits source/user_id/model unless given. Raises StaleRouteError when
-        the old session already ended or the lane routes elsewhere (a concurrent rotate).
+        The child inherits source/user_id/model unless given. `carry` messages (any session_id;
+        they are re-homed) become the child's first messages and `compact_uids` of the old
+        session are flagged compacted, in the same journal write and transaction.
+        Raises StaleRouteError when the old session already ended or the lane routes elsewhere
+        (a concurrent rotate).
         """
         _check_session_id(old_session_id)
         unknown = set(start_kwargs) - _START_KW
         if unknown:
             raise TypeError(f"rotate() got unexpected arguments: {sorted(unknown)}")
+        carried = self._prepare_messages(list(carry or []), check_session=False)
 
         async def op() -> str:
             db = self._require_db()
@@ -422,13 +467,25 @@ class SessionStore:
                 "type": "event", "event": "session_end", "session_id": old_session_id, "reason": reason, "ts": ts,
             }
             start_line = self._start_line(new_id, session_key, parent=old_session_id, route=True, ts=ts, **kw)
+            msgs = [dataclasses.replace(m, session_id=new_id) for m in carried]
+            if await self._existing_uids([m.uid for m in msgs]):
+                raise ValueError("rotate(carry=...) messages need fresh uids")
+            flagged = await self._uids_of(old_session_id, list(compact_uids or []))
+            old_lines: list[dict[str, Any]] = [end_line]
+            if flagged:
+                old_lines.insert(0, {"type": "event", "event": "flags", "uids": flagged, "active": None,
+                                     "compacted": True, "reason": reason, "ts": ts})
 
             async def tx() -> None:
                 await self._apply_end(old_session_id, reason, ts, move_routes_to=new_id)
                 await self._insert_session(new_id, session_key, parent=old_session_id, ts=ts, **kw)
                 await self._set_route(session_key, new_id, ts)
+                await self._insert_messages(msgs)
+                if flagged:
+                    await self._apply_flags(flagged, None, True)
 
-            await self._journaled({old_session_id: [end_line], new_id: [start_line]}, tx)
+            await self._journaled(
+                {old_session_id: old_lines, new_id: [start_line, *(_message_line(m) for m in msgs)]}, tx)
             return new_id
 
         return await self._write(op)
@@ -476,27 +533,9 @@ class SessionStore:
         """
         if not msgs:
             return []
-        cleaned: list[StoredMessage] = []
-        for m in msgs:
-            _check_session_id(m.session_id)
-            if not isinstance(m.uid, str) or not m.uid:
-                raise ValueError("message uid must be a non-empty string")
-            if not isinstance(m.role, str) or not (m.content is None or isinstance(m.content, str)):
-                raise TypeError(f"message {m.uid}: role must be str and content str or None")
-            if not (m.tool_calls is None or isinstance(m.tool_calls, list)) or not isinstance(m.meta, dict):
-                raise TypeError(f"message {m.uid}: tool_calls must be a list or None and meta a dict")
-            data = _message_line(m)
-            try:
-                _dumps(data).encode("utf-8")
-            except UnicodeEncodeError:
-                data = _clean(data)
-                m = StoredMessage.from_json(data)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"message {m.uid} is not JSON-serialisable: {e}") from e
-            cleaned.append(m)
+        cleaned = self._prepare_messages(msgs)
 
         async def op() -> list[StoredMessage]:
-            db = self._require_db()
             sids = sorted({m.session_id for m in cleaned})
             for sid in sids:
                 await self._session_row(sid)
@@ -512,27 +551,107 @@ class SessionStore:
                 return cleaned
 
             async def tx() -> None:
-                await db.executemany(_INSERT_MSG, [_msg_row(m) for m in fresh])
-                counts: dict[str, int] = {}
-                for m in fresh:
-                    counts[m.session_id] = counts.get(m.session_id, 0) + 1
-                await db.executemany(
-                    "UPDATE sessions SET message_count = COALESCE(message_count, 0) + ? WHERE id=?",
-                    [(n, sid) for sid, n in counts.items()],
-                )
+                await self._insert_messages(fresh)
 
             await self._journaled(lines, tx)
             return cleaned
 
         return await self._write(op)
 
+    @staticmethod
+    def _prepare_messages(msgs: list[StoredMessage], check_session: bool = True) -> list[StoredMessage]:
+        """Validate messages for storage; lone surrogates are replaced with U+FFFD."""
+        cleaned: list[StoredMessage] = []
+        for m in msgs:
+            if check_session:
+                _check_session_id(m.session_id)
+            if not isinstance(m.uid, str) or not m.uid:
+                raise ValueError("message uid must be a non-empty string")
+            if not isinstance(m.role, str) or not (m.content is None or isinstance(m.content, str)):
+                raise TypeError(f"message {m.uid}: role must be str and content str or None")
+            if not (m.tool_calls is None or isinstance(m.tool_calls, list)) or not isinstance(m.meta, dict):
+                raise TypeError(f"message {m.uid}: tool_calls must be a list or None and meta a dict")
+            data = _message_line(m)
+            try:
+                _dumps(data).encode("utf-8")
+            except UnicodeEncodeError:
+                data = _clean(data)
+                m = StoredMessage.from_json(data)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"message {m.uid} is not JSON-serialisable: {e}") from e
+            cleaned.append(m)
+        return cleaned
+
+    async def _insert_messages(self, fresh: list[StoredMessage]) -> None:
+        """Insert rows and bump message counts (inside the caller's transaction)."""
+        if not fresh:
+            return
+        db = self._require_db()
+        await db.executemany(_INSERT_MSG, [_msg_row(m) for m in fresh])
+        counts: dict[str, int] = {}
+        for m in fresh:
+            counts[m.session_id] = counts.get(m.session_id, 0) + 1
+        await db.executemany(
+            "UPDATE sessions SET message_count = COALESCE(message_count, 0) + ? WHERE id=?",
+            [(n, sid) for sid, n in counts.items()],
+        )
+
+    async def _uids_of(self, session_id: str, uids: list[str]) -> list[str]:
+        """The given uids that belong to `session_id`, in insertion order."""
+        db = self._require_db()
+        found: list[str] = []
+        for part in _chunks(list(dict.fromkeys(uids))):
+            rows = await (
+                await db.execute(
+                    f"SELECT uid FROM messages WHERE session_id=? AND uid IN ({','.join('?' * len(part))}) ORDER BY id",
+                    (session_id, *part),
+                )
+            ).fetchall()
+            found.extend(r[0] for r in rows)
+        return found
+
+    async def compact(self, session_id: str, uids: list[str], messages: list[StoredMessage], *,
+                      reason: str = "compression") -> int:
+        """Append `messages` to `session_id` and flag its `uids` compacted, atomically: one
+        journal write (message lines, then a flags event) and one SQLite transaction.
+        Returns how many messages were flagged."""
+        _check_session_id(session_id)
+        cleaned = self._prepare_messages(messages)
+        if any(m.session_id != session_id for m in cleaned):
+            raise ValueError("compact() messages must belong to the compacted session")
+
+        async def op() -> int:
+            await self._session_row(session_id)
+            known = await self._existing_uids([m.uid for m in cleaned])
+            fresh = [m for m in cleaned if m.uid not in known]
+            flagged = await self._uids_of(session_id, list(uids))
+            lines = [_message_line(m) for m in fresh]
+            if flagged:
+                lines.append({"type": "event", "event": "flags", "uids": flagged, "active": None,
+                              "compacted": True, "reason": reason, "ts": _now()})
+            if not lines:
+                return 0
+
+            async def tx() -> None:
+                await self._insert_messages(fresh)
+                if flagged:
+                    await self._apply_flags(flagged, None, True)
+
+            await self._journaled({session_id: lines}, tx)
+            return len(flagged)
+
+        return await self._write(op)
+
     async def history(self, session_id: str, *, include_inactive: bool = False) -> list[StoredMessage]:
-        """Messages of a session in insertion order; only active, uncompacted ones by default."""
+        """Messages of a session in conversation order; only active, uncompacted ones by default.
+
+        Conversation order is insertion order, except that a compression summary (meta
+        `after_uid`) follows the message it names, so history reads [head, summary, tail]."""
         where = "" if include_inactive else " AND active=1 AND compacted=0"
         rows = await self._fetchall(
             f"SELECT {_MSG_COLS} FROM messages WHERE session_id=?{where} ORDER BY id", (session_id,)
         )
-        return [_row_msg(r) for r in rows]
+        return _conversation_order([_row_msg(r) for r in rows])
 
     async def set_flags(
         self, uids: list[str], *, active: bool | None = None, compacted: bool | None = None, reason: str
@@ -558,7 +677,7 @@ class SessionStore:
             last = await (
                 await db.execute(
                     "SELECT id FROM messages WHERE session_id=? AND role='user' AND active=1 AND compacted=0 "
-                    "ORDER BY id DESC LIMIT 1",
+                    f"AND NOT {_IS_SUMMARY_SQL} ORDER BY id DESC LIMIT 1",
                     (session_id,),
                 )
             ).fetchone()
@@ -566,7 +685,8 @@ class SessionStore:
                 return 0
             rows = await (
                 await db.execute(
-                    "SELECT uid FROM messages WHERE session_id=? AND id>=? AND active=1 ORDER BY id",
+                    f"SELECT uid FROM messages WHERE session_id=? AND id>=? AND active=1 AND NOT {_IS_SUMMARY_SQL} "
+                    "ORDER BY id",
                     (session_id, last[0]),
                 )
             ).fetchall()
@@ -624,9 +744,33 @@ class SessionStore:
             (int(input_tokens), int(output_tokens)),
         )
 
-    async def increment_compressions(self, session_id: str) -> None:
-        """Count one more compression of this session (SQLite only)."""
-        await self._update_session(session_id, "compressions = COALESCE(compressions,0) + 1", ())
+    async def increment_compressions(self, session_id: str, by: int = 1) -> None:
+        """Count `by` more compressions of this session (SQLite only)."""
+        await self._update_session(session_id, "compressions = COALESCE(compressions,0) + ?", (int(by),))
+
+    async def compression_state(self, session_id: str) -> dict[str, Any]:
+        """The session's persisted compression state (streaks, cooldowns...; {} if none)."""
+        row = await self._fetchone("SELECT state FROM compression_state WHERE session_id=?", (session_id,))
+        if row is None:
+            return {}
+        try:
+            data = json.loads(row[0])
+        except (TypeError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    async def set_compression_state(self, session_id: str, state: dict[str, Any]) -> None:
+        """Replace the session's compression state (SQLite only; soft state)."""
+        text = _dumps(_clean(state))
+
+        async def op() -> None:
+            await self._require_db().execute(
+                "INSERT INTO compression_state(session_id, state, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(session_id) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at",
+                (session_id, text, _now()),
+            )
+
+        await self._write(op)
 
     async def set_summary(self, session_id: str, text: str) -> None:
         """Store the session's latest summary text (SQLite only)."""
@@ -775,7 +919,7 @@ class SessionStore:
         while len(self._fds) > MAX_OPEN_JOURNALS:
             old_sid, old_fd = self._fds.popitem(last=False)
             try:
-                if old_sid in self._dirty and self.fsync != "never":
+                if old_sid in self._dirty:  # close()/sync() could not reach it once closed
                     os.fsync(old_fd)
                     self._dirty.discard(old_sid)
             finally:

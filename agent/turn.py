@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from agent.compression import Compressor
 from agent.llm import ContextLengthExceeded, LLMClient, LLMError
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
@@ -20,7 +21,9 @@ from tenancy.profiles import Profile
 
 log = logging.getLogger("hermes.agent")
 
-# (kind, text): kind is "progress" (routine, may be hidden), "warning" or "error" (always shown)
+# (kind, text): kind is "progress" / "progress_done" (routine: shown only with
+# compression.progress_notices; the second edits the first in place where possible),
+# "warning" or "error" (always shown)
 Notify = Callable[[str, str], Awaitable[None]]
 
 
@@ -54,9 +57,11 @@ class TurnContext:
     profile: Profile
     lane: Lane
     place: ChatPlace
-    session_id: str
+    session_id: str  # the live session; compression with in_place: false moves it to a child
     memory: MemoryStore | None
     notify: Notify
+    compression_state: Any = None  # the session's CompressionState, loaded once per turn
+    compressions: int = 0  # automatic compressions run in this turn (<= compression.max_attempts)
 
 
 class Agent:
@@ -66,6 +71,7 @@ class Agent:
         self.cfg = cfg
         self.llm = llm
         self.tokens = tokens
+        self.compression = Compressor(cfg, llm, tokens, system_factory=self.system_message)
 
     # ----- sessions -------------------------------------------------------------------
     def lane_memory(self, profile: Profile, lane: Lane) -> MemoryStore | None:
@@ -118,12 +124,19 @@ class Agent:
 
     def threshold_tokens(self) -> int:
         """Prompt tokens at which automatic compression starts (see agent/compression.py)."""
-        cfg, llm = self.cfg.compression, self.cfg.llm
-        return int(llm.context_length * cfg.threshold) - (llm.max_tokens or 0)
+        return self.compression.threshold_tokens()
 
     async def compress_now(self, profile: Profile, lane: Lane, place: ChatPlace, focus: str | None = None) -> str:
-        """Manual /compress."""
-        return "Compression is not available in this build yet; send /new to start fresh."
+        """Manual /compress [focus <topic>]: compress the lane's session now (ignoring cooldowns
+        and the anti-thrash block) and say what happened."""
+        session_id = await profile.sessions.route(lane.session_key)
+        if session_id is None:
+            return "There's no conversation to compress yet."
+        ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
+                          memory=self.lane_memory(profile, lane), notify=_no_notice)
+        history = await profile.sessions.history(session_id)
+        outcome = await self.compression.compress_guarded(ctx, history, trigger="manual", focus=focus)
+        return outcome.feedback()
 
     # ----- the turn -------------------------------------------------------------------
     async def run_turn(self, profile: Profile, lane: Lane, place: ChatPlace, inputs: list[UserInput],
@@ -131,7 +144,7 @@ class Agent:
         session_id = await self.open_session(profile, lane, place)
         store = profile.sessions
         history = await store.history(session_id)
-        known = {m.uid for m in history}
+        known = {m.uid for m in history} | {m.meta.get("copied_from") for m in history}
         fresh = [i for i in inputs if i.uid not in known]
         if not fresh:
             replay = self._answer_after(history, inputs[-1].uid)
@@ -168,7 +181,7 @@ class Agent:
         seen = False
         answer = None
         for m in history:
-            if m.uid == uid:
+            if uid in (m.uid, m.meta.get("copied_from")):
                 seen = True
             elif seen and m.role == "user":
                 answer = None
@@ -222,12 +235,34 @@ class Agent:
             log.exception("memory provider on_memory_write failed")
 
     async def _call_llm(self, ctx: TurnContext, history: list[StoredMessage], tools: list[dict] | None):
-        """One model request for the current history (compression hooks in here)."""
-        wire = [m.to_openai() for m in history]
-        try:
-            return await self.llm.chat(wire, tools=tools, max_tokens=self.cfg.llm.max_tokens)
-        except ContextLengthExceeded as err:
-            err.user_message = (
-                "This conversation has grown too long for the model. Send /new to start a fresh "
-                "one (your memory is kept).")
-            raise
+        """One model request for the current history.
+
+        Before it, the prompt (estimate, or the server's last count) is checked against the
+        compression threshold; a context-length error compresses and retries. Together at
+        most `compression.max_attempts` compressions per turn. `history` is replaced in place
+        by the compressed one (and `ctx.session_id` moves when a child session starts)."""
+        comp = self.compression
+        max_attempts = self.cfg.compression.max_attempts
+        while True:
+            wire = comp.wire(history)
+            if ctx.compressions < max_attempts:
+                outcome = await comp.before_request(ctx, history, wire)
+                if outcome is not None and outcome.compressed:
+                    ctx.compressions += 1
+                    history[:] = outcome.history or []
+                    wire = comp.wire(history)
+            try:
+                result = await self.llm.chat(wire, tools=tools, max_tokens=self.cfg.llm.max_tokens)
+            except ContextLengthExceeded as err:
+                if comp.enabled and ctx.compressions < max_attempts:
+                    ctx.compressions += 1
+                    outcome = await comp.compress_guarded(ctx, history, trigger="context")
+                    if outcome.compressed:
+                        history[:] = outcome.history or []
+                        continue
+                err.user_message = (
+                    "This conversation has grown too long for the model. Send /compress to shrink "
+                    "it or /new to start a fresh one (your memory is kept).")
+                raise
+            await comp.after_response(ctx, result.usage)
+            return result

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from adapters.base import InboundMessage
+from agent.compression import CompressionState, Compressor
 from agent.prompt import ChatPlace
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from tenancy.keys import Lane
@@ -88,19 +89,35 @@ async def cmd_usage(ctx: CommandContext) -> str:
         return "No conversation yet, so no tokens used."
     info = await store.session_info(session_id) or {}
     history = await store.history(session_id)
-    context_tokens = app.tokens.count_messages(history)
+    comp = app.agent.compression
+    context_tokens = comp.context_tokens(history)  # cached per-message counts, no re-encoding
     window = app.cfg.llm.context_length
     threshold = app.agent.threshold_tokens()
-    return "\n".join([
-        f"Tokens this session: {info.get('input_tokens', 0):,} in, {info.get('output_tokens', 0):,} out",
+    state = await store.compression_state(session_id)
+    lines = [
+        f"Tokens this session: {info.get('input_tokens') or 0:,} in, {info.get('output_tokens') or 0:,} out",
         f"Context: {context_tokens:,} of {window:,} tokens ({100 * context_tokens // window}%), "
-        f"compression at {threshold:,}",
-        f"Compressions so far: {info.get('compressions', 0)}",
-    ])
+        f"compression at {threshold:,} ({100 * threshold // window}%)",
+    ]
+    if state.get("last_prompt_tokens"):
+        lines.append(f"Last request: {int(state['last_prompt_tokens']):,} prompt tokens (as the model counted)")
+    lines.append(f"Compressions so far: {info.get('compressions') or 0}")
+    if not app.cfg.compression.enabled:
+        lines.append("Automatic compression is off; /compress still works.")
+    else:
+        reason = Compressor.block_reason(CompressionState.from_dict(state))
+        if reason in ("blocked", "probe"):
+            lines.append("Automatic compression is paused (recent attempts didn't help); "
+                         "send /compress to try now or /new to start fresh.")
+        elif reason == "cooldown":
+            lines.append("Automatic compression is waiting a moment after a summary-model failure.")
+    return "\n".join(lines)
 
 
 async def cmd_compress(ctx: CommandContext) -> str:
-    focus = ctx.args[len("focus"):].strip() if ctx.args.lower().startswith("focus") else ctx.args
+    args = ctx.args.strip()
+    head, _, rest = args.partition(" ")
+    focus = rest.strip() if head.lower() == "focus" else args
     return await ctx.app.agent.compress_now(ctx.profile, ctx.lane, ctx.place, focus=focus or None)
 
 

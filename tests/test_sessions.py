@@ -680,6 +680,20 @@ async def test_fsync_policies(profile: Path, monkeypatch: pytest.MonkeyPatch, po
     assert sync_level in (0, 1, 2, 3)
 
 
+async def test_many_journals_with_small_handle_cache(profile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sessions_mod, "MAX_OPEN_JOURNALS", 4)
+    synced: set[int] = set()
+    real = os.fsync
+    monkeypatch.setattr(sessions_mod.os, "fsync", lambda fd: (synced.add(fd), real(fd))[1])
+    async with SessionStore(profile, fsync="never") as s:
+        sids = [await s.start_session(f"k{i}") for i in range(12)]
+        await s.append_many([StoredMessage(sid, "user", f"to {sid}") for sid in sids])
+        assert len(s._fds) <= 4
+        assert synced  # evicted dirty journals were fsynced before their descriptor closed
+    assert_consistent(profile)
+    assert len(db_uids(profile)) == 12
+
+
 # ---------------------------------------------------------------- counters, stats, backup
 
 

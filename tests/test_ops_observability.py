@@ -21,19 +21,6 @@ from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import error
 
 
-@pytest.fixture(autouse=True)
-def _keep_logging_config():
-    """The CLI configures logging process-wide; put it back for the tests that follow."""
-    import logging as _logging
-
-    root = _logging.getLogger()
-    names = ("httpx", "httpcore", "aiosqlite", "discord", "telegram", "aiohttp.access")
-    saved = (root.level, list(root.handlers), {n: _logging.getLogger(n).level for n in names})
-    yield
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
-    for n, level in saved[2].items():
-        _logging.getLogger(n).setLevel(level)
 
 # ----- a strict parser of the Prometheus text format -----------------------------------------
 

@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_doctor(cfg))
     if args.command == "chat":
         setup_logging(cfg, quiet=True)
+        # the conversation is on stdout; retries and warnings would only clutter the terminal
+        logging.getLogger().setLevel(logging.ERROR)
         try:
             return asyncio.run(_chat(cfg, args.user, args.group))
         except KeyboardInterrupt:

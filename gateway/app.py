@@ -237,6 +237,11 @@ class GatewayApp:
                     f"Ask the operator of this bot to approve it with /pair {code}.")
             self._in_background(self._send_and_finish(msg, text, "notice", "unauthorized"))
             return
+        if msg.message_id.startswith("interaction-"):
+            # a slash command waits visibly for an answer; plain group messages get silence
+            self._in_background(self._send_and_finish(
+                msg, "Sorry, you're not on this bot's list of users.", "error", "unauthorized"))
+            return
         await self.inbox.finish(msg, "unauthorized")
 
     async def _refuse(self, msg: InboundMessage, outcome: str, text: str, quiet_key: str | None = None) -> None:

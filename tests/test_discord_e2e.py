@@ -217,3 +217,41 @@ async def test_refused_intent_keeps_other_platforms_running(rig, fake, fake_llm)
     assert r.adapter.status.startswith("failed: ") and "MESSAGE CONTENT INTENT" in r.adapter.status
     out = await say(r.app, other, dm("carol", "are you there?"))
     assert out == ["ok: are you there?"]
+
+
+async def test_slash_command_from_a_stranger_gets_an_answer_not_silence(rig, fake, fake_llm, config_for):
+    r = await rig()
+    await r.app.stop(drain_timeout=5)  # rebuild with an allowlist that leaves bob out
+    cfg = config_for(access={"allowed_users": [f"discord:{fake.alice}"]},
+                     platforms={"discord": {"enabled": True, "api_base": fake.api_base,
+                                            "gateway_url": fake.gateway_url}})
+    adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        await fake.wait_until(lambda: adapter.commands_synced)
+        before = len(fake.sent_messages(fake.general))
+        inter = fake.push_interaction("help", user_id=fake.bob, channel_id=fake.general)
+        await fake.wait_until(lambda: len(fake.sent_messages(fake.general)) > before, 20)
+        sent = fake.sent_messages(fake.general)[-1]
+        assert sent["interaction_id"] == inter["id"] and "not on this bot's list" in sent["content"]
+        # an ordinary message from the stranger stays unanswered
+        m = fake.push_guild_message(fake.general, fake.bob, "hello?", mention_bot=True)
+        await fake.wait_until(lambda: _recorded(app, fake.general, m["id"]), 10)
+        assert await app.drain(10)
+        assert len(fake.sent_messages(fake.general)) == before + 1
+        assert not fake_llm.requests
+    finally:
+        await app.stop(drain_timeout=5)
+
+
+def _recorded(app: GatewayApp, channel_id: str, message_id: str) -> bool:
+    """Whether the gateway's inbox has taken in a Discord message (sync peek for wait_until)."""
+    import sqlite3
+    con = sqlite3.connect(app.inbox.path)
+    try:
+        row = con.execute("SELECT status FROM inbound WHERE platform='discord' AND chat_id=? AND message_id=?",
+                          (str(channel_id), str(message_id))).fetchone()
+    finally:
+        con.close()
+    return row is not None and row[0] == "done"

@@ -507,15 +507,13 @@ class SessionStore:
 
         async def op() -> tuple[str, bool]:
             db = self._require_db()
-            row = await (
-                await db.execute(
-                    "SELECT r.session_id FROM routes r JOIN sessions s ON s.id = r.session_id "
-                    "WHERE r.session_key=? AND s.ended_at IS NULL",
-                    (session_key,),
-                )
-            ).fetchone()
-            if row is not None:
-                return row[0], False
+            rows = await db.execute_fetchall(
+                "SELECT r.session_id FROM routes r JOIN sessions s ON s.id = r.session_id "
+                "WHERE r.session_key=? AND s.ended_at IS NULL",
+                (session_key,),
+            )
+            if rows:
+                return rows[0][0], False
             return await self._start_locked(session_key, route=True, **kw), True
 
         return await self._write(op)
@@ -1159,7 +1157,7 @@ class SessionStore:
     async def _fetchall(self, sql: str, params: tuple[Any, ...]) -> list[sqlite3.Row]:
         if self._rdb is None:
             raise SessionStoreError("session store is not open")
-        return list(await (await self._rdb.execute(sql, params)).fetchall())
+        return list(await self._rdb.execute_fetchall(sql, params))  # one thread hop, not two
 
     async def _fetchone(self, sql: str, params: tuple[Any, ...]) -> sqlite3.Row | None:
         rows = await self._fetchall(sql, params)

@@ -36,6 +36,8 @@ from tenancy.profiles import ProfileManager
 log = logging.getLogger("hermes.gateway")
 
 TYPING_INTERVAL_S = 4.0
+DEDUPE_WINDOW_S = 14 * 24 * 3600  # answered message ids are remembered this long
+HOUSEKEEPING_INTERVAL_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class GatewayApp:
                           queue_depth=lambda: self.lanes.queued_by(lambda job: job.msg.platform),
                           adapters_up=self._adapters_up)
         self._background: set[asyncio.Task] = set()
+        self._housekeeping: asyncio.Task | None = None
 
     # ----- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,6 +128,8 @@ class GatewayApp:
         await self.inbox.open()
         self._started = True
         self._accepting = True
+        await self.inbox.prune(DEDUPE_WINDOW_S)
+        self._housekeeping = asyncio.create_task(self._housekeep())
         pending = await self.inbox.pending()
         if pending:
             log.info("replaying %d message(s) left unanswered by the previous run", len(pending))
@@ -146,6 +151,9 @@ class GatewayApp:
         the adapters and close everything. Messages arriving meanwhile are recorded and
         replayed on the next start."""
         self._accepting = False
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            self._housekeeping = None
         if not await self.lanes.drain(drain_timeout):
             log.warning("turns still running after %.0fs; they will be replayed on the next start", drain_timeout)
             await self.lanes.cancel()
@@ -172,6 +180,17 @@ class GatewayApp:
         if self._run_lock is not None:
             self._run_lock.release()
             self._run_lock = None
+
+    async def _housekeep(self) -> None:
+        """Hourly: prune old answered ids from gateway.db and forget idle rate-limit notes."""
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+            try:
+                await self.inbox.prune(DEDUPE_WINDOW_S)
+            except Exception:
+                log.exception("pruning gateway.db failed")
+            now = time.monotonic()
+            self._limit_notified = {k: t for k, t in self._limit_notified.items() if now - t < 60}
 
     async def drain(self, timeout: float | None = 30.0) -> bool:
         """Wait until every queued turn and pending refusal has finished (tests, console)."""

@@ -41,12 +41,12 @@ class Inbox:
 
     async def open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = await aiosqlite.connect(self.path)
+        # autocommit: each statement is its own durable transaction, one thread hop each
+        self._db = await aiosqlite.connect(self.path, isolation_level=None)
         await self._db.execute("PRAGMA journal_mode=WAL")
         await self._db.execute(f"PRAGMA synchronous={'FULL' if self._fsync == 'always' else 'NORMAL'}")
         await self._db.execute("PRAGMA busy_timeout=5000")
         await self._db.executescript(_SCHEMA)
-        await self._db.commit()
 
     async def close(self) -> None:
         if self._db is not None:
@@ -66,7 +66,6 @@ class Inbox:
             "INSERT OR IGNORE INTO inbound(platform, chat_id, message_id, received_at, status, payload)"
             " VALUES (?, ?, ?, ?, 'pending', ?)",
             (msg.platform, msg.chat_id, msg.message_id, time.time(), payload))
-        await self.db.commit()
         return cur.rowcount == 1
 
     async def finish(self, msg: InboundMessage, outcome: str) -> None:
@@ -75,7 +74,6 @@ class Inbox:
             "UPDATE inbound SET status='done', outcome=?, payload=NULL"
             " WHERE platform=? AND chat_id=? AND message_id=?",
             (outcome, msg.platform, msg.chat_id, msg.message_id))
-        await self.db.commit()
 
     async def pending(self) -> list[InboundMessage]:
         """Messages recorded but never answered (a crash or stop mid-turn), oldest first."""
@@ -106,4 +104,10 @@ class Inbox:
             await self.db.execute("DELETE FROM kv WHERE key=?", (key,))
         else:
             await self.db.execute("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)", (key, value))
-        await self.db.commit()
+
+    async def prune(self, older_than_s: float) -> int:
+        """Forget answered messages received more than `older_than_s` ago, so gateway.db
+        stays small over months; platforms never redeliver that late."""
+        cur = await self.db.execute("DELETE FROM inbound WHERE status='done' AND received_at < ?",
+                                    (time.time() - older_than_s,))
+        return cur.rowcount

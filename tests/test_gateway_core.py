@@ -283,3 +283,25 @@ async def test_wrong_api_key_gives_one_clear_sentence(config_for, fake_llm, monk
         assert len(fake_llm.requests) == 1  # an auth failure is not retried
     finally:
         await app.stop()
+
+
+async def test_gateway_db_forgets_old_answered_ids_but_not_pending_ones(tmp_path):
+    import time as _time
+    from gateway.inbox import Inbox
+
+    inbox = Inbox(tmp_path / "gateway.db")
+    await inbox.open()
+    try:
+        old, fresh, pending = dm("a", "1"), dm("a", "2"), dm("a", "3")
+        for m in (old, fresh, pending):
+            assert await inbox.record(m)
+        await inbox.finish(old, "replied")
+        await inbox.finish(fresh, "replied")
+        await inbox.db.execute("UPDATE inbound SET received_at=? WHERE message_id IN (?, ?)",
+                               (_time.time() - 30 * 86400, old.message_id, pending.message_id))
+        assert await inbox.prune(14 * 86400) == 1
+        assert await inbox.status("testchat", old.chat_id, old.message_id) is None
+        assert await inbox.status("testchat", fresh.chat_id, fresh.message_id) == "done"
+        assert [m.message_id for m in await inbox.pending()] == [pending.message_id]
+    finally:
+        await inbox.close()

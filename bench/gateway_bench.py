@@ -78,7 +78,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from adapters.base import InboundMessage, InboundSink, OutboundMessage, SentMessage  # noqa: E402
+from adapters.base import InboundMessage, OutboundMessage  # noqa: E402
+from adapters.loopback import LoopbackAdapter  # noqa: E402
 from agent.llm import LLMClient  # noqa: E402
 
 PLATFORM = "bench"
@@ -181,43 +182,21 @@ def _bench_id(messages: list[dict[str, Any]]) -> str | None:
 # --------------------------------------------------------------------------- adapter
 
 
-class BenchAdapter:
-    """An in-memory platform: the bench pushes messages into the sink and awaits the reply
-    future; `send` resolves it with the time the gateway handed the reply over."""
-
-    platform = PLATFORM
-    can_edit = True
-    max_message_length = 4000
+class BenchAdapter(LoopbackAdapter):
+    """The loopback adapter, not recording: the bench pushes messages into the sink and
+    awaits the reply future; a reply resolves it with the time the gateway handed it over."""
 
     def __init__(self) -> None:
-        self.sink: InboundSink | None = None
+        super().__init__(PLATFORM, record=False, on_send=self._replied)
         self.waiting: dict[str, asyncio.Future[float]] = {}
         self.kinds: Counter[str] = Counter()
-        self._ids = itertools.count(1)
 
-    @staticmethod
-    def measure(text: str) -> int:
-        return len(text)
-
-    async def start(self, sink: InboundSink) -> None:
-        self.sink = sink
-
-    async def stop(self) -> None:
-        self.sink = None
-
-    async def send(self, message: OutboundMessage) -> SentMessage | None:
+    def _replied(self, message: OutboundMessage) -> None:
         now = time.perf_counter()
         self.kinds[message.kind] += 1
         fut = self.waiting.pop(message.reply_to_message_id or "", None)
         if fut is not None and not fut.done():
             fut.set_result(now)
-        return SentMessage(chat_id=message.chat_id, message_id=f"bot-{next(self._ids)}")
-
-    async def edit(self, sent: SentMessage, text: str) -> bool:
-        return True
-
-    async def typing(self, chat_id: str, thread_id: str | None) -> None:
-        return None
 
 
 # --------------------------------------------------------------------------- helpers

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from adapters.base import InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.base import InboundMessage
+from adapters.loopback import LoopbackAdapter
 from gateway.config import Config, parse_config
 from tests.fakes.llm import FakeLLM
 
@@ -56,41 +57,11 @@ def config_for(tmp_path, fake_llm):
     return build
 
 
-class RecordingAdapter:
-    """A real adapter for an in-memory platform: inbound messages are pushed by the test,
-    everything the gateway sends is recorded. Used to test the gateway without a network."""
-
-    can_edit = True
+class RecordingAdapter(LoopbackAdapter):
+    """The loopback adapter on a test platform, with a helper to read what was sent."""
 
     def __init__(self, platform: str = "testchat", max_message_length: int = 4000) -> None:
-        self.platform = platform
-        self.max_message_length = max_message_length
-        self.sent: list[OutboundMessage] = []
-        self.edits: list[tuple[SentMessage, str]] = []
-        self.typing_calls = 0
-        self.sink: InboundSink | None = None
-        self._ids = itertools.count(1)
-
-    @staticmethod
-    def measure(text: str) -> int:
-        return len(text)
-
-    async def start(self, sink: InboundSink) -> None:
-        self.sink = sink
-
-    async def stop(self) -> None:
-        self.sink = None
-
-    async def send(self, message: OutboundMessage) -> SentMessage | None:
-        self.sent.append(message)
-        return SentMessage(chat_id=message.chat_id, message_id=f"bot-{next(self._ids)}", thread_id=message.thread_id)
-
-    async def edit(self, sent: SentMessage, text: str) -> bool:
-        self.edits.append((sent, text))
-        return True
-
-    async def typing(self, chat_id: str, thread_id: str | None) -> None:
-        self.typing_calls += 1
+        super().__init__(platform, max_message_length)
 
     def texts(self, chat_id: str | None = None) -> list[str]:
         return [m.text for m in self.sent if chat_id is None or m.chat_id == chat_id]

@@ -10,51 +10,25 @@ again (the gateway must answer each once), and what the dead run left pending is
 from __future__ import annotations
 
 import asyncio
-import itertools
 import sys
 
-from adapters.base import InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.base import InboundMessage
+from adapters.loopback import LoopbackAdapter
 from gateway.app import GatewayApp
 from gateway.config import load_config
 
 
-class BurstAdapter:
-    platform = "burst"
-    max_message_length = 4000
-    can_edit = False
-
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-
-    @staticmethod
-    def measure(text: str) -> int:
-        return len(text)
-
-    async def start(self, sink: InboundSink) -> None:
-        self.sink = sink
-
-    async def stop(self) -> None: ...
-
-    async def send(self, message: OutboundMessage) -> SentMessage:
-        print(f"SENT {message.chat_id} {message.text}", flush=True)
-        return SentMessage(chat_id=message.chat_id, message_id=str(next(self._ids)))
-
-    async def edit(self, sent: SentMessage, text: str) -> bool:
-        return False
-
-    async def typing(self, chat_id: str, thread_id: str | None) -> None: ...
-
-
 async def main(config_path: str, n: int) -> None:
     cfg = load_config(config_path)
-    adapter = BurstAdapter()
+    adapter = LoopbackAdapter("burst", record=False,
+                              on_send=lambda m: print(f"SENT {m.chat_id} {m.text}", flush=True))
     app = GatewayApp(cfg, [adapter])
     await app.start()
     print("READY", flush=True)
     people = [f"p{i}" for i in range(5)]
     for i in range(n):
         person = people[i % len(people)]
-        await adapter.sink(InboundMessage(platform="burst", chat_id=f"dm-{person}", chat_type="dm",
+        await adapter.push(InboundMessage(platform="burst", chat_id=f"dm-{person}", chat_type="dm",
                                           user_id=person, message_id=f"burst-{i}", text=f"burst-{i}"))
     await app.drain(120)
     print("DONE", flush=True)

@@ -23,6 +23,7 @@ test: install
 
 bench: install
 	$(VENV)/bin/python bench/gateway_bench.py
+	$(VENV)/bin/python bench/compression_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -305,3 +305,20 @@ async def test_gateway_db_forgets_old_answered_ids_but_not_pending_ones(tmp_path
         assert [m.message_id for m in await inbox.pending()] == [pending.message_id]
     finally:
         await inbox.close()
+
+
+async def test_burst_coalesces_into_one_turn_when_enabled(config_for, fake_llm):
+    adapter = RecordingAdapter()
+    app = await started(config_for(limits={"coalesce_burst_ms": 300}), adapter)
+    try:
+        for text in ("first part", "second part", "third part"):
+            await adapter.sink(dm("lou", text))
+        assert await app.drain(20)
+        assert len(fake_llm.requests) == 1
+        users = [m["content"] for m in fake_llm.requests[0]["messages"] if m["role"] == "user"]
+        assert users == ["first part", "second part", "third part"]
+        assert adapter.texts() == ["ok: third part"]
+        rows = await app.inbox.db.execute_fetchall("SELECT status FROM inbound")
+        assert [r[0] for r in rows] == ["done", "done", "done"]
+    finally:
+        await app.stop()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(Exception):
@@ -67,6 +67,15 @@ class CompressionConfig(_Section):
     idle_compact_after_seconds: int = Field(default=0, ge=0)
     micro_compact: bool = False
     min_prune_chars: int = Field(default=200, ge=0)
+
+    @model_validator(mode="after")
+    def _unsupported_switches_stay_off(self) -> "CompressionConfig":
+        # Hermes has these opt-in modes; this gateway does not implement them yet, and a
+        # key that silently does nothing would mislead, so turning one on is an error.
+        for key, off in (("proactive_prune_tokens", 0), ("idle_compact_after_seconds", 0), ("micro_compact", False)):
+            if getattr(self, key) != off:
+                raise ValueError(f"{key} is not supported by hermes-gateway yet; leave it at {off!r}")
+        return self
 
 
 class MemoryConfig(_Section):

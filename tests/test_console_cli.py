@@ -113,3 +113,9 @@ def test_doctor_says_what_is_wrong(tmp_path, capsys):
         path.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "d"), "llm": {"base_url": llm.base_url}}))
         assert main(["doctor", "-c", str(path)]) == 0
     assert "All checks passed." in capsys.readouterr().out
+
+
+def test_unsupported_compression_modes_are_refused_not_ignored():
+    for key, value in (("micro_compact", True), ("idle_compact_after_seconds", 600), ("proactive_prune_tokens", 1000)):
+        with pytest.raises(ConfigError, match=f"{key} is not supported"):
+            parse_config({"compression": {key: value}})

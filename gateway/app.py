@@ -96,9 +96,7 @@ class GatewayApp:
         self.metrics = Metrics()
         self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
         self.agent = Agent(cfg, self.llm_monitor, self.tokens)
-        compressor = getattr(self.agent, "compression", None)
-        if compressor is not None and hasattr(compressor, "on_outcome"):
-            compressor.on_outcome = self.metrics.compression  # hermes_compressions_total{outcome}
+        self.agent.compression.on_outcome = self.metrics.compression  # hermes_compressions_total{outcome}
         self.linking = Linking(self)
         self.observability = None  # gateway.observability.Observability when observability.listen is set
         self._run_lock = None

@@ -304,9 +304,8 @@ async def test_gateway_logs_json_with_ids_and_text_only_when_allowed(config_for,
 
 async def test_compression_outcomes_are_counted(config_for, fake_llm):
     app = GatewayApp(config_for(), [RecordingAdapter("telegram")])
-    compressor = getattr(app.agent, "compression", None)
-    if compressor is None or not hasattr(compressor, "on_outcome"):
-        pytest.skip("this build has no compression outcome hook")
+    compressor = app.agent.compression
+    assert compressor.on_outcome == app.metrics.compression, "the gateway wires compression outcomes to /metrics"
     compressor.on_outcome("ok")
     compressor.on_outcome("fallback")
     _, samples = parse_prometheus(app.metrics.render())

@@ -692,8 +692,9 @@ class SessionStore:
 
         return await self._write(op)
 
-    async def search(self, query: str, limit: int = 10) -> list[dict[str, Any]]:
-        """FTS5 search over this profile's messages, inactive and compacted ones included.
+    async def search(self, query: str, limit: int = 10, *, session_key: str | None = None) -> list[dict[str, Any]]:
+        """FTS5 search over this profile's messages, inactive and compacted ones included;
+        with `session_key`, only over the sessions of that one lane.
 
         Every term is quoted, so model-written queries cannot be FTS syntax errors. All
         terms must match; if that finds nothing, any term may match. `limit` is capped.
@@ -704,16 +705,18 @@ class SessionStore:
             limit = max(1, min(int(limit), SEARCH_MAX_LIMIT))
         except (TypeError, ValueError):
             limit = 10
+        lane_filter = " AND m.session_id IN (SELECT id FROM sessions WHERE session_key = ?)" if session_key else ""
         sql = (
             "SELECT m.uid, m.session_id, m.role, m.timestamp, m.active, m.compacted, "
             "snippet(messages_fts, 0, '>>>', '<<<', '...', 16) AS snippet "
             "FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid "
-            "WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?"
+            f"WHERE messages_fts MATCH ?{lane_filter} ORDER BY rank LIMIT ?"
         )
         rows: list[sqlite3.Row] = []
         for q in dict.fromkeys((fts_query(query), fts_query(query, join=" OR "))):
+            params = (q, session_key, limit) if session_key else (q, limit)
             try:
-                rows = await self._fetchall(sql, (q, limit))
+                rows = await self._fetchall(sql, params)
             except sqlite3.OperationalError as e:  # defensive: quoting should prevent this
                 log.warning("session search failed for %r: %s", query, e)
                 return []

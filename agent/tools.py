@@ -70,6 +70,9 @@ class ToolBox:
 
     sessions: SessionStore
     memory: MemoryStore | None  # None: memory is off in this lane
+    # set in lanes others can read (groups): search only this lane's own conversations,
+    # so a person's private chats never surface in a group reply
+    search_lane: str | None = None
 
     def schemas(self) -> list[dict[str, Any]]:
         tools = [SESSION_SEARCH_TOOL]
@@ -101,5 +104,5 @@ class ToolBox:
         if not isinstance(limit, int) or isinstance(limit, bool):
             limit = 5
         limit = max(1, min(limit, 20))
-        hits = await self.sessions.search(query, limit=limit)
+        hits = await self.sessions.search(query, limit=limit, session_key=self.search_lane)
         return json.dumps({"success": True, "count": len(hits), "results": hits}, ensure_ascii=False, default=str)

@@ -167,7 +167,7 @@ class Agent:
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
             return TurnResult(err.user_message, "error", ctx.session_id)
-        if profile.provider is not None:
+        if profile.provider is not None and lane.personal_memory == "full":
             user_text = "\n".join(i.text for i in inputs)
             try:
                 await profile.provider.sync_turn(user_text, text)
@@ -190,7 +190,8 @@ class Agent:
         return answer
 
     async def _tool_loop(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
-        toolbox = ToolBox(sessions=ctx.profile.sessions, memory=ctx.memory)
+        toolbox = ToolBox(sessions=ctx.profile.sessions, memory=ctx.memory,
+                          search_lane=None if ctx.place.chat_type == "dm" else ctx.lane.session_key)
         store = ctx.profile.sessions
         max_iter = self.cfg.limits.max_tool_iterations
         for iteration in range(max_iter + 1):

@@ -121,7 +121,16 @@ async def cmd_compress(ctx: CommandContext) -> str:
     return await ctx.app.agent.compress_now(ctx.profile, ctx.lane, ctx.place, focus=focus or None)
 
 
+def _private_only(ctx: CommandContext, command: str) -> str | None:
+    """A refusal when a person's own data would be shown in a chat others can read."""
+    if ctx.lane.kind == "person" and ctx.msg.chat_type != "dm":
+        return f"That's private: send /{command} in a private chat with me."
+    return None
+
+
 async def cmd_memory(ctx: CommandContext) -> str:
+    if refusal := _private_only(ctx, "memory"):
+        return refusal
     memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is None:
         return "Memory is turned off in this chat."
@@ -154,6 +163,8 @@ async def cmd_undo(ctx: CommandContext) -> str:
 
 
 async def cmd_export(ctx: CommandContext) -> str:
+    if refusal := _private_only(ctx, "export"):
+        return refusal
     data = await ctx.profile.sessions.export()
     memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is not None:

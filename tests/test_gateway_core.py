@@ -73,9 +73,11 @@ async def test_group_member_cannot_see_other_members_memory(config_for, fake_llm
         await say(app, adapter, group("g1", "bob", "anything you remember?"))
         assert fake_llm.requests[n:]
         assert not any(SECRET in json.dumps(r) for r in fake_llm.requests[n:])
-        assert await say(app, adapter, group("g1", "bob", "/memory")) == ["I don't remember anything about you yet."]
-        mine = await say(app, adapter, group("g1", "alice", "/memory"))
-        assert SECRET in mine[0]
+        assert await say(app, adapter, dm("bob", "/memory")) == ["I don't remember anything about you yet."]
+        assert SECRET in (await say(app, adapter, dm("alice", "/memory")))[0]
+        # in the group, /memory never prints a member's memory for everyone to read
+        assert await say(app, adapter, group("g1", "alice", "/memory")) == [
+            "That's private: send /memory in a private chat with me."]
     finally:
         await app.stop()
 
@@ -320,5 +322,26 @@ async def test_burst_coalesces_into_one_turn_when_enabled(config_for, fake_llm):
         assert adapter.texts() == ["ok: third part"]
         rows = await app.inbox.db.execute_fetchall("SELECT status FROM inbound")
         assert [r[0] for r in rows] == ["done", "done", "done"]
+    finally:
+        await app.stop()
+
+
+async def test_group_lane_session_search_never_reaches_private_chats(config_for, fake_llm):
+    adapter = RecordingAdapter()
+    app = await started(config_for(tenancy={"personal_memory_in_groups": "off"}), adapter)
+    try:
+        await say(app, adapter, dm("alice", "my private word is zebra42"))
+        await say(app, adapter, group("g3", "alice", "zebra talk in the group"))
+        fake_llm.script(tool_call("session_search", {"query": "zebra42 zebra"}))
+        await say(app, adapter, group("g3", "alice", "what did I say about zebras?"))
+        tool_msgs = [m for m in fake_llm.requests[-1]["messages"] if m["role"] == "tool"]
+        result = json.loads(tool_msgs[-1]["content"])
+        assert result["count"] >= 1
+        assert "zebra42" not in tool_msgs[-1]["content"]  # the DM stays out of the group lane
+        # in the DM the same search covers everything the person said
+        fake_llm.script(tool_call("session_search", {"query": "zebra42"}))
+        await say(app, adapter, dm("alice", "search please"))
+        tool_msgs = [m for m in fake_llm.requests[-1]["messages"] if m["role"] == "tool"]
+        assert "zebra42" in tool_msgs[-1]["content"]
     finally:
         await app.stop()

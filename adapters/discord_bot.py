@@ -396,6 +396,11 @@ class DiscordAdapter:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
         await self._close_client()
+        # hand what Discord already delivered to the gateway (it records it for the next
+        # start); Discord would not deliver it again
+        deadline = time.monotonic() + 5
+        while not self._inbound.empty() and time.monotonic() < deadline and self._sink is not None:
+            await asyncio.sleep(0.01)
         for t in self._tasks:
             if not t.done():
                 t.cancel()

@@ -132,7 +132,10 @@ class GatewayApp:
         if pending:
             log.info("replaying %d message(s) left unanswered by the previous run", len(pending))
         for msg in pending:
-            await self._admit(msg, replay=True)
+            try:
+                await self._admit(msg, replay=True)
+            except Exception:  # one bad record must not stop the gateway from starting
+                log.exception("could not replay a %s message; it stays pending", msg.platform)
         for adapter in self.adapters.values():
             try:
                 await adapter.start(self.handle_inbound)
@@ -156,7 +159,9 @@ class GatewayApp:
             log.warning("turns still running after %.0fs; they will be replayed on the next start", drain_timeout)
             await self.lanes.cancel()
         if self._background:
-            await asyncio.wait(list(self._background), timeout=drain_timeout)
+            _, late = await asyncio.wait(list(self._background), timeout=drain_timeout)
+            for task in late:  # their messages stay pending and are handled on the next start
+                task.cancel()
         await self.linking.close(drain_timeout)
         for adapter in self.adapters.values():
             try:
@@ -207,8 +212,19 @@ class GatewayApp:
             log.info("duplicate %s message ignored", msg.platform)
             return
         self.metrics.inbound.inc(platform=msg.platform, outcome="new")
-        if self._accepting:
+        if not self._accepting:
+            return  # recorded: replayed on the next start
+        try:
             await self._admit(msg)
+        except Exception:
+            # not admitted: forget the record and fail the sink, so the adapter does not
+            # acknowledge and the platform's redelivery is taken in afresh
+            log.exception("could not admit a %s message; it will be taken again on redelivery", msg.platform)
+            try:
+                await self.inbox.forget(msg)
+            except Exception:
+                log.exception("could not forget the record; the message is replayed on the next start")
+            raise
 
     async def _admit(self, msg: InboundMessage, *, replay: bool = False) -> None:
         if not await self.access.is_allowed(msg.principal):
@@ -235,7 +251,8 @@ class GatewayApp:
             log.warning("cannot place a %s message: %s", msg.platform, err)
             await self._refuse(msg, "bad_ids", "Sorry, I can't handle messages from this chat.")
             return
-        if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(msg, lane)):
+        # a replayed message was accepted once already: it never gets a "busy" refusal
+        if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(msg, lane), force=replay):
             await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
                                             "Please wait for my answer, then send this again.")
 

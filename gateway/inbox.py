@@ -68,6 +68,12 @@ class Inbox:
             (msg.platform, msg.chat_id, msg.message_id, time.time(), payload))
         return cur.rowcount == 1
 
+    async def forget(self, msg: InboundMessage) -> None:
+        """Drop a still-pending record, so the platform's redelivery is taken in afresh."""
+        await self.db.execute(
+            "DELETE FROM inbound WHERE platform=? AND chat_id=? AND message_id=? AND status='pending'",
+            (msg.platform, msg.chat_id, msg.message_id))
+
     async def finish(self, msg: InboundMessage, outcome: str) -> None:
         """Mark `msg` answered (or refused) and forget its text."""
         await self.db.execute(

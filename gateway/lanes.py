@@ -43,10 +43,11 @@ class Lanes(Generic[Job]):
                 out[key] = out.get(key, 0) + 1
         return out
 
-    def submit(self, key: str, job: Job) -> bool:
-        """Queue `job` on lane `key`; False when the lane already holds `max_queued` jobs."""
+    def submit(self, key: str, job: Job, *, force: bool = False) -> bool:
+        """Queue `job` on lane `key`; False when the lane already holds `max_queued` jobs
+        (unless `force`, for work that was accepted before, such as a replay)."""
         queue = self._queues.setdefault(key, deque())
-        if len(queue) >= self._max_queued:
+        if len(queue) >= self._max_queued and not force:
             return False
         queue.append(job)
         self._idle.clear()

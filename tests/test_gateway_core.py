@@ -345,3 +345,44 @@ async def test_group_lane_session_search_never_reaches_private_chats(config_for,
         assert "zebra42" in tool_msgs[-1]["content"]
     finally:
         await app.stop()
+
+
+async def test_failure_after_recording_lets_the_redelivery_through(config_for, fake_llm):
+    adapter = RecordingAdapter()
+    app = await started(config_for(), adapter)
+    real = app.access.is_allowed
+    calls = []
+
+    async def flaky(principal):
+        calls.append(principal)
+        if len(calls) == 1:
+            raise RuntimeError("database is locked")
+        return await real(principal)
+
+    app.access.is_allowed = flaky
+    try:
+        msg = dm("nia", "are you there?", message_id="tg-7")
+        with pytest.raises(RuntimeError):
+            await adapter.sink(msg)  # the adapter sees the failure and does not acknowledge
+        assert await say(app, adapter, msg) == ["ok: are you there?"]  # the platform redelivers
+    finally:
+        await app.stop()
+
+
+async def test_replayed_backlog_is_never_refused_as_busy(config_for, fake_llm):
+    from gateway.inbox import Inbox
+
+    cfg = config_for(limits={"max_queued_turns": 2})
+    inbox = Inbox(cfg.data_dir / "gateway.db")
+    await inbox.open()
+    backlog = [dm("oz", f"queued {i}", message_id=f"q{i}") for i in range(6)]
+    for msg in backlog:
+        assert await inbox.record(msg)  # left pending, as by a crash or a stop mid-burst
+    await inbox.close()
+    adapter = RecordingAdapter()
+    app = await started(cfg, adapter)
+    try:
+        assert await app.drain(20)
+        assert adapter.texts() == [f"ok: queued {i}" for i in range(6)]
+    finally:
+        await app.stop()

@@ -533,6 +533,7 @@ class Compressor:
                 await store.increment_compressions(old_sid)
             else:
                 new_sid = await self._rotate(ctx, head, tail, role, body, meta, compacted)
+                ctx.session_id = new_sid  # the route moved: whatever fails next, the turn writes here
                 await store.increment_compressions(old_sid)
                 await store.increment_compressions(new_sid, by=state.compressions + 1)
         except StaleRouteError:

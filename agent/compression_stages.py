@@ -430,22 +430,22 @@ def find_tail_cut(items: list[Item], head_end: int, *, budget: int, protect_last
     floor = max(3, min(protect_last_n, MAX_TAIL_MESSAGE_FLOOR))
     min_tail = min(floor, max(3, available - 2), available) if available > 1 else 0
     soft_ceiling = int(budget * 1.5)
-    acc, cut = 0, n
-    for i in range(n - 1, head_end - 1, -1):
-        t = tokens(items[i])
-        if acc + t > soft_ceiling and (n - cut) >= min_tail:
-            break
-        acc += t
-        cut = i
-    if cut <= head_end and 0 < acc <= soft_ceiling:
-        # everything fits in the soft ceiling: re-walk with the raw budget to leave a middle
+
+    def walk_back(limit: int) -> tuple[int, int]:
+        """(tokens kept, cut index) taking messages from the end while within `limit`."""
         acc, cut = 0, n
         for i in range(n - 1, head_end - 1, -1):
             t = tokens(items[i])
-            if acc + t > budget and (n - cut) >= min_tail:
+            if acc + t > limit and (n - cut) >= min_tail:
                 break
             acc += t
             cut = i
+        return acc, cut
+
+    acc, cut = walk_back(soft_ceiling)
+    if cut <= head_end and 0 < acc <= soft_ceiling:
+        # everything fits in the soft ceiling: re-walk with the raw budget to leave a middle
+        acc, cut = walk_back(budget)
     fallback_cut = n - min_tail
     cut = min(cut, fallback_cut)
     if cut <= head_end:

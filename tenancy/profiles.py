@@ -67,21 +67,22 @@ def write_manifest(path: Path, manifest: dict) -> None:
     atomic_write(path / "tenant.json", json.dumps(manifest, ensure_ascii=False, indent=2), mode=0o644)
 
 
-def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> Path:
-    """Create the profile layout for `tenant_id` if missing; returns its directory."""
+def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path, set[str]]:
+    """Create the profile layout for `tenant_id` if missing; returns its directory and the
+    principals its tenant.json lists (blocking: run it off the event loop)."""
     path = tenant_dir(data_dir, tenant_id)
     (path / "memories").mkdir(parents=True, exist_ok=True)
     (path / "sessions").mkdir(exist_ok=True)
     (path / "provider").mkdir(exist_ok=True)
-    if not (path / "tenant.json").exists():
-        write_manifest(path, {
-            "tenant_id": tenant_id,
-            "kind": kind,
-            "principals": [],
-            "created_at": time.time(),
-            "schema_version": SCHEMA_VERSION,
-        })
-    return path
+    try:
+        manifest = json.loads((path / "tenant.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        manifest = {"tenant_id": tenant_id, "kind": kind, "principals": [],
+                    "created_at": time.time(), "schema_version": SCHEMA_VERSION}
+        write_manifest(path, manifest)
+    except json.JSONDecodeError:
+        manifest = {}  # left for an operator to inspect, never overwritten here
+    return path, set(manifest.get("principals", []))
 
 
 class ProfileManager:
@@ -171,7 +172,7 @@ class ProfileManager:
                 del self._closing[profile.tenant_id]
 
     async def _open_profile(self, tenant_id: str, kind: str) -> Profile:
-        path = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
+        path, principals = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
         sessions = SessionStore(path, fsync=self._fsync)
         await sessions.open()
         mem_limit, user_limit = self._memory_limits
@@ -180,7 +181,7 @@ class ProfileManager:
         if provider is not None:
             await provider.initialize(tenant_id, path)
         profile = Profile(tenant_id=tenant_id, path=path, sessions=sessions, memory=memory, provider=provider)
-        profile.principals = set(profile.read_manifest().get("principals", []))
+        profile.principals = principals
         return profile
 
     async def evict(self, tenant_id: str) -> bool:

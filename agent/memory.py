@@ -8,7 +8,6 @@ frozen `MemorySnapshot` taken at session start; tool writes go to disk at once.
 from __future__ import annotations
 
 import asyncio
-import errno
 import fcntl
 import json
 import logging
@@ -20,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from agent.fileio import atomic_write
+from agent.memory_files import Baselines, UndecodableFile, backup, decode, digest, read_bytes
 from agent.threats import first_threat
 
 log = logging.getLogger(__name__)
@@ -174,17 +174,7 @@ class MemoryStore:
     def _read_entries(self, target: str) -> list[str]:
         if not self._dir_ok():
             return []
-        try:
-            fd = os.open(self.path_for(target), os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                log.warning("memory file %s is a symlink; ignoring it", self.path_for(target))
-                return []
-            raise
-        with os.fdopen(fd, "rb") as fh:
-            return parse_entries(fh.read().decode("utf-8", errors="replace"))
+        return parse_entries(decode(read_bytes(self.path_for(target)), strict=False))
 
     # -- writes ------------------------------------------------------------------
 
@@ -265,7 +255,7 @@ class MemoryStore:
             return _fail("Memory is read-only here; nothing was changed.")
         targets = TARGETS if target is None else (self._check_target(target),)
         for t in targets:
-            await self._write(t, lambda entries: ([], {}))
+            await self._write(t, lambda entries: ([], {}), force=True)
         names = " and ".join(targets)
         return {"success": True, "message": f"Cleared {names}."}
 
@@ -281,7 +271,7 @@ class MemoryStore:
     async def _dispatch(self, args: object) -> Result:
         if not isinstance(args, dict):
             return _fail("Arguments must be a JSON object with 'action' and 'target'.")
-        action, target = args.get("action"), args.get("target", "memory")
+        action, target = args.get("action"), args.get("target") or "memory"
         content, old_text = args.get("content"), args.get("old_text")
         if action not in ACTIONS:
             return _fail(f"Unknown action {action!r}. Use 'add', 'replace' or 'remove'.")
@@ -293,8 +283,11 @@ class MemoryStore:
         if action in ("add", "replace") and not content:
             return _fail(f"'content' is required for '{action}'.")
         if action in ("replace", "remove") and not old_text:
+            entries = await self.entries(target)
             return _fail(
-                f"'old_text' is required for '{action}': a short substring unique to the entry."
+                f"'old_text' is required for '{action}': a short substring unique to the entry. "
+                f"The entries of {target} are listed below.",
+                entries=[_preview(_withheld(e)) for e in entries], usage=self._usage(target, entries),
             )
         if action == "add":
             return await self.add(target, content)  # type: ignore[arg-type]
@@ -331,6 +324,10 @@ class MemoryStore:
         return None
 
     def _match(self, target: str, entries: list[str], old_text: str) -> tuple[int, Result | None]:
+        """The entry equal to `old_text` (an exact whole-entry match wins), else the one
+        entry containing it."""
+        if old_text in entries:
+            return entries.index(old_text), None
         hits = [i for i, e in enumerate(entries) if old_text in e]
         if not hits:
             return -1, _fail(
@@ -356,24 +353,57 @@ class MemoryStore:
             entries=[_preview(_withheld(e)) for e in entries],
         )
 
-    async def _write(self, target: str, mutate: _Mutation) -> Result:
+    async def _write(self, target: str, mutate: _Mutation, *, force: bool = False) -> Result:
         async with self._lock:
-            return await asyncio.to_thread(self._locked_write, target, mutate)
+            return await asyncio.to_thread(self._locked_write, target, mutate, force)
 
-    def _locked_write(self, target: str, mutate: _Mutation) -> Result:
-        """Read-modify-write under an exclusive cross-process lock (runs in a thread)."""
+    def _locked_write(self, target: str, mutate: _Mutation, force: bool = False) -> Result:
+        """Read-modify-write under an exclusive cross-process lock (runs in a thread).
+
+        The file must be what this store last wrote: one changed outside the tool (drift)
+        is left exactly as it is, backed up, and becomes the base for the next write; the
+        write is refused unless `force` (an explicit erase by the person)."""
         self.memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not self._dir_ok():
             return _fail("Memory directory is not usable (symlink); nothing was saved.")
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # a lock file left by something else may be looser
             fcntl.flock(fd, fcntl.LOCK_EX)
-            new, result = mutate(self._read_entries(target))
-            if new is not None:
-                atomic_write(self.path_for(target), ENTRY_DELIMITER.join(new))
-            return result
+            return self._checked_write(target, mutate, force)
         finally:
             os.close(fd)  # closing releases the flock
+
+    def _checked_write(self, target: str, mutate: _Mutation, force: bool) -> Result:
+        path, name = self.path_for(target), _FILES[target]
+        raw = read_bytes(path)
+        try:
+            entries = parse_entries(decode(raw, strict=True))
+        except UndecodableFile as exc:
+            return _fail(f"{name} holds bytes that are not valid UTF-8 ({exc}); it was left untouched "
+                         "and nothing was saved. Ask the person to re-save it as UTF-8.")
+        baselines, seen = Baselines(self.memory_dir), digest(raw)
+        base = baselines.get(name)
+        if base is not None and base != seen:
+            kept = backup(path, raw)
+            baselines.set(name, seen)  # what is really there is the base from now on
+            log.warning("%s changed outside the memory tool; kept a backup at %s", path, kept)
+            if not force:
+                return _fail(
+                    f"{name} was changed outside the memory tool since my last write (edited by "
+                    f"hand?). Nothing was saved and the file was left exactly as it is"
+                    f"{f' (backup: {kept.name})' if kept else ''}. Its current entries are listed "
+                    "below: apply your change again against them.",
+                    entries=[_preview(_withheld(e)) for e in entries], usage=self._usage(target, entries),
+                )
+        new, result = mutate(entries)
+        if new is not None:
+            data = ENTRY_DELIMITER.join(new).encode("utf-8")
+            atomic_write(path, data)
+            baselines.set(name, digest(data))
+        elif base is None:
+            baselines.set(name, seen)
+        return result
 
 
 __all__ = [

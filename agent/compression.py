@@ -116,6 +116,7 @@ class CompressionState:
     ineffective: int = 0  # consecutive compressions that saved < 10% (or could not run)
     fallback_streak: int = 0  # consecutive compressions that used the static fallback summary
     cooldown_until: float = 0.0  # no automatic compression before this (summary-model failure)
+    cooldown_kind: str | None = None  # the failure class that started the cooldown
     timeout_failures: int = 0  # consecutive summary timeouts (60 -> 300 -> 900 s ladder)
     blocked_at: float | None = None  # when the current anti-thrash block started
     warned: bool = False  # the person was told about the current block
@@ -133,7 +134,7 @@ class CompressionState:
             default = getattr(state, f.name)
             try:
                 if value is None:
-                    setattr(state, f.name, None if f.name in ("blocked_at", "last_error", "last_savings_pct") else default)
+                    setattr(state, f.name, None if f.name in ("blocked_at", "last_error", "last_savings_pct", "cooldown_kind") else default)
                 elif isinstance(default, bool):
                     setattr(state, f.name, bool(value))
                 elif isinstance(default, int):
@@ -437,12 +438,14 @@ class Compressor:
             return Outcome("aborted", reason="an internal error occurred")
 
     async def after_response(self, ctx: Any, usage: Usage | None) -> None:
-        """The server's prompt count becomes the session's last_prompt_tokens."""
-        if not self.enabled or usage is None or usage.prompt_tokens <= 0:
+        """The server's prompt count becomes the session's last_prompt_tokens; a response
+        without usage resets it (a stale count must not trigger the next compression)."""
+        if not self.enabled:
             return
+        count = usage.prompt_tokens if usage is not None and usage.prompt_tokens > 0 else 0
         state = await self.state(ctx)
-        if state.last_prompt_tokens != usage.prompt_tokens:
-            state.last_prompt_tokens = usage.prompt_tokens
+        if state.last_prompt_tokens != count:
+            state.last_prompt_tokens = count
             await self._save(ctx, state)
 
     # ----- the pipeline --------------------------------------------------------------------
@@ -633,7 +636,11 @@ class Compressor:
         """(body, used_fallback, failure); body None means abort (messages untouched)."""
         failure: _Failure | None
         if trigger != "manual" and state.cooldown_until > _now():
-            failure = _Failure("cooldown", False, _FAILURE_TEXT["cooldown"])
+            # the cooldown remembers why it started: after auth or network failures a
+            # fallback summary would only hide the outage, so the abort is kept
+            cause = state.cooldown_kind or "cooldown"
+            failure = _Failure("cooldown", cause in ABORT_KINDS,
+                               _FAILURE_TEXT.get(cause, _FAILURE_TEXT["cooldown"]))
         else:
             prompt = build_summary_prompt(
                 serialize_for_summary(turns), previous_summary=previous, focus=focus,
@@ -641,6 +648,7 @@ class Compressor:
             text, failure = await self._ask_summary(prompt, state)
             if text is not None:
                 state.cooldown_until = 0.0
+                state.cooldown_kind = None
                 state.timeout_failures = 0
                 state.last_error = None
                 return text, False, None
@@ -706,6 +714,7 @@ class Compressor:
         else:
             cooldown = COOLDOWN_DEFAULT_S
         state.cooldown_until = _now() + cooldown
+        state.cooldown_kind = kind
         state.last_error = err.detail[:220]
         log.warning("summary generation failed (%s: %s); automatic compression paused for %.0fs",
                     kind, err.detail, cooldown)

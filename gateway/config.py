@@ -31,6 +31,13 @@ class LLMConfig(_Section):
     timeout_s: float = Field(default=120.0, gt=0)
     max_retries: int = Field(default=3, ge=0, le=10)
 
+    @model_validator(mode="after")
+    def _answer_fits_the_window(self) -> "LLMConfig":
+        if self.max_tokens is not None and self.max_tokens >= self.context_length:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be smaller than context_length "
+                             f"({self.context_length}): no prompt would fit beside the answer")
+        return self
+
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -54,6 +53,7 @@ from agent.compression_stages import (
     unwrap_summary,
     wrap_summary,
 )
+from agent.auxiliary import AuxTarget, aux_target
 from agent.llm import (
     LLMAuthError,
     LLMBadResponse,
@@ -195,14 +195,6 @@ class _Failure:
     kind: str
     abort: bool
     message: str
-
-
-@dataclass
-class _SummaryTarget:
-    client: LLMClient
-    model: str | None  # per-call model override on a shared client
-    owned: bool  # a client made for this call (closed afterwards)
-    distinct: bool  # differs from the main model (a failure may retry on the main model)
 
 
 SystemFactory = Callable[[str, Any, Any], Awaitable[StoredMessage]]
@@ -660,18 +652,8 @@ class Compressor:
         return (build_fallback_summary(turns, previous_summary=previous, reason=failure.message, max_chars=limit),
                 True, failure)
 
-    def _summary_target(self) -> _SummaryTarget:
-        aux, main = self.cfg.auxiliary.compression, self.cfg.llm
-        base = aux.base_url or main.base_url
-        model = aux.model or self.llm.model
-        key_env = aux.api_key_env or main.api_key_env
-        timeout = aux.timeout_s or main.timeout_s
-        distinct = base != main.base_url or model != self.llm.model or key_env != main.api_key_env
-        if base == main.base_url and key_env == main.api_key_env and timeout == main.timeout_s:
-            return _SummaryTarget(self.llm, model if model != self.llm.model else None, False, distinct)
-        client = LLMClient(base, model, api_key=os.environ.get(key_env) if key_env else None,
-                           timeout_s=timeout, max_retries=main.max_retries)
-        return _SummaryTarget(client, None, True, distinct)
+    def _summary_target(self) -> AuxTarget:
+        return aux_target(self.cfg.auxiliary.compression, self.cfg.llm, self.llm)
 
     @staticmethod
     async def _ask(client: LLMClient, model: str | None, prompt: str) -> str:
@@ -698,8 +680,7 @@ class Compressor:
                         err, kind = err2, classify_failure(err2)
                 return None, self._record_failure(state, err, kind)
         finally:
-            if target.owned:
-                await target.client.aclose()
+            await target.aclose()
 
     @staticmethod
     def _record_failure(state: CompressionState, err: LLMError, kind: str) -> _Failure:

@@ -53,6 +53,7 @@ class AuxModelConfig(_Section):
 
 class AuxiliaryConfig(_Section):
     compression: AuxModelConfig = AuxModelConfig()
+    review: AuxModelConfig = AuxModelConfig()  # background memory/skill review (agent/review.py)
 
 
 class CompressionConfig(_Section):
@@ -90,9 +91,15 @@ class MemoryConfig(_Section):
     user_profile_enabled: bool = True
     memory_char_limit: int = Field(default=2200, ge=100)
     user_char_limit: int = Field(default=1375, ge=100)
-    nudge_interval: int = Field(default=10, ge=0)
-    flush_min_turns: int = Field(default=6, ge=0)
+    nudge_interval: int = Field(default=10, ge=0)  # user turns of a lane between reviews; 0 = off
+    flush_min_turns: int = Field(default=6, ge=0)  # review a session this long when it ends; 0 = off
+    review_timeout_s: float = Field(default=120.0, gt=0)
+    write_approval: Literal["allow", "stage", "block"] = "allow"
     provider: str = ""  # "" = no external provider
+
+
+class SkillsConfig(_Section):
+    creation_nudge_interval: int = Field(default=15, ge=0)  # tool iterations between skill reviews; 0 = off
 
 
 class StorageConfig(_Section):
@@ -197,6 +204,7 @@ class Config(_Section):
     auxiliary: AuxiliaryConfig = AuxiliaryConfig()
     compression: CompressionConfig = CompressionConfig()
     memory: MemoryConfig = MemoryConfig()
+    skills: SkillsConfig = SkillsConfig()
     storage: StorageConfig = StorageConfig()
     tenancy: TenancyConfig = TenancyConfig()
     access: AccessConfig = AccessConfig()

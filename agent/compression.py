@@ -235,6 +235,8 @@ class Compressor:
         self.tokens = tokens
         self._system_factory = system_factory
         self.on_outcome: Callable[[str], None] | None = None  # e.g. a metrics counter
+        # the memory flush (agent/review.py): runs before on_pre_compress, as the seed orders it
+        self.on_flush: Callable[[Any, list[StoredMessage]], Awaitable[None]] | None = None
 
     # ----- configuration -----------------------------------------------------------------
     @property
@@ -475,6 +477,7 @@ class Compressor:
                  trigger, before, start, end - start, len(items) - end, stats.total)
         if not manual:
             await self._notify(ctx, "progress", f"Compressing the conversation ({before:,} tokens)…")
+        await self._flush(ctx, history)
         await self._pre_compress(ctx, items[start:end])
 
         # stages 4-5: the summary (an update of the previous one), with its failure layers
@@ -601,7 +604,7 @@ class Compressor:
                       meta: dict[str, Any], compacted: list[str]) -> str:
         """in_place: false — end the session, start its child with the compressed history."""
         sid = ctx.session_id
-        system = await self._system_factory(sid, ctx.place, ctx.memory)
+        system = await self._system_factory(sid, ctx.place, ctx)
         child: list[StoredMessage] = [system]
         child.extend(self._copy(it, sid) for it in head if it.get("role") != "system")
         meta["after_uid"] = child[-1].uid
@@ -611,6 +614,14 @@ class Compressor:
         child.extend(self._copy(it, sid) for it in tail)
         return await ctx.profile.sessions.rotate(ctx.lane.session_key, sid, "compression",
                                                  carry=child, compact_uids=compacted)
+
+    async def _flush(self, ctx: Any, history: list[StoredMessage]) -> None:
+        if self.on_flush is None:
+            return
+        try:
+            await self.on_flush(ctx, history)
+        except Exception:  # a memory review must never break compression
+            log.exception("memory flush before compression failed")
 
     async def _pre_compress(self, ctx: Any, middle: list[Item]) -> None:
         provider = getattr(ctx.profile, "provider", None)

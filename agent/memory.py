@@ -12,7 +12,7 @@ import fcntl
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -36,6 +36,9 @@ _SEPARATOR = "═" * 46
 _PREVIEW = 80
 
 Result = dict[str, Any]
+# Write approval (`memory.write_approval: stage`): takes a validated tool write instead of
+# the store: (action, target, content, old_text) -> the tool result.
+Stage = Callable[[str, str, "str | None", "str | None"], Awaitable[dict[str, Any]]]
 # A mutation gets the fresh entries (read under the lock) and returns the new list
 # (None = do not write) together with the result for the caller.
 _Mutation = Callable[[list[str]], tuple[list[str] | None, Result]]
@@ -259,16 +262,17 @@ class MemoryStore:
         names = " and ".join(targets)
         return {"success": True, "message": f"Cleared {names}."}
 
-    async def handle_tool_call(self, args: dict[str, Any]) -> str:
-        """Run one `memory` tool call; always returns a JSON result, never raises."""
+    async def handle_tool_call(self, args: dict[str, Any], *, stage: Stage | None = None) -> str:
+        """Run one `memory` tool call; always returns a JSON result, never raises. With
+        `stage`, a valid write is handed to it instead of being written."""
         try:
-            result = await self._dispatch(args)
+            result = await self._dispatch(args, stage)
         except Exception as exc:  # a tool call must never crash the turn
             log.exception("memory tool call failed")
             result = _fail(f"Memory operation failed: {type(exc).__name__}: {exc}")
         return json.dumps(result, ensure_ascii=False)
 
-    async def _dispatch(self, args: object) -> Result:
+    async def _dispatch(self, args: object, stage: Stage | None = None) -> Result:
         if not isinstance(args, dict):
             return _fail("Arguments must be a JSON object with 'action' and 'target'.")
         action, target = args.get("action"), args.get("target") or "memory"
@@ -289,11 +293,31 @@ class MemoryStore:
                 f"The entries of {target} are listed below.",
                 entries=[_preview(_withheld(e)) for e in entries], usage=self._usage(target, entries),
             )
+        if stage is not None:
+            return await self._stage(stage, action, target, content, old_text)
         if action == "add":
             return await self.add(target, content)  # type: ignore[arg-type]
         if action == "replace":
             return await self.replace(target, old_text, content)  # type: ignore[arg-type]
         return await self.remove(target, old_text)  # type: ignore[arg-type]
+
+    async def _stage(self, stage: Stage, action: str, target: str, content: str | None,
+                     old_text: str | None) -> Result:
+        """Check a write as if it were made now, then hand it to `stage`."""
+        checks: dict[str, Any] = {}
+        if action != "remove":
+            checks["content"] = content
+        if action != "add":
+            checks["old_text"] = old_text
+        if (err := self._precheck(target, **checks)) is not None:
+            return err
+        if old_text is not None and action != "add":
+            entries = await self.entries(target)
+            _, err = self._match(target, entries, old_text.strip())
+            if err is not None:
+                return err
+        return await stage(action, target, content.strip() if content else None,
+                           old_text.strip() if old_text else None)
 
     # -- helpers -----------------------------------------------------------------
 

@@ -187,7 +187,8 @@ class Reviewer:
                    memory: bool, skills: bool) -> str:
         wanted = frozenset(name for name, on in (("memory", memory), ("skill_manage", skills)) if on)
         toolbox = self._toolbox(profile, lane, place, wanted)
-        writable = {"memory": toolbox.memory is not None and not toolbox.memory.read_only,
+        writable = {"memory": toolbox.memory is not None and not toolbox.memory.read_only
+                    and toolbox.write_approval != "block",
                     "skill_manage": toolbox.skills is not None and not toolbox.skills.read_only}
         wanted = frozenset(name for name in wanted if writable[name])
         if not wanted or not history:

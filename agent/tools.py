@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.memory import MemoryStore
+from agent.memory_approval import PendingWrites
 from agent.sessions import SessionStore
 from agent.skills import SKILL_ACTIONS, SkillStore
 
@@ -101,6 +102,7 @@ class ToolBox:
     skills: SkillStore | None = None  # None: skills are off in this lane
     shared: bool = False  # a lane others can read: only shared skills, new skills are shared
     only: frozenset[str] | None = None  # restrict to these tools (the background review)
+    write_approval: str = "allow"  # memory.write_approval: allow | stage | block
 
     def schemas(self) -> list[dict[str, Any]]:
         tools = []
@@ -128,10 +130,20 @@ class ToolBox:
         if name == "memory":
             if self.memory is None:
                 return _refused("memory is turned off in this chat")
-            return await self.memory.handle_tool_call(args)
+            if self.write_approval == "block" and args.get("action") in ("add", "replace", "remove"):
+                return _refused("the operator turned memory writes off (memory.write_approval: block); "
+                                "nothing was saved and retrying won't help. Use what you know from the "
+                                "conversation instead.")
+            stage = self._stage if self.write_approval == "stage" else None
+            return await self.memory.handle_tool_call(args, stage=stage)
         if name == "session_search":
             return await self._session_search(args)
         return _refused(f"unknown tool {name!r}")
+
+    async def _stage(self, action: str, target: str, content: str | None, old_text: str | None) -> dict[str, Any]:
+        assert self.memory is not None
+        return await PendingWrites(self.memory.memory_dir).stage(
+            action, target, content, old_text, origin="shared" if self.shared else "private")
 
     async def _session_search(self, args: dict[str, Any]) -> str:
         query = args.get("query")

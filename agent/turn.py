@@ -102,7 +102,8 @@ class Agent:
         group = place.chat_type != "dm"
         return ToolBox(sessions=profile.sessions, memory=memory,
                        search_lane=lane.session_key if group else None,
-                       skills=self.lane_skills(profile, lane), shared=group or place.shared)
+                       skills=self.lane_skills(profile, lane), shared=group or place.shared,
+                       write_approval=self.cfg.memory.write_approval)
 
     def _review_toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, only: frozenset[str]) -> ToolBox:
         box = self.toolbox(profile, lane, place, self.lane_memory(profile, lane))
@@ -129,7 +130,8 @@ class Agent:
             agent_name=self.cfg.agent_name, place=place, snapshot=snapshot,
             memory_char_limit=self.cfg.memory.memory_char_limit,
             user_char_limit=self.cfg.memory.user_char_limit,
-            memory_writable=memory is not None and not memory.read_only,
+            memory_writable=memory is not None and not memory.read_only
+            and self.cfg.memory.write_approval != "block",
             skill_index=skill_index, skills_writable=skills is not None and not skills.read_only,
         )
         msg = StoredMessage(session_id=session_id, role="system", content=text)

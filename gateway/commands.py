@@ -247,6 +247,11 @@ async def cmd_export(ctx: CommandContext) -> str:
     memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is not None:
         data["memory"] = {t: await memory.entries(t) for t in ("memory", "user")}
+    skills = ctx.app.agent.lane_skills(ctx.profile, ctx.lane)
+    if skills is not None:
+        data["skills"] = [{"name": info.name, "description": info.description,
+                           "content": (await skills.view(info.name, shared_only=False)).get("content")}
+                          for info in await skills.index(shared_only=False)]
     out_dir = ctx.profile.path / "exports"
     out_dir.mkdir(exist_ok=True)
     path = out_dir / f"export-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"

@@ -126,7 +126,7 @@ class Reviewer:
             counts.since_memory += 1
             if counts.since_memory >= mem_every:
                 memory, counts.since_memory = True, 0
-        if skill_every > 0:
+        if skill_every > 0 and self.cfg.skills.enabled:
             counts.since_skill += tool_iterations
             if counts.since_skill >= skill_every:
                 skills, counts.since_skill = True, 0

@@ -93,7 +93,7 @@ class Agent:
 
     def lane_skills(self, profile: Profile, lane: Lane) -> SkillStore | None:
         """Skills follow the lane's memory mode: written in `full`, only read in `read`, none in `off`."""
-        if lane.personal_memory == "off":
+        if lane.personal_memory == "off" or not self.cfg.skills.enabled:
             return None
         return SkillStore(profile.path, read_only=lane.personal_memory != "full")
 

@@ -99,6 +99,7 @@ class MemoryConfig(_Section):
 
 
 class SkillsConfig(_Section):
+    enabled: bool = True  # false: no skill_manage tool, no skill index, no skill reviews
     creation_nudge_interval: int = Field(default=15, ge=0)  # tool iterations between skill reviews; 0 = off
 
 

@@ -42,6 +42,7 @@ memory:
   provider: ""                  # "" = built-in files only; "local" = file-backed notes provider
 
 skills:
+  enabled: true                 # false: no skill_manage tool and no skill index in the prompt
   creation_nudge_interval: 15   # after 15 tool steps, review whether a reusable skill was learned; 0 = off
 
 storage:

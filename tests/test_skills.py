@@ -149,3 +149,10 @@ async def test_skills_are_per_tenant_and_in_export_backup_and_delete(config_for,
     assert (backup / "profiles" / info.dir_name / "skills" / "brew-tea" / "SKILL.md").read_text("utf-8").endswith("1. boil\n")
     delete_tenant(cfg, info)
     assert not (tenant_dir(cfg.data_dir, "testchat-cat") / "skills").exists()
+
+
+async def test_skills_enabled_false_removes_the_tool_and_the_index(config_for, fake_llm):
+    async with gateway(config_for, skills={"enabled": False}) as (app, adapter):
+        await say(app, adapter, dm("eli", "hello"))
+        assert "skill_manage" not in offered_tools(fake_llm.requests[-1])
+        assert "skill_manage" not in fake_llm.requests[-1]["messages"][0]["content"]

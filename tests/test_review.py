@@ -281,3 +281,23 @@ async def test_skill_review_after_n_tool_iterations_creates_a_skill_in_the_index
         await say(app, adapter, dm("olga", "/new"))
         await say(app, adapter, dm("olga", "hi"))
         assert "- brew-tea: How to brew green tea" in fake_llm.requests[-1]["messages"][0]["content"]
+
+
+async def test_zero_turns_off_nudges_and_flush(config_for, fake_llm):
+    fake_llm.responder = when_reviewing(save_first_fact)
+    async with gateway(config_for, memory={"nudge_interval": 0, "flush_min_turns": 0},
+                       skills={"creation_nudge_interval": 0}) as (app, adapter):
+        for i in range(12):
+            await say(app, adapter, dm("pia", f"my pet is Rex{i}"))
+        await say(app, adapter, dm("pia", "/new"))
+    assert reviews(fake_llm) == []
+    assert entries(app, "testchat-pia") == []
+
+
+async def test_the_review_cannot_use_other_tools(config_for, fake_llm):
+    fake_llm.responder = when_reviewing(tool_call("session_search", {"query": "anything"}))
+    async with gateway(config_for, memory={"nudge_interval": 1}) as (app, adapter):
+        await say(app, adapter, dm("quin", "hello"))
+        results = [m for r in fake_llm.requests if is_review_request(r) for m in r["messages"] if m["role"] == "tool"]
+        assert results and all("only memory can be used here" in m["content"] for m in results)
+        assert app.metrics.reviews.value(kind="nudge", outcome="nothing") == 1

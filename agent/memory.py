@@ -406,7 +406,9 @@ class MemoryStore:
         except UndecodableFile as exc:
             return _fail(f"{name} holds bytes that are not valid UTF-8 ({exc}); it was left untouched "
                          "and nothing was saved. Ask the person to re-save it as UTF-8.")
-        baselines, seen = Baselines(self.memory_dir), digest(raw)
+        # compared as parsed entries: cosmetic edits (line endings, blank lines around the
+        # separator, a BOM) are not drift, any change of an entry is
+        baselines, seen = Baselines(self.memory_dir), digest(ENTRY_DELIMITER.join(entries).encode("utf-8"))
         base = baselines.get(name)
         if base is not None and base != seen:
             kept = backup(path, raw)

@@ -2,8 +2,8 @@
 
 A memory file may be edited by hand. `read_text` decodes it strictly (a UTF-8 BOM is
 dropped; undecodable bytes raise instead of being replaced, so they are never written
-back). `Baselines` remembers, per file, a digest of what the store last wrote (kept in
-`memories/.written.json`, so it survives restarts); a file whose digest differs has
+back). `Baselines` remembers, per file, a digest of the entries the store last wrote (kept
+in `memories/.written.json`, so it survives restarts); a file whose entries differ has
 drifted, and `backup` keeps a timestamped copy before anything else happens to it.
 """
 

@@ -152,3 +152,14 @@ async def test_a_preexisting_lock_file_gets_0600(store: MemoryStore, profile: Pa
     os.chmod(store.lock_path, 0o666)
     await store.add("memory", "x")
     assert stat.S_IMODE(store.lock_path.stat().st_mode) == 0o600
+
+
+async def test_cosmetic_whitespace_edits_are_not_drift(store: MemoryStore, profile: Path) -> None:
+    await store.add("memory", "First entry.")
+    await store.add("memory", "Second entry.")
+    for cosmetic in ("\ufeffFirst entry.\r\n§\r\nSecond entry.\r\n", "First entry.\n\n§\n  Second entry.\n\n"):
+        mem_file(profile).write_text(cosmetic, encoding="utf-8", newline="")
+        r = await tool(store, action="replace", target="memory", old_text="Second", content="Second entry!")
+        assert r["success"] is True, r
+        await store.replace("memory", "Second entry!", "Second entry.")
+    assert backups(profile) == []

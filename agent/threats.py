@@ -99,10 +99,11 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         ),
         (
             r"\b(?:output|share|reveal|print|show|repeat|dump|leak|disclose|send|display|expose)\s+"
-            r"(?:me\s+|us\s+)?(?:(?:your|the)\s+)?(?:(?:entire|full|whole|complete|original|hidden|initial)\s+)?"
+            r"(?:me\s+|us\s+)?(?:your\s+(?:(?:entire|full|whole|complete|original|hidden|initial)\s+)?"
+            r"|(?:the\s+)?(?:entire|full|whole|complete|original|hidden|initial)\s+)?"
             r"(?:system\s+prompt|context\s+window)\b"
             r"|\b(?:output|share|reveal|print|show|repeat|dump|leak|disclose|send|display|expose)\s+"
-            r"(?:me\s+|us\s+)?(?:your|the)\s+(?:entire|full|whole|complete)\s+"
+            r"(?:me\s+|us\s+)?your\s+(?:entire|full|whole|complete)\s+"
             r"(?:context|conversation|chat|instructions|history)\b"
             r"|\b(?:output|share|reveal|print|show|repeat|dump|leak|disclose|send|display|expose)\s+"
             r"(?:me\s+|us\s+)?your\s+(?:conversation\s+history|chat\s+history|instructions|context)\b",
@@ -128,7 +129,7 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
             "prompt injection: hidden HTML block",
         ),
         (
-            r"\b(?:do\s+not|don't|never)\s+(?:tell|inform|notify|alert|warn|let)\s+the\s+(?:user|person|human|owner)\b(?!['\u2019])"
+            r"\b(?:do\s+not|don't|never)\s+(?:tell|inform|notify|alert|warn)\s+the\s+(?:user|person|human|owner)\b(?!['\u2019])"
             r"|\b(?:without|never)\s+(?:telling|informing|notifying)\s+the\s+(?:user|person|human|owner)\b(?!['\u2019])"
             r"|\b(?:keep|hide)\s+(?:this|it)\s+(?:secret\s+|hidden\s+)?from\s+the\s+(?:user|person|human|owner)\b(?!['\u2019])",
             "prompt injection: asks to hide things from the user",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -54,6 +53,7 @@ from agent.compression_stages import (
     unwrap_summary,
     wrap_summary,
 )
+from agent.auxiliary import AuxTarget, aux_target
 from agent.llm import (
     LLMAuthError,
     LLMBadResponse,
@@ -116,6 +116,7 @@ class CompressionState:
     ineffective: int = 0  # consecutive compressions that saved < 10% (or could not run)
     fallback_streak: int = 0  # consecutive compressions that used the static fallback summary
     cooldown_until: float = 0.0  # no automatic compression before this (summary-model failure)
+    cooldown_kind: str | None = None  # the failure class that started the cooldown
     timeout_failures: int = 0  # consecutive summary timeouts (60 -> 300 -> 900 s ladder)
     blocked_at: float | None = None  # when the current anti-thrash block started
     warned: bool = False  # the person was told about the current block
@@ -133,7 +134,7 @@ class CompressionState:
             default = getattr(state, f.name)
             try:
                 if value is None:
-                    setattr(state, f.name, None if f.name in ("blocked_at", "last_error", "last_savings_pct") else default)
+                    setattr(state, f.name, None if f.name in ("blocked_at", "last_error", "last_savings_pct", "cooldown_kind") else default)
                 elif isinstance(default, bool):
                     setattr(state, f.name, bool(value))
                 elif isinstance(default, int):
@@ -196,14 +197,6 @@ class _Failure:
     message: str
 
 
-@dataclass
-class _SummaryTarget:
-    client: LLMClient
-    model: str | None  # per-call model override on a shared client
-    owned: bool  # a client made for this call (closed afterwards)
-    distinct: bool  # differs from the main model (a failure may retry on the main model)
-
-
 SystemFactory = Callable[[str, Any, Any], Awaitable[StoredMessage]]
 
 
@@ -242,6 +235,8 @@ class Compressor:
         self.tokens = tokens
         self._system_factory = system_factory
         self.on_outcome: Callable[[str], None] | None = None  # e.g. a metrics counter
+        # the memory flush (agent/review.py): runs before on_pre_compress, as the seed orders it
+        self.on_flush: Callable[[Any, list[StoredMessage]], Awaitable[None]] | None = None
 
     # ----- configuration -----------------------------------------------------------------
     @property
@@ -437,12 +432,14 @@ class Compressor:
             return Outcome("aborted", reason="an internal error occurred")
 
     async def after_response(self, ctx: Any, usage: Usage | None) -> None:
-        """The server's prompt count becomes the session's last_prompt_tokens."""
-        if not self.enabled or usage is None or usage.prompt_tokens <= 0:
+        """The server's prompt count becomes the session's last_prompt_tokens; a response
+        without usage resets it (a stale count must not trigger the next compression)."""
+        if not self.enabled:
             return
+        count = usage.prompt_tokens if usage is not None and usage.prompt_tokens > 0 else 0
         state = await self.state(ctx)
-        if state.last_prompt_tokens != usage.prompt_tokens:
-            state.last_prompt_tokens = usage.prompt_tokens
+        if state.last_prompt_tokens != count:
+            state.last_prompt_tokens = count
             await self._save(ctx, state)
 
     # ----- the pipeline --------------------------------------------------------------------
@@ -480,6 +477,7 @@ class Compressor:
                  trigger, before, start, end - start, len(items) - end, stats.total)
         if not manual:
             await self._notify(ctx, "progress", f"Compressing the conversation ({before:,} tokens)…")
+        await self._flush(ctx, history)
         await self._pre_compress(ctx, items[start:end])
 
         # stages 4-5: the summary (an update of the previous one), with its failure layers
@@ -606,7 +604,7 @@ class Compressor:
                       meta: dict[str, Any], compacted: list[str]) -> str:
         """in_place: false — end the session, start its child with the compressed history."""
         sid = ctx.session_id
-        system = await self._system_factory(sid, ctx.place, ctx.memory)
+        system = await self._system_factory(sid, ctx.place, ctx)
         child: list[StoredMessage] = [system]
         child.extend(self._copy(it, sid) for it in head if it.get("role") != "system")
         meta["after_uid"] = child[-1].uid
@@ -616,6 +614,14 @@ class Compressor:
         child.extend(self._copy(it, sid) for it in tail)
         return await ctx.profile.sessions.rotate(ctx.lane.session_key, sid, "compression",
                                                  carry=child, compact_uids=compacted)
+
+    async def _flush(self, ctx: Any, history: list[StoredMessage]) -> None:
+        if self.on_flush is None:
+            return
+        try:
+            await self.on_flush(ctx, history)
+        except Exception:  # a memory review must never break compression
+            log.exception("memory flush before compression failed")
 
     async def _pre_compress(self, ctx: Any, middle: list[Item]) -> None:
         provider = getattr(ctx.profile, "provider", None)
@@ -633,7 +639,11 @@ class Compressor:
         """(body, used_fallback, failure); body None means abort (messages untouched)."""
         failure: _Failure | None
         if trigger != "manual" and state.cooldown_until > _now():
-            failure = _Failure("cooldown", False, _FAILURE_TEXT["cooldown"])
+            # the cooldown remembers why it started: after auth or network failures a
+            # fallback summary would only hide the outage, so the abort is kept
+            cause = state.cooldown_kind or "cooldown"
+            failure = _Failure("cooldown", cause in ABORT_KINDS,
+                               _FAILURE_TEXT.get(cause, _FAILURE_TEXT["cooldown"]))
         else:
             prompt = build_summary_prompt(
                 serialize_for_summary(turns), previous_summary=previous, focus=focus,
@@ -641,6 +651,7 @@ class Compressor:
             text, failure = await self._ask_summary(prompt, state)
             if text is not None:
                 state.cooldown_until = 0.0
+                state.cooldown_kind = None
                 state.timeout_failures = 0
                 state.last_error = None
                 return text, False, None
@@ -652,18 +663,8 @@ class Compressor:
         return (build_fallback_summary(turns, previous_summary=previous, reason=failure.message, max_chars=limit),
                 True, failure)
 
-    def _summary_target(self) -> _SummaryTarget:
-        aux, main = self.cfg.auxiliary.compression, self.cfg.llm
-        base = aux.base_url or main.base_url
-        model = aux.model or self.llm.model
-        key_env = aux.api_key_env or main.api_key_env
-        timeout = aux.timeout_s or main.timeout_s
-        distinct = base != main.base_url or model != self.llm.model or key_env != main.api_key_env
-        if base == main.base_url and key_env == main.api_key_env and timeout == main.timeout_s:
-            return _SummaryTarget(self.llm, model if model != self.llm.model else None, False, distinct)
-        client = LLMClient(base, model, api_key=os.environ.get(key_env) if key_env else None,
-                           timeout_s=timeout, max_retries=main.max_retries)
-        return _SummaryTarget(client, None, True, distinct)
+    def _summary_target(self) -> AuxTarget:
+        return aux_target(self.cfg.auxiliary.compression, self.cfg.llm, self.llm)
 
     @staticmethod
     async def _ask(client: LLMClient, model: str | None, prompt: str) -> str:
@@ -690,8 +691,7 @@ class Compressor:
                         err, kind = err2, classify_failure(err2)
                 return None, self._record_failure(state, err, kind)
         finally:
-            if target.owned:
-                await target.client.aclose()
+            await target.aclose()
 
     @staticmethod
     def _record_failure(state: CompressionState, err: LLMError, kind: str) -> _Failure:
@@ -706,6 +706,7 @@ class Compressor:
         else:
             cooldown = COOLDOWN_DEFAULT_S
         state.cooldown_until = _now() + cooldown
+        state.cooldown_kind = kind
         state.last_error = err.detail[:220]
         log.warning("summary generation failed (%s: %s); automatic compression paused for %.0fs",
                     kind, err.detail, cooldown)

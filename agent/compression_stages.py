@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from agent.redact import redact_secrets
+
 Item = dict[str, Any]
 TokenFn = Callable[[Item], int]
 
@@ -42,6 +44,7 @@ SUMMARY_RATIO = 0.20
 SUMMARY_TOKENS_CEILING = 10_000
 INEFFECTIVE_SAVINGS_PCT = 10.0  # a compression saving less than this is "ineffective"
 MIN_MIDDLE_MESSAGES = 3  # fewer than head + this + 1 messages: nothing worth compressing
+MIN_THRESHOLD_SHARE = 0.5  # room for the answer never pushes the trigger below half its percentage
 
 DUPLICATE_PLACEHOLDER = "[Duplicate tool output — same content as a more recent call]"
 TOOL_CALL_REMOVED = "(tool call removed)"
@@ -86,11 +89,14 @@ def compute_threshold_tokens(*, context_length: int, threshold: float, max_token
 
     `context_length × threshold − max_tokens`, where the percentage is the per-model override
     (if any), raised to 75% for windows under 512K and capped at 85%; `max_tokens` is the room
-    kept for the answer; a `threshold_tokens` cap (clamped to the window) takes the minimum.
+    kept for the answer, but never more than half of the trigger (a huge `max_tokens` would
+    otherwise collapse the threshold and compress before every request); a `threshold_tokens`
+    cap (clamped to the window) takes the minimum.
     """
     pct = effective_threshold_percent(
         context_length, resolve_model_threshold(model, model_thresholds, threshold))
-    value = int(context_length * pct) - (max_tokens or 0)
+    trigger = int(context_length * pct)
+    value = max(trigger - (max_tokens or 0), int(trigger * MIN_THRESHOLD_SHARE))
     if threshold_tokens_cap:
         value = min(value, min(int(threshold_tokens_cap), context_length))
     return max(1, value)
@@ -578,8 +584,8 @@ def _clip(text: str, limit: int = CONTENT_MAX, head: int = CONTENT_HEAD, tail: i
 
 
 def serialize_for_summary(items: Iterable[Item]) -> str:
-    """The middle as labelled text for the summary model (summaries themselves are skipped:
-    the previous summary travels separately)."""
+    """The middle as labelled text for the summary model, tokens and keys redacted (summaries
+    themselves are skipped: the previous summary travels separately)."""
     parts: list[str] = []
     for it in items:
         if it.get("_summary"):
@@ -603,7 +609,7 @@ def serialize_for_summary(items: Iterable[Item]) -> str:
             parts.append(f"[ASSISTANT]: {content}")
             continue
         parts.append(f"[{role.upper()}]: {_clip(content)}")
-    return "\n\n".join(parts)
+    return redact_secrets("\n\n".join(parts))
 
 
 def bound_summary_input(text: str, limit: int = SUMMARY_INPUT_MAX_CHARS) -> str:
@@ -742,7 +748,7 @@ def build_fallback_summary(turns: list[Item], *, previous_summary: str | None = 
                            reason: str | None = None, max_chars: int = FALLBACK_SUMMARY_MAX_CHARS) -> str:
     """A summary built locally from the dropped middle when the summary model failed: the
     person's questions, the assistant's actions, tool names, paths and links, error texts and
-    the last dropped turns. `SUMMARY_PREFIX` + body stays within `max_chars` (<= 8,000)."""
+    the last dropped turns, with tokens and keys redacted. `SUMMARY_PREFIX` + body stays within `max_chars` (<= 8,000)."""
     max_chars = min(max_chars, FALLBACK_SUMMARY_MAX_CHARS)
     item_limit = FALLBACK_TURN_MAX_CHARS if max_chars >= 6000 else 200
     calls: dict[str, tuple[str, str]] = {}
@@ -830,6 +836,7 @@ def build_fallback_summary(turns: list[Item], *, previous_summary: str | None = 
         f"## Last Dropped Turns\n{_bullets(last_turns, 8, share(0.12))}\n\n"
         f"## Critical Context\nBest-effort local summary of {len(turns)} compacted message(s).{why}"
     )
+    body = redact_secrets(body)  # tool results and messages may carry tokens and keys
     room = max_chars - len(SUMMARY_PREFIX) - 1
     if len(body) > room:
         body = body[: room - 35].rstrip() + "\n...[fallback summary truncated]"

@@ -8,18 +8,18 @@ frozen `MemorySnapshot` taken at session start; tool writes go to disk at once.
 from __future__ import annotations
 
 import asyncio
-import errno
 import fcntl
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from agent.fileio import atomic_write
+from agent.memory_files import Baselines, UndecodableFile, backup, decode, digest, read_bytes
 from agent.threats import first_threat
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,9 @@ _SEPARATOR = "═" * 46
 _PREVIEW = 80
 
 Result = dict[str, Any]
+# Write approval (`memory.write_approval: stage`): takes a validated tool write instead of
+# the store: (action, target, content, old_text) -> the tool result.
+Stage = Callable[[str, str, "str | None", "str | None"], Awaitable[dict[str, Any]]]
 # A mutation gets the fresh entries (read under the lock) and returns the new list
 # (None = do not write) together with the result for the caller.
 _Mutation = Callable[[list[str]], tuple[list[str] | None, Result]]
@@ -174,17 +177,7 @@ class MemoryStore:
     def _read_entries(self, target: str) -> list[str]:
         if not self._dir_ok():
             return []
-        try:
-            fd = os.open(self.path_for(target), os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                log.warning("memory file %s is a symlink; ignoring it", self.path_for(target))
-                return []
-            raise
-        with os.fdopen(fd, "rb") as fh:
-            return parse_entries(fh.read().decode("utf-8", errors="replace"))
+        return parse_entries(decode(read_bytes(self.path_for(target)), strict=False))
 
     # -- writes ------------------------------------------------------------------
 
@@ -265,23 +258,24 @@ class MemoryStore:
             return _fail("Memory is read-only here; nothing was changed.")
         targets = TARGETS if target is None else (self._check_target(target),)
         for t in targets:
-            await self._write(t, lambda entries: ([], {}))
+            await self._write(t, lambda entries: ([], {}), force=True)
         names = " and ".join(targets)
         return {"success": True, "message": f"Cleared {names}."}
 
-    async def handle_tool_call(self, args: dict[str, Any]) -> str:
-        """Run one `memory` tool call; always returns a JSON result, never raises."""
+    async def handle_tool_call(self, args: dict[str, Any], *, stage: Stage | None = None) -> str:
+        """Run one `memory` tool call; always returns a JSON result, never raises. With
+        `stage`, a valid write is handed to it instead of being written."""
         try:
-            result = await self._dispatch(args)
+            result = await self._dispatch(args, stage)
         except Exception as exc:  # a tool call must never crash the turn
             log.exception("memory tool call failed")
             result = _fail(f"Memory operation failed: {type(exc).__name__}: {exc}")
         return json.dumps(result, ensure_ascii=False)
 
-    async def _dispatch(self, args: object) -> Result:
+    async def _dispatch(self, args: object, stage: Stage | None = None) -> Result:
         if not isinstance(args, dict):
             return _fail("Arguments must be a JSON object with 'action' and 'target'.")
-        action, target = args.get("action"), args.get("target", "memory")
+        action, target = args.get("action"), args.get("target") or "memory"
         content, old_text = args.get("content"), args.get("old_text")
         if action not in ACTIONS:
             return _fail(f"Unknown action {action!r}. Use 'add', 'replace' or 'remove'.")
@@ -293,14 +287,37 @@ class MemoryStore:
         if action in ("add", "replace") and not content:
             return _fail(f"'content' is required for '{action}'.")
         if action in ("replace", "remove") and not old_text:
+            entries = await self.entries(target)
             return _fail(
-                f"'old_text' is required for '{action}': a short substring unique to the entry."
+                f"'old_text' is required for '{action}': a short substring unique to the entry. "
+                f"The entries of {target} are listed below.",
+                entries=[_preview(_withheld(e)) for e in entries], usage=self._usage(target, entries),
             )
+        if stage is not None:
+            return await self._stage(stage, action, target, content, old_text)
         if action == "add":
             return await self.add(target, content)  # type: ignore[arg-type]
         if action == "replace":
             return await self.replace(target, old_text, content)  # type: ignore[arg-type]
         return await self.remove(target, old_text)  # type: ignore[arg-type]
+
+    async def _stage(self, stage: Stage, action: str, target: str, content: str | None,
+                     old_text: str | None) -> Result:
+        """Check a write as if it were made now, then hand it to `stage`."""
+        checks: dict[str, Any] = {}
+        if action != "remove":
+            checks["content"] = content
+        if action != "add":
+            checks["old_text"] = old_text
+        if (err := self._precheck(target, **checks)) is not None:
+            return err
+        if old_text is not None and action != "add":
+            entries = await self.entries(target)
+            _, err = self._match(target, entries, old_text.strip())
+            if err is not None:
+                return err
+        return await stage(action, target, content.strip() if content else None,
+                           old_text.strip() if old_text else None)
 
     # -- helpers -----------------------------------------------------------------
 
@@ -331,6 +348,10 @@ class MemoryStore:
         return None
 
     def _match(self, target: str, entries: list[str], old_text: str) -> tuple[int, Result | None]:
+        """The entry equal to `old_text` (an exact whole-entry match wins), else the one
+        entry containing it."""
+        if old_text in entries:
+            return entries.index(old_text), None
         hits = [i for i, e in enumerate(entries) if old_text in e]
         if not hits:
             return -1, _fail(
@@ -356,24 +377,59 @@ class MemoryStore:
             entries=[_preview(_withheld(e)) for e in entries],
         )
 
-    async def _write(self, target: str, mutate: _Mutation) -> Result:
+    async def _write(self, target: str, mutate: _Mutation, *, force: bool = False) -> Result:
         async with self._lock:
-            return await asyncio.to_thread(self._locked_write, target, mutate)
+            return await asyncio.to_thread(self._locked_write, target, mutate, force)
 
-    def _locked_write(self, target: str, mutate: _Mutation) -> Result:
-        """Read-modify-write under an exclusive cross-process lock (runs in a thread)."""
+    def _locked_write(self, target: str, mutate: _Mutation, force: bool = False) -> Result:
+        """Read-modify-write under an exclusive cross-process lock (runs in a thread).
+
+        The file must be what this store last wrote: one changed outside the tool (drift)
+        is left exactly as it is, backed up, and becomes the base for the next write; the
+        write is refused unless `force` (an explicit erase by the person)."""
         self.memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not self._dir_ok():
             return _fail("Memory directory is not usable (symlink); nothing was saved.")
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # a lock file left by something else may be looser
             fcntl.flock(fd, fcntl.LOCK_EX)
-            new, result = mutate(self._read_entries(target))
-            if new is not None:
-                atomic_write(self.path_for(target), ENTRY_DELIMITER.join(new))
-            return result
+            return self._checked_write(target, mutate, force)
         finally:
             os.close(fd)  # closing releases the flock
+
+    def _checked_write(self, target: str, mutate: _Mutation, force: bool) -> Result:
+        path, name = self.path_for(target), _FILES[target]
+        raw = read_bytes(path)
+        try:
+            entries = parse_entries(decode(raw, strict=True))
+        except UndecodableFile as exc:
+            return _fail(f"{name} holds bytes that are not valid UTF-8 ({exc}); it was left untouched "
+                         "and nothing was saved. Ask the person to re-save it as UTF-8.")
+        # compared as parsed entries: cosmetic edits (line endings, blank lines around the
+        # separator, a BOM) are not drift, any change of an entry is
+        baselines, seen = Baselines(self.memory_dir), digest(ENTRY_DELIMITER.join(entries).encode("utf-8"))
+        base = baselines.get(name)
+        if base is not None and base != seen:
+            kept = backup(path, raw)
+            baselines.set(name, seen)  # what is really there is the base from now on
+            log.warning("%s changed outside the memory tool; kept a backup at %s", path, kept)
+            if not force:
+                return _fail(
+                    f"{name} was changed outside the memory tool since my last write (edited by "
+                    f"hand?). Nothing was saved and the file was left exactly as it is"
+                    f"{f' (backup: {kept.name})' if kept else ''}. Its current entries are listed "
+                    "below: apply your change again against them.",
+                    entries=[_preview(_withheld(e)) for e in entries], usage=self._usage(target, entries),
+                )
+        new, result = mutate(entries)
+        if new is not None:
+            data = ENTRY_DELIMITER.join(new).encode("utf-8")
+            atomic_write(path, data)
+            baselines.set(name, digest(data))
+        elif base is None:
+            baselines.set(name, seen)
+        return result
 
 
 __all__ = [

@@ -41,8 +41,10 @@ class ChatPlace:
 
 
 def build_system_prompt(*, agent_name: str, place: ChatPlace, snapshot: MemorySnapshot | None,
-                        memory_char_limit: int, user_char_limit: int, memory_writable: bool) -> str:
-    """Assemble the system prompt; `snapshot` None means memory is off in this lane."""
+                        memory_char_limit: int, user_char_limit: int, memory_writable: bool,
+                        skill_index: str | None = None, skills_writable: bool = False) -> str:
+    """Assemble the system prompt; `snapshot` None means memory is off in this lane, and
+    `skill_index` None that skills are (the index is '' when there are none yet)."""
     parts = [
         f"You are {agent_name}, a helpful assistant that remembers the people you talk to.",
         place.describe(),
@@ -59,6 +61,13 @@ def build_system_prompt(*, agent_name: str, place: ChatPlace, snapshot: MemorySn
             )
         else:
             parts.append("Memory is read-only in this chat: you can use what you know but not save new facts here.")
+    if skill_index:
+        parts.append(skill_index)
+    if skill_index is not None and skills_writable:
+        parts.append(
+            "Use `skill_manage` to save a reusable procedure when you worked out how to do a kind of "
+            "task well; skills hold steps, never personal facts or secrets."
+        )
     parts.append(
         "Use `session_search` to look up earlier conversations when the person refers to "
         "something discussed before."

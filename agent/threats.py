@@ -83,6 +83,65 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
             r"<\|[\w.-]{1,40}\|>|<<\s*/?\s*sys\s*>>|\[/?inst\]|</?\s*(?:system|developer)\s*>",
             "prompt injection: chat-template control tokens",
         ),
+        (
+            r"\b(?:act|behave|respond|answer|reply)\s+as\s+(?:if|though)\s+(?:you\s+)?"
+            r"(?:(?:have|had)\s+no|(?:are|were)\s+(?:not\s+bound\s+by|free\s+of|without))\s+"
+            r"(?:any\s+)?(?:\w+\s+)?(?:restrictions|limitations|limits|rules|filters|guidelines"
+            r"|guardrails|safety|censorship|constraints)\b"
+            r"|\b(?:act|behave)\s+as\s+(?:if|though)\s+you\s+(?:are|were)\s+"
+            r"(?:unrestricted|unfiltered|uncensored|jailbroken)\b",
+            "prompt injection: asks to act without restrictions",
+        ),
+        (
+            r"\bpretend\s+(?:that\s+)?you\s*(?:are|were|'re)\b"
+            r"|\bpretend\s+to\s+be\s+(?:an?\s+)?(?:unrestricted|unfiltered|jailbroken|evil|different|another)\b",
+            "prompt injection: role hijack ('pretend you are ...')",
+        ),
+        (
+            r"\b(?:output|share|reveal|print|show|repeat|dump|leak|disclose|send|display|expose)\s+"
+            r"(?:me\s+|us\s+)?(?:your\s+(?:(?:entire|full|whole|complete|original|hidden|initial)\s+)?"
+            r"|(?:the\s+)?(?:entire|full|whole|complete|original|hidden|initial)\s+)?"
+            r"(?:system\s+prompt|context\s+window)\b"
+            r"|\b(?:output|share|reveal|print|show|repeat|dump|leak|disclose|send|display|expose)\s+"
+            r"(?:me\s+|us\s+)?your\s+(?:entire|full|whole|complete)\s+"
+            r"(?:context|conversation|chat|instructions|history)\b"
+            r"|\b(?:output|share|reveal|print|show|repeat|dump|leak|disclose|send|display|expose)\s+"
+            r"(?:me\s+|us\s+)?your\s+(?:conversation\s+history|chat\s+history|instructions|context)\b",
+            "prompt injection: asks to reveal the system prompt or context",
+        ),
+        (
+            r"\byou\s*(?:have|'ve)\s+been\s+(?:updated|upgraded|reprogrammed|reconfigured|patched|modified)\s+"
+            r"(?:to|with|so)\b|\byou\s+were\s+(?:updated|upgraded|reprogrammed|reconfigured)\s+(?:to|with|so)\b",
+            "prompt injection: fake update ('you have been updated to ...')",
+        ),
+        (
+            r"\btranslate\b[^\n]{0,200}?\b(?:and|then)\s+(?:execute|eval(?:uate)?|obey"
+            r"|(?:run|follow)\s+(?:it|them|those|these|the\s+(?:result|instructions?|commands?|output)))\b",
+            "prompt injection: asks to translate and execute",
+        ),
+        (
+            r"<!--[^>]{0,500}?(?:ignore|disregard|override|system|instruction|prompt|assistant|secret"
+            r"|password|do\s+not|don't|execute|send|you\s+(?:are|must|should))",
+            "prompt injection: instructions hidden in an HTML comment",
+        ),
+        (
+            r"<[a-z][^>]{0,300}?(?:display\s*:\s*none|visibility\s*:\s*hidden|font-size\s*:\s*0(?![.\d]*[1-9]))",
+            "prompt injection: hidden HTML block",
+        ),
+        (
+            r"\b(?:do\s+not|don't|never)\s+(?:tell|inform|notify|alert|warn)\s+the\s+(?:user|person|human|owner)\b(?!['\u2019])"
+            r"|\b(?:without|never)\s+(?:telling|informing|notifying)\s+the\s+(?:user|person|human|owner)\b(?!['\u2019])"
+            r"|\b(?:keep|hide)\s+(?:this|it)\s+(?:secret\s+|hidden\s+)?from\s+the\s+(?:user|person|human|owner)\b(?!['\u2019])",
+            "prompt injection: asks to hide things from the user",
+        ),
+        (
+            r"\b(?:send|post|upload|forward|transmit|exfiltrate|leak|report)\s+"
+            r"(?:(?:all|the|your|any|every|this|these|those|my|of)\s+)*"
+            r"(?:results?|data|output|contents?|conversations?|memory|memories|history|everything|info(?:rmation)?"
+            r"|keys?|credentials|secrets?|tokens?|messages|files|logs|answers?|responses?|it|them)\s+"
+            r"(?:[\w'-]+\s+){0,3}?to\s+(?:https?|ftp)://",
+            "secret exfiltration: asks to send data to a URL",
+        ),
         # -- secret exfiltration ----------------------------------------------
         (
             rf"\b(?:curl|wget|invoke-webrequest|iwr)\b[^\n]{{0,300}}{_SECRET_VAR}",
@@ -109,6 +168,13 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (
             r"\bn(?:c|cat|etcat)\b[^\n]{0,100}\s-[a-z]*e\b|/dev/tcp/|\bbash\s+-i\s+>&",
             "secret exfiltration: reverse shell command",
+        ),
+        (
+            r"\b(?:api[_-]?key|secret[_-]?key|access[_-]?key|access[_-]?token|auth[_-]?token|client[_-]?secret"
+            r"|password|passwd|secret|token)\s*[:=]\s*[\"']?[A-Za-z0-9_\-./+]{12,}"
+            r"|\b(?:sk-[A-Za-z0-9_-]{16,}|ghp_[A-Za-z0-9]{20,}|gho_[A-Za-z0-9]{20,}|github_pat_\w{20,}"
+            r"|xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}|AIza[0-9A-Za-z_-]{30,})",
+            "secret material: a credential or API key",
         ),
         (
             r"-----BEGIN [A-Z ]*PRIVATE KEY-----",

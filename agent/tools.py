@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.memory import MemoryStore
+from agent.memory_approval import PendingWrites
 from agent.sessions import SessionStore
+from agent.skills import SKILL_ACTIONS, SkillStore
 
 MEMORY_TOOL: dict[str, Any] = {
     "type": "function",
@@ -60,6 +62,30 @@ SESSION_SEARCH_TOOL: dict[str, Any] = {
 }
 
 
+SKILL_MANAGE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "skill_manage",
+        "description": (
+            "Your skills: short reusable procedures (how to do a kind of task well) that you see "
+            "listed at the start of every conversation here. list / view them; create one when you "
+            "worked out a non-trivial approach worth reusing; update it when you learn better. A skill "
+            "holds steps, never personal facts, names or secrets (those belong in memory)."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "action": {"type": "string", "enum": list(SKILL_ACTIONS)},
+                "name": {"type": "string", "description": "lower-case-with-dashes (view, create, update, delete)"},
+                "description": {"type": "string", "description": "One line: when to use it (create, update)."},
+                "content": {"type": "string", "description": "The procedure, in Markdown (create, update)."},
+            },
+            "required": ["action"],
+        },
+    },
+}
+
+
 def _refused(error: str) -> str:
     return json.dumps({"success": False, "error": error}, ensure_ascii=False)
 
@@ -73,12 +99,19 @@ class ToolBox:
     # set in lanes others can read (groups): search only this lane's own conversations,
     # so a person's private chats never surface in a group reply
     search_lane: str | None = None
+    skills: SkillStore | None = None  # None: skills are off in this lane
+    shared: bool = False  # a lane others can read: only shared skills, new skills are shared
+    only: frozenset[str] | None = None  # restrict to these tools (the background review)
+    write_approval: str = "allow"  # memory.write_approval: allow | stage | block
 
     def schemas(self) -> list[dict[str, Any]]:
-        tools = [SESSION_SEARCH_TOOL]
+        tools = []
         if self.memory is not None:
-            tools.insert(0, MEMORY_TOOL)
-        return tools
+            tools.append(MEMORY_TOOL)
+        if self.skills is not None:
+            tools.append(SKILL_MANAGE_TOOL)
+        tools.append(SESSION_SEARCH_TOOL)
+        return [t for t in tools if self.only is None or t["function"]["name"] in self.only]
 
     async def call(self, name: str, arguments: str | dict | None) -> str:
         """Run one tool call; never raises, always returns the JSON result string."""
@@ -88,13 +121,29 @@ class ToolBox:
             return _refused("arguments were not valid JSON")
         if not isinstance(args, dict):
             return _refused("arguments must be a JSON object")
+        if self.only is not None and name not in self.only:
+            return _refused(f"only {', '.join(sorted(self.only))} can be used here")
+        if name == "skill_manage":
+            if self.skills is None:
+                return _refused("skills are turned off in this chat")
+            return await self.skills.handle_tool_call(args, shared=self.shared)
         if name == "memory":
             if self.memory is None:
                 return _refused("memory is turned off in this chat")
-            return await self.memory.handle_tool_call(args)
+            if self.write_approval == "block" and args.get("action") in ("add", "replace", "remove"):
+                return _refused("the operator turned memory writes off (memory.write_approval: block); "
+                                "nothing was saved and retrying won't help. Use what you know from the "
+                                "conversation instead.")
+            stage = self._stage if self.write_approval == "stage" else None
+            return await self.memory.handle_tool_call(args, stage=stage)
         if name == "session_search":
             return await self._session_search(args)
         return _refused(f"unknown tool {name!r}")
+
+    async def _stage(self, action: str, target: str, content: str | None, old_text: str | None) -> dict[str, Any]:
+        assert self.memory is not None
+        return await PendingWrites(self.memory.memory_dir).stage(
+            action, target, content, old_text, origin="shared" if self.shared else "private")
 
     async def _session_search(self, args: dict[str, Any]) -> str:
         query = args.get("query")

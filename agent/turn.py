@@ -13,6 +13,8 @@ from agent.llm import ContextLengthExceeded, LLMClient, LLMError
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.prompt import ChatPlace, build_system_prompt
+from agent.review import Reviewer
+from agent.skills import SkillStore, render_skill_index
 from agent.tokens import TokenCounter
 from agent.tools import ToolBox
 from gateway.config import Config
@@ -48,6 +50,7 @@ class TurnResult:
     kind: str  # "reply" | "error"
     session_id: str
     replayed: bool = False
+    tool_iterations: int = 0  # model requests of this turn that called tools (skill nudges)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class TurnContext:
     notify: Notify
     compression_state: Any = None  # the session's CompressionState, loaded once per turn
     compressions: int = 0  # automatic compressions run in this turn (<= compression.max_attempts)
+    tool_iterations: int = 0
 
 
 class Agent:
@@ -71,7 +75,9 @@ class Agent:
         self.cfg = cfg
         self.llm = llm
         self.tokens = tokens
-        self.compression = Compressor(cfg, llm, tokens, system_factory=self.system_message)
+        self.compression = Compressor(cfg, llm, tokens, system_factory=self._system_for)
+        self.compression.on_flush = self._flush_before_compression
+        self.reviewer = Reviewer(cfg, llm, wire=self.compression.wire, toolbox=self._review_toolbox)
 
     # ----- sessions -------------------------------------------------------------------
     def lane_memory(self, profile: Profile, lane: Lane) -> MemoryStore | None:
@@ -85,19 +91,48 @@ class Agent:
             return MemoryStore(profile.path, mem_cfg.memory_char_limit, mem_cfg.user_char_limit, read_only=True)
         return profile.memory
 
-    async def system_message(self, session_id: str, place: ChatPlace, memory: MemoryStore | None) -> StoredMessage:
-        """A fresh system prompt with a frozen snapshot of the memory files as they are now."""
+    def lane_skills(self, profile: Profile, lane: Lane) -> SkillStore | None:
+        """Skills follow the lane's memory mode: written in `full`, only read in `read`, none in `off`."""
+        if lane.personal_memory == "off" or not self.cfg.skills.enabled:
+            return None
+        return SkillStore(profile.path, read_only=lane.personal_memory != "full")
+
+    def toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, memory: MemoryStore | None) -> ToolBox:
+        """The tools of a turn (and of a review) in this lane, bound to the tenant's stores."""
+        group = place.chat_type != "dm"
+        return ToolBox(sessions=profile.sessions, memory=memory,
+                       search_lane=lane.session_key if group else None,
+                       skills=self.lane_skills(profile, lane), shared=group or place.shared,
+                       write_approval=self.cfg.memory.write_approval)
+
+    def _review_toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, only: frozenset[str]) -> ToolBox:
+        box = self.toolbox(profile, lane, place, self.lane_memory(profile, lane))
+        box.only = only
+        return box
+
+    async def _system_for(self, session_id: str, place: ChatPlace, ctx: Any) -> StoredMessage:
+        return await self.system_message(session_id, place, ctx.memory, self.lane_skills(ctx.profile, ctx.lane))
+
+    async def system_message(self, session_id: str, place: ChatPlace, memory: MemoryStore | None,
+                             skills: SkillStore | None = None) -> StoredMessage:
+        """A fresh system prompt with a frozen snapshot of the memory files (and the skill
+        index this place may see) as they are now."""
         snapshot = await memory.load_snapshot() if memory is not None else None
         if snapshot is not None:
             snapshot = type(snapshot)(
                 memory=snapshot.memory if self.cfg.memory.memory_enabled else (),
                 user=snapshot.user if self.cfg.memory.user_profile_enabled else (),
             )
+        skill_index = None
+        if skills is not None:
+            skill_index = render_skill_index(await skills.index(shared_only=place.chat_type != "dm"))
         text = build_system_prompt(
             agent_name=self.cfg.agent_name, place=place, snapshot=snapshot,
             memory_char_limit=self.cfg.memory.memory_char_limit,
             user_char_limit=self.cfg.memory.user_char_limit,
-            memory_writable=memory is not None and not memory.read_only,
+            memory_writable=memory is not None and not memory.read_only
+            and self.cfg.memory.write_approval != "block",
+            skill_index=skill_index, skills_writable=skills is not None and not skills.read_only,
         )
         msg = StoredMessage(session_id=session_id, role="system", content=text)
         self.tokens.count_message(msg)
@@ -108,8 +143,12 @@ class Agent:
         session_id, created = await profile.sessions.get_or_start(
             lane.session_key, source=place.platform, user_id=lane.principal, model=self.cfg.llm.model)
         if created:
-            await profile.sessions.append(await self.system_message(session_id, place, self.lane_memory(profile, lane)))
+            await profile.sessions.append(await self._fresh_system(session_id, profile, lane, place))
         return session_id
+
+    async def _fresh_system(self, session_id: str, profile: Profile, lane: Lane, place: ChatPlace) -> StoredMessage:
+        return await self.system_message(session_id, place, self.lane_memory(profile, lane),
+                                         self.lane_skills(profile, lane))
 
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:
         """End the lane's session (if any) and route the lane to a fresh one (/new)."""
@@ -118,9 +157,21 @@ class Agent:
         if old is None:
             session_id = await profile.sessions.start_session(lane.session_key, **kwargs)
         else:
+            await self.flush(profile, lane, place, await profile.sessions.history(old))
             session_id = await profile.sessions.rotate(lane.session_key, old, reason, **kwargs)
-        await profile.sessions.append(await self.system_message(session_id, place, self.lane_memory(profile, lane)))
+            self.reviewer.session_ended(lane)
+        await profile.sessions.append(await self._fresh_system(session_id, profile, lane, place))
         return session_id
+
+    async def flush(self, profile: Profile, lane: Lane, place: ChatPlace, history: list[StoredMessage]) -> None:
+        """A session ends: review it once first when it has `memory.flush_min_turns` turns no
+        review has seen (bounded by the review timeout; a failure never stops the caller)."""
+        if self.reviewer.flush_due(lane, history):
+            await self.reviewer.review(profile, lane, place, history, memory=True, skills=False,
+                                       trigger="flush", wait=True)
+
+    async def _flush_before_compression(self, ctx: TurnContext, history: list[StoredMessage]) -> None:
+        await self.flush(ctx.profile, ctx.lane, ctx.place, history)
 
     def threshold_tokens(self) -> int:
         """Prompt tokens at which automatic compression starts (see agent/compression.py)."""
@@ -173,7 +224,7 @@ class Agent:
                 await profile.provider.sync_turn(user_text, text)
             except Exception:  # a provider must never break a turn
                 log.exception("memory provider sync_turn failed")
-        return TurnResult(text, "reply", ctx.session_id)
+        return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations)
 
     @staticmethod
     def _answer_after(history: list[StoredMessage], uid: str) -> str | None:
@@ -190,8 +241,7 @@ class Agent:
         return answer
 
     async def _tool_loop(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
-        toolbox = ToolBox(sessions=ctx.profile.sessions, memory=ctx.memory,
-                          search_lane=None if ctx.place.chat_type == "dm" else ctx.lane.session_key)
+        toolbox = self.toolbox(ctx.profile, ctx.lane, ctx.place, ctx.memory)
         store = ctx.profile.sessions
         max_iter = self.cfg.limits.max_tool_iterations
         for iteration in range(max_iter + 1):
@@ -209,6 +259,7 @@ class Agent:
                 await store.append(assistant)
                 history.append(assistant)
                 return text
+            ctx.tool_iterations += 1
             outputs = [assistant]
             for call in assistant.tool_calls:
                 fn = call.get("function", {})

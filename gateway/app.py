@@ -11,6 +11,7 @@ import hashlib
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -97,6 +98,7 @@ class GatewayApp:
         self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
         self.agent = Agent(cfg, self.llm_monitor, self.tokens)
         self.agent.compression.on_outcome = self.metrics.compression  # hermes_compressions_total{outcome}
+        self.agent.reviewer.on_outcome = self.metrics.review  # hermes_memory_reviews_total{kind,outcome}
         self.linking = Linking(self)
         self.observability = None  # gateway.observability.Observability when observability.listen is set
         self._run_lock = None
@@ -115,6 +117,8 @@ class GatewayApp:
                           adapters_up=self._adapters_up)
         self._background: set[asyncio.Task] = set()
         self._housekeeping: asyncio.Task | None = None
+        # lanes that ran turns in this process, newest last: flushed at shutdown (bounded)
+        self._active_lanes: OrderedDict[tuple[str, str], tuple[InboundMessage, Lane, ChatPlace]] = OrderedDict()
 
     # ----- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -162,6 +166,11 @@ class GatewayApp:
             _, late = await asyncio.wait(list(self._background), timeout=drain_timeout)
             for task in late:  # their messages stay pending and are handled on the next start
                 task.cancel()
+        if self._started:
+            try:
+                await asyncio.wait_for(self._flush_lanes(), drain_timeout)
+            except TimeoutError:
+                log.warning("memory flush at shutdown did not finish in %.0fs", drain_timeout)
         await self.linking.close(drain_timeout)
         for adapter in self.adapters.values():
             try:
@@ -310,6 +319,7 @@ class GatewayApp:
         self.metrics.in_flight.add(1, platform=platform)
         typing = asyncio.create_task(self._keep_typing(last.msg))
         outcome = "replied"
+        result: TurnResult | None = None
         try:
             async with self.linking.use(first.msg, lane) as profile:
                 for job in jobs:
@@ -347,10 +357,51 @@ class GatewayApp:
             outcome = "undelivered" if outcome == "replied" else outcome
         for job in jobs:
             await self.inbox.finish(job.msg, outcome)
+        if result is not None and result.kind == "reply" and not result.replayed:
+            self._after_reply(last.msg, lane, place, result)
         seconds = time.monotonic() - started
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
         tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
                   extra={"outcome": outcome, "duration_ms": round(seconds * 1000)})
+
+    # ----- background memory review (agent/review.py) ------------------------------------
+    def _after_reply(self, msg: InboundMessage, lane: Lane, place: ChatPlace, result: TurnResult) -> None:
+        """The reply is out: count the turn and start a review in the background when due."""
+        key = (lane.tenant_id, lane.session_key)
+        self._active_lanes[key] = (msg, lane, place)
+        self._active_lanes.move_to_end(key)
+        while len(self._active_lanes) > 1000:
+            self._active_lanes.popitem(last=False)
+        memory, skills = self.agent.reviewer.note_turn(lane, result.tool_iterations)
+        if memory or skills:
+            self._in_background(self._review(msg, lane, place, result.session_id, memory, skills))
+
+    async def _review(self, msg: InboundMessage, lane: Lane, place: ChatPlace, session_id: str,
+                      memory: bool, skills: bool) -> None:
+        try:
+            async with self.linking.use(msg, lane) as profile:
+                history = await profile.sessions.history(session_id)
+                await self.agent.reviewer.review(profile, lane, place, history, memory=memory,
+                                                 skills=skills, trigger="nudge")
+        except LaneMoved:
+            log.info("background review skipped: the lane moved to another profile")
+        except Exception:  # never shown to the person
+            log.exception("background review failed")
+
+    async def _flush_lanes(self) -> None:
+        """Shutdown ends every session of this run: flush those with enough unreviewed turns."""
+        for msg, lane, place in list(self._active_lanes.values()):
+            if not self.agent.reviewer.has_unreviewed(lane):
+                continue
+            try:
+                async with self.linking.use(msg, lane) as profile:
+                    session_id = await profile.sessions.route(lane.session_key)
+                    if session_id is not None:
+                        await self.agent.flush(profile, lane, place, await profile.sessions.history(session_id))
+            except LaneMoved:
+                continue
+            except Exception:
+                log.exception("memory flush at shutdown failed")
 
     async def _move_jobs(self, jobs: list[Job], lane: Lane) -> None:
         """Queue jobs whose tenant changed (a /link or /unlink) on the lane they belong to now."""

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from adapters.base import InboundMessage
 from agent.compression import CompressionState, Compressor
+from agent.memory import MemoryStore
+from agent.memory_approval import PendingWrites
 from agent.prompt import ChatPlace
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from tenancy.keys import Lane
@@ -134,13 +136,89 @@ async def cmd_memory(ctx: CommandContext) -> str:
     memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is None:
         return "Memory is turned off in this chat."
+    sub, _, rest = ctx.args.strip().partition(" ")
+    if sub:
+        handler = MEMORY_SUBCOMMANDS.get(sub.lower())
+        if handler is None:
+            return f"Unknown /memory command {sub!r}. Usage: {MEMORY_USAGE}"
+        return await handler(ctx, memory, rest.strip())
+    return await _memory_list(ctx, memory)
+
+
+async def _memory_list(ctx: CommandContext, memory: MemoryStore) -> str:
     whose = "this group" if ctx.lane.kind == "chat" else "you"
     parts = []
     for target, title in (("user", f"About {whose}"), ("memory", "My notes")):
         entries = await memory.entries(target)
         if entries:
             parts.append(f"{title}:\n" + "\n".join(f"• {e}" for e in entries))
+    pending = await PendingWrites(memory.memory_dir).list()
+    if pending:
+        parts.append(f"{len(pending)} change(s) wait for your approval: see /memory pending.")
     return "\n\n".join(parts) if parts else f"I don't remember anything about {whose} yet."
+
+
+def _approver_refusal(ctx: CommandContext, memory: MemoryStore) -> str | None:
+    """Approvals are the memory owner's: the person in a private chat, an admin for a group."""
+    if memory.read_only:
+        return "Memory can't be changed from this chat; send this in a private chat with me."
+    if ctx.lane.kind == "chat" and not ctx.app.access.is_admin(ctx.msg.principal):
+        return "Only an admin can approve or reject changes to this group's memory."
+    return None
+
+
+async def _memory_pending(ctx: CommandContext, memory: MemoryStore, args: str) -> str:
+    pending = await PendingWrites(memory.memory_dir).list()
+    if not pending:
+        return "No memory changes are waiting for approval."
+    lines = ["Memory changes waiting for your approval (/memory approve N or /memory reject N):"]
+    lines += [item.describe() for item in pending]
+    return "\n".join(lines)
+
+
+def _pending_number(args: str) -> int | None:
+    text = args.strip().lstrip("#")
+    return int(text) if text.isdigit() else None
+
+
+async def _memory_approve(ctx: CommandContext, memory: MemoryStore, args: str) -> str:
+    if refusal := _approver_refusal(ctx, memory):
+        return refusal
+    number = _pending_number(args)
+    if number is None:
+        return "Usage: /memory approve N (the number shown by /memory pending)"
+    item = await PendingWrites(memory.memory_dir).take(number)
+    if item is None:
+        return f"There is no pending change #{number}; see /memory pending."
+    if item.action == "add":
+        result = await memory.add(item.target, item.content or "")
+    elif item.action == "replace":
+        result = await memory.replace(item.target, item.old_text or "", item.content or "")
+    else:
+        result = await memory.remove(item.target, item.old_text or "")
+    if not result.get("success"):
+        return f"Couldn't apply #{number}: {result.get('error')} It was dropped from the queue."
+    return f"Approved #{number}: {result.get('message')}"
+
+
+async def _memory_reject(ctx: CommandContext, memory: MemoryStore, args: str) -> str:
+    if refusal := _approver_refusal(ctx, memory):
+        return refusal
+    number = _pending_number(args)
+    if number is None:
+        return "Usage: /memory reject N (the number shown by /memory pending)"
+    item = await PendingWrites(memory.memory_dir).take(number)
+    return f"Rejected #{number}; nothing was saved." if item else f"There is no pending change #{number}; see /memory pending."
+
+
+MemorySubcommand = Callable[[CommandContext, MemoryStore, str], Awaitable[str]]
+# `/memory <sub> ...`; plain `/memory` lists the entries
+MEMORY_SUBCOMMANDS: dict[str, MemorySubcommand] = {
+    "pending": _memory_pending,
+    "approve": _memory_approve,
+    "reject": _memory_reject,
+}
+MEMORY_USAGE = "/memory, /memory pending, /memory approve N, /memory reject N"
 
 
 async def cmd_forget(ctx: CommandContext) -> str:
@@ -169,6 +247,11 @@ async def cmd_export(ctx: CommandContext) -> str:
     memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is not None:
         data["memory"] = {t: await memory.entries(t) for t in ("memory", "user")}
+    skills = ctx.app.agent.lane_skills(ctx.profile, ctx.lane)
+    if skills is not None:
+        data["skills"] = [{"name": info.name, "description": info.description,
+                           "content": (await skills.view(info.name, shared_only=False)).get("content")}
+                          for info in await skills.index(shared_only=False)]
     out_dir = ctx.profile.path / "exports"
     out_dir.mkdir(exist_ok=True)
     path = out_dir / f"export-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"

@@ -31,6 +31,13 @@ class LLMConfig(_Section):
     timeout_s: float = Field(default=120.0, gt=0)
     max_retries: int = Field(default=3, ge=0, le=10)
 
+    @model_validator(mode="after")
+    def _answer_fits_the_window(self) -> "LLMConfig":
+        if self.max_tokens is not None and self.max_tokens >= self.context_length:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be smaller than context_length "
+                             f"({self.context_length}): no prompt would fit beside the answer")
+        return self
+
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
@@ -46,6 +53,7 @@ class AuxModelConfig(_Section):
 
 class AuxiliaryConfig(_Section):
     compression: AuxModelConfig = AuxModelConfig()
+    review: AuxModelConfig = AuxModelConfig()  # background memory/skill review (agent/review.py)
 
 
 class CompressionConfig(_Section):
@@ -83,9 +91,16 @@ class MemoryConfig(_Section):
     user_profile_enabled: bool = True
     memory_char_limit: int = Field(default=2200, ge=100)
     user_char_limit: int = Field(default=1375, ge=100)
-    nudge_interval: int = Field(default=10, ge=0)
-    flush_min_turns: int = Field(default=6, ge=0)
+    nudge_interval: int = Field(default=10, ge=0)  # user turns of a lane between reviews; 0 = off
+    flush_min_turns: int = Field(default=6, ge=0)  # review a session this long when it ends; 0 = off
+    review_timeout_s: float = Field(default=120.0, gt=0)
+    write_approval: Literal["allow", "stage", "block"] = "allow"
     provider: str = ""  # "" = no external provider
+
+
+class SkillsConfig(_Section):
+    enabled: bool = True  # false: no skill_manage tool, no skill index, no skill reviews
+    creation_nudge_interval: int = Field(default=15, ge=0)  # tool iterations between skill reviews; 0 = off
 
 
 class StorageConfig(_Section):
@@ -190,6 +205,7 @@ class Config(_Section):
     auxiliary: AuxiliaryConfig = AuxiliaryConfig()
     compression: CompressionConfig = CompressionConfig()
     memory: MemoryConfig = MemoryConfig()
+    skills: SkillsConfig = SkillsConfig()
     storage: StorageConfig = StorageConfig()
     tenancy: TenancyConfig = TenancyConfig()
     access: AccessConfig = AccessConfig()

@@ -67,7 +67,7 @@ def secrets_from_config(cfg: "Config | None") -> list[str]:
     """The values of every environment variable the config names as holding a secret."""
     if cfg is None:
         return []
-    names = [cfg.llm.api_key_env, cfg.auxiliary.compression.api_key_env,
+    names = [cfg.llm.api_key_env, cfg.auxiliary.compression.api_key_env, cfg.auxiliary.review.api_key_env,
              cfg.platforms.telegram.token_env, cfg.platforms.telegram.webhook.secret_token_env,
              cfg.platforms.discord.token_env]
     return [os.environ[n] for n in names if n and os.environ.get(n)]

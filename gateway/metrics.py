@@ -174,6 +174,9 @@ class Metrics:
                                   "Failed chat completion requests (after retries) by error kind.", ["kind"])
         self.compressions = Counter("hermes_compressions_total", "Context compressions by outcome.",
                                     ["outcome"])
+        self.reviews = Counter("hermes_memory_reviews_total",
+                               "Background memory/skill reviews by trigger (kind=nudge|flush) and outcome.",
+                               ["kind", "outcome"])
         self.refusals = Counter("hermes_refusals_total",
                                 "Messages refused with a notice (rate_limited, too_long, busy, unauthorized, ...).",
                                 ["platform", "kind"])
@@ -200,6 +203,9 @@ class Metrics:
 
     def compression(self, outcome: str = "ok") -> None:
         self.compressions.inc(outcome=outcome)
+
+    def review(self, trigger: str, outcome: str) -> None:
+        self.reviews.inc(kind=trigger, outcome=outcome)
 
     def turn_done(self, platform: str, kind: str, outcome: str, seconds: float | None) -> None:
         self.turns.inc(platform=platform, kind=kind, outcome=outcome)
@@ -237,7 +243,7 @@ class Metrics:
         """The Prometheus text exposition (format 0.0.4)."""
         lines: list[str] = []
         for metric in (self.inbound, self.turns, self.turn_seconds, self.llm_requests, self.llm_errors,
-                       self.compressions, self.refusals, self.rate_limited, self.links, self.in_flight,
+                       self.compressions, self.reviews, self.refusals, self.rate_limited, self.links, self.in_flight,
                        *self._gauges):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

@@ -19,6 +19,8 @@ llm:                            # any OpenAI-compatible /v1/chat/completions end
 # auxiliary:
 #   compression:                # the summary model; unset fields fall back to llm
 #     model: null
+#   review:                     # the background memory/skill review model; falls back to llm
+#     model: null
 
 compression:                    # context compression (defaults from the Hermes agent)
   enabled: true
@@ -34,7 +36,14 @@ memory:
   user_profile_enabled: true
   memory_char_limit: 2200
   user_char_limit: 1375
+  nudge_interval: 10            # review every 10 user turns of a chat and save what matters; 0 = off
+  flush_min_turns: 6            # review a conversation of 6+ turns when it ends (/new, compression); 0 = off
+  write_approval: allow         # allow | stage (the person approves with /memory approve N) | block
   provider: ""                  # "" = built-in files only; "local" = file-backed notes provider
+
+skills:
+  enabled: true                 # false: no skill_manage tool and no skill index in the prompt
+  creation_nudge_interval: 15   # after 15 tool steps, review whether a reusable skill was learned; 0 = off
 
 storage:
   fsync: batch                  # always | batch | never

@@ -36,11 +36,16 @@ async def fake_llm():
 
 
 def make_config(data_dir, llm_url: str, **sections: Any) -> Config:
-    """A config over `data_dir` talking to the fake LLM; `sections` merge into the YAML dict."""
+    """A config over `data_dir` talking to the fake LLM; `sections` merge into the YAML dict.
+
+    Background reviews (memory nudges, flushes, skill nudges) are off unless a test turns
+    them on: they are extra model requests that other tests do not script for."""
     data: dict[str, Any] = {
         "data_dir": str(data_dir),
         "llm": {"base_url": llm_url, "model": "fake-model", "max_retries": 1, "timeout_s": 10},
         "storage": {"fsync": "never"},
+        "memory": {"nudge_interval": 0, "flush_min_turns": 0},
+        "skills": {"creation_nudge_interval": 0},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):

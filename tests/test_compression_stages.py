@@ -63,7 +63,7 @@ def test_threshold_defaults_small_context_floor_cap_and_max_tokens():
     assert st.compute_threshold_tokens(context_length=32768, threshold=0.5, threshold_tokens_cap=10_000) == 10_000
     assert st.compute_threshold_tokens(context_length=32768, threshold=0.5, threshold_tokens_cap=10**9) == 24576
     # always positive
-    assert st.compute_threshold_tokens(context_length=1000, threshold=0.5, max_tokens=5000) == 1
+    assert st.compute_threshold_tokens(context_length=1000, threshold=0.5, max_tokens=5000) == 375
 
 
 def test_per_model_thresholds_longest_substring_wins():

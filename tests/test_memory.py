@@ -340,8 +340,8 @@ async def test_two_profiles_never_see_each_other(tmp_path: Path) -> None:
     assert (await b.load_snapshot()).user == ("Bob likes dogs",)
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert files == [
-        "a/memories/.lock", "a/memories/MEMORY.md", "a/memories/USER.md",
-        "b/memories/.lock", "b/memories/USER.md",
+        "a/memories/.lock", "a/memories/.written.json", "a/memories/MEMORY.md", "a/memories/USER.md",
+        "b/memories/.lock", "b/memories/.written.json", "b/memories/USER.md",
     ]
 
 
@@ -394,8 +394,9 @@ async def test_write_waits_for_the_cross_process_lock(store: MemoryStore, profil
         task = asyncio.create_task(store.add("memory", "two"))
         await asyncio.sleep(0.3)
         assert not task.done()
-        # another writer changes the file while we hold the lock: the store must re-read it
-        mem_file(profile).write_text("one" + ENTRY_DELIMITER + "external", encoding="utf-8")
+        # another store (another process) writes while we hold the lock: the store must re-read it
+        other = MemoryStore(profile)
+        other._checked_write("memory", lambda e: ([*e, "external"], {}), False)
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
@@ -409,7 +410,7 @@ async def test_atomic_write_leaves_no_temp_files(store: MemoryStore, profile: Pa
     await store.replace("memory", "e1", "E1")
     await store.remove("memory", "e2")
     names = sorted(p.name for p in (profile / "memories").iterdir())
-    assert names == [".lock", "MEMORY.md"]
+    assert names == [".lock", ".written.json", "MEMORY.md"]
 
 
 async def test_failed_replace_keeps_file_and_cleans_temp(
@@ -425,7 +426,7 @@ async def test_failed_replace_keeps_file_and_cleans_temp(
     r = await tool(store, action="add", target="memory", content="new")
     assert r["success"] is False and "disk full" in r["error"]
     assert mem_file(profile).read_bytes() == before
-    assert sorted(p.name for p in (profile / "memories").iterdir()) == [".lock", "MEMORY.md"]
+    assert sorted(p.name for p in (profile / "memories").iterdir()) == [".lock", ".written.json", "MEMORY.md"]
 
 
 async def test_write_fsyncs_file_and_directory(store: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -438,7 +439,7 @@ async def test_write_fsyncs_file_and_directory(store: MemoryStore, monkeypatch: 
 
     monkeypatch.setattr(memory_mod.os, "fsync", spy)
     await store.add("memory", "durable")
-    assert len(calls) == 2
+    assert len(calls) == 4  # the file and its write baseline, each with its directory
 
 
 async def test_symlinked_memory_file_is_not_followed(tmp_path: Path) -> None:

@@ -53,6 +53,9 @@ __all__ = [
     "default_responder",
     "memory_saving_responder",
     "when_user_says",
+    "when_reviewing",
+    "is_review_request",
+    "offered_tools",
     "last_user_text",
     "message_text",
     "prompt_chars",
@@ -256,6 +259,35 @@ def when_user_says(rules: Mapping[str, ResponseLike], fallback: ResponseLike = N
                 if needle in text:
                     return response
         return fallback
+
+    return responder
+
+
+REVIEW_MARKER = "[BACKGROUND REVIEW]"  # the first line of agent.review's instruction
+
+
+def is_review_request(request: Mapping[str, Any]) -> bool:
+    """True for a background memory/skill review request (its last user message is the
+    review instruction; tool results of the review may follow it)."""
+    return last_user_text(request).startswith(REVIEW_MARKER)
+
+
+def offered_tools(request: Mapping[str, Any]) -> set[str]:
+    return {t.get("function", {}).get("name") for t in request.get("tools") or [] if isinstance(t, dict)}
+
+
+def when_reviewing(then: ResponseLike, otherwise: ResponseLike = None, *, done: str = "Saved.") -> Responder:
+    """A responder for the background review: the first request of each review gets `then`
+    (e.g. a `tool_call("memory", ...)`, or a callable of the request), the request after the
+    tool results gets the reply `done`; every other request gets `otherwise`."""
+
+    def responder(request: dict[str, Any]) -> ResponseLike:
+        if not is_review_request(request):
+            return otherwise(request) if callable(otherwise) else otherwise
+        messages = request.get("messages") or []
+        if messages and messages[-1].get("role") == "tool":
+            return reply(done)
+        return then(request) if callable(then) else then
 
     return responder
 

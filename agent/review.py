@@ -1,0 +1,235 @@
+"""Background memory and skill review (seed 2.6): the agent looks back at a conversation
+and decides what is worth keeping.
+
+Triggers (counted per lane, in memory): every `memory.nudge_interval` user turns a memory
+review, after `skills.creation_nudge_interval` tool iterations a skill review; both run
+after the reply was delivered. When a session ends (/new, compression, shutdown) after at
+least `memory.flush_min_turns` unreviewed turns, a flush review runs first.
+
+A review replays the conversation (as the model saw it, secrets redacted) to the
+auxiliary model (`auxiliary.review`, falling back to `llm`) with one extra instruction and
+only the `memory` and `skill_manage` tools of that very lane: same stores, same lane
+context (memory mode, visibility, write approval). It never writes to the conversation,
+its sessions or its usage. One review at a time per tenant, bounded by
+`memory.review_timeout_s`; a failure is logged and counted, never shown in the chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from agent.auxiliary import aux_target
+from agent.llm import LLMClient, LLMError
+from agent.messages import StoredMessage
+from agent.redact import redact_secrets
+from agent.tools import ToolBox
+
+if TYPE_CHECKING:
+    from agent.prompt import ChatPlace
+    from gateway.config import Config
+    from tenancy.keys import Lane
+    from tenancy.profiles import Profile
+
+log = logging.getLogger("hermes.review")
+
+REVIEW_MARKER = "[BACKGROUND REVIEW]"
+MAX_TRACKED_LANES = 10_000
+
+MEMORY_PROMPT = (
+    "Review the conversation above and consider saving to memory if appropriate. Focus on: "
+    "1. Has the person revealed things about themselves (who they are, preferences, personal "
+    "details worth remembering)? 2. Have they said how you should behave, how they work, or how "
+    "they want answers? Save what stands out with the `memory` tool (target 'user' for the "
+    "person, 'memory' for your own notes); replace stale entries rather than adding near-duplicates. "
+    "Never save secrets such as passwords or keys."
+)
+SKILL_PROMPT = (
+    "Review the conversation above and consider saving or updating a skill. Focus on: was a "
+    "non-trivial approach used that took trial and error or a change of course, or did the "
+    "person want a different method or outcome? If a matching skill exists, update it with what "
+    "was learned; otherwise create one if the approach is reusable (`skill_manage`). A skill is a "
+    "procedure shared by everyone who talks to you in this profile: never put personal facts, "
+    "names, memory contents or secrets into it."
+)
+CLOSING = ("This is a background review: the person will not see your reply. Use the tools only "
+           "if something is worth keeping; otherwise answer 'Nothing to save.' and stop.")
+GROUP_NOTE = ("This is a group chat: whatever you save here can be shown to everyone in it, so save "
+              "only what the group itself shared.")
+
+Toolbox = Callable[["Profile", "Lane", "ChatPlace", frozenset[str]], ToolBox]
+Wire = Callable[[list[StoredMessage]], list[dict[str, Any]]]
+
+
+def review_prompt(*, memory: bool, skills: bool, group: bool) -> str:
+    parts = [REVIEW_MARKER]
+    if memory:
+        parts.append(MEMORY_PROMPT)
+    if skills:
+        parts.append(SKILL_PROMPT)
+    if group:
+        parts.append(GROUP_NOTE)
+    parts.append(CLOSING)
+    return "\n\n".join(parts)
+
+
+def user_turns(history: list[StoredMessage]) -> int:
+    """Messages the people wrote in `history` (compaction summaries are not turns)."""
+    return sum(1 for m in history if m.role == "user" and not m.meta.get("compressed_summary"))
+
+
+@dataclass
+class _LaneCounts:
+    since_memory: int = 0  # user turns since the last memory review
+    since_skill: int = 0  # tool iterations since the last skill review
+    unreviewed: int = 0  # user turns no review has seen yet
+    reviewed: bool = False  # a review of this lane ran in this process
+
+
+class Reviewer:
+    """Schedules and runs reviews for any tenant; per-lane counters and per-tenant locks are
+    keyed explicitly by (tenant_id, session_key) and tenant_id."""
+
+    def __init__(self, cfg: "Config", llm: LLMClient, *, wire: Wire, toolbox: Toolbox) -> None:
+        self.cfg = cfg
+        self.llm = llm
+        self._wire = wire
+        self._toolbox = toolbox
+        self._lanes: OrderedDict[tuple[str, str], _LaneCounts] = OrderedDict()
+        self._tenant_locks: dict[str, asyncio.Lock] = {}
+        self.on_outcome: Callable[[str, str], None] | None = None  # (trigger, outcome), e.g. /metrics
+
+    # ----- triggers ------------------------------------------------------------------------
+    def _counts(self, lane: "Lane") -> _LaneCounts:
+        key = (lane.tenant_id, lane.session_key)
+        counts = self._lanes.get(key)
+        if counts is None:
+            counts = self._lanes[key] = _LaneCounts()
+            while len(self._lanes) > MAX_TRACKED_LANES:
+                self._lanes.popitem(last=False)
+        self._lanes.move_to_end(key)
+        return counts
+
+    def note_turn(self, lane: "Lane", tool_iterations: int) -> tuple[bool, bool]:
+        """Count a finished turn; (review memory, review skills) when a nudge is due."""
+        if lane.personal_memory != "full":
+            return False, False  # nothing may be written from this lane
+        counts = self._counts(lane)
+        counts.unreviewed += 1
+        mem_every, skill_every = self.cfg.memory.nudge_interval, self.cfg.skills.creation_nudge_interval
+        memory = skills = False
+        if mem_every > 0 and (self.cfg.memory.memory_enabled or self.cfg.memory.user_profile_enabled):
+            counts.since_memory += 1
+            if counts.since_memory >= mem_every:
+                memory, counts.since_memory = True, 0
+        if skill_every > 0 and self.cfg.skills.enabled:
+            counts.since_skill += tool_iterations
+            if counts.since_skill >= skill_every:
+                skills, counts.since_skill = True, 0
+        return memory, skills
+
+    def has_unreviewed(self, lane: "Lane") -> bool:
+        counts = self._lanes.get((lane.tenant_id, lane.session_key))
+        return counts is not None and counts.unreviewed > 0
+
+    def flush_due(self, lane: "Lane", history: list[StoredMessage]) -> bool:
+        """A session of `lane` ends: does it have `flush_min_turns` turns no review has seen?"""
+        need = self.cfg.memory.flush_min_turns
+        if need <= 0 or lane.personal_memory != "full":
+            return False
+        counts = self._lanes.get((lane.tenant_id, lane.session_key))
+        turns = counts.unreviewed if counts is not None and counts.reviewed else user_turns(history)
+        return turns >= need
+
+    def session_ended(self, lane: "Lane") -> None:
+        """The lane starts afresh: nothing of the new session is unreviewed yet."""
+        counts = self._lanes.get((lane.tenant_id, lane.session_key))
+        if counts is not None:
+            counts.unreviewed, counts.reviewed = 0, True
+
+    # ----- running -------------------------------------------------------------------------
+    async def review(self, profile: "Profile", lane: "Lane", place: "ChatPlace", history: list[StoredMessage], *,
+                     memory: bool, skills: bool, trigger: str, wait: bool = False) -> str:
+        """Run one review; returns its outcome (saved, nothing, busy, skipped, timeout, llm_error,
+        error). `wait`: queue behind a running review of the tenant instead of skipping."""
+        lock = self._tenant_locks.setdefault(profile.tenant_id, asyncio.Lock())
+        if lock.locked() and not wait:
+            outcome = "busy"
+        else:
+            try:
+                async with asyncio.timeout(self.cfg.memory.review_timeout_s):
+                    async with lock:
+                        counts = self._counts(lane)
+                        counts.unreviewed, counts.reviewed = 0, True
+                        outcome = await self._run(profile, lane, place, history, memory=memory, skills=skills)
+            except TimeoutError:
+                outcome = "timeout"
+                log.warning("background %s review timed out after %.0fs", trigger, self.cfg.memory.review_timeout_s)
+            except LLMError as err:
+                outcome = "llm_error"
+                log.warning("background %s review failed: %s", trigger, err.kind)
+            except Exception:
+                outcome = "error"
+                log.exception("background %s review failed", trigger)
+        log.info("background %s review: %s", trigger, outcome)
+        if self.on_outcome is not None:
+            try:
+                self.on_outcome(trigger, outcome)
+            except Exception:
+                log.debug("review outcome hook failed", exc_info=True)
+        return outcome
+
+    async def _run(self, profile: "Profile", lane: "Lane", place: "ChatPlace", history: list[StoredMessage], *,
+                   memory: bool, skills: bool) -> str:
+        wanted = frozenset(name for name, on in (("memory", memory), ("skill_manage", skills)) if on)
+        toolbox = self._toolbox(profile, lane, place, wanted)
+        writable = {"memory": toolbox.memory is not None and not toolbox.memory.read_only
+                    and toolbox.write_approval != "block",
+                    "skill_manage": toolbox.skills is not None and not toolbox.skills.read_only}
+        wanted = frozenset(name for name in wanted if writable[name])
+        if not wanted or not history:
+            return "skipped"
+        toolbox.only = wanted
+        tools = toolbox.schemas()
+        messages = [_redacted(m) for m in self._wire(history)]
+        messages.append({"role": "user", "content": review_prompt(
+            memory="memory" in wanted, skills="skill_manage" in wanted, group=place.chat_type != "dm")})
+        target = aux_target(self.cfg.auxiliary.review, self.cfg.llm, self.llm)
+        saved = 0
+        try:
+            for _ in range(self.cfg.limits.max_tool_iterations):
+                result = await target.client.chat(messages, tools=tools, model=target.model)
+                if not result.tool_calls:
+                    break
+                messages.append({"role": "assistant", "content": result.content, "tool_calls": result.tool_calls})
+                for call in result.tool_calls:
+                    fn = call.get("function") or {}
+                    out = await toolbox.call(str(fn.get("name", "")), fn.get("arguments"))
+                    saved += _succeeded(out)
+                    messages.append({"role": "tool", "tool_call_id": call.get("id"), "content": out})
+        finally:
+            await target.aclose()
+        return "saved" if saved else "nothing"
+
+
+def _redacted(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": redact_secrets(content)}
+    return message
+
+
+def _succeeded(result: str) -> int:
+    try:
+        data = json.loads(result)
+    except ValueError:
+        return 0
+    return int(isinstance(data, dict) and data.get("success") is True and "skills" not in data
+               and "content" not in data)  # list/view are reads, not saves
+
+
+__all__ = ["REVIEW_MARKER", "Reviewer", "review_prompt", "user_turns"]

@@ -1,0 +1,233 @@
+"""Skills of one tenant profile: reusable procedures the agent wrote for itself (seed 2.5).
+
+Each skill is `<profile>/skills/<name>/SKILL.md`: a small front matter (`name`,
+`description`, `visibility`) and the procedure. A skill written in a private chat is
+`private`; one written in a group lane is `shared`, and a group lane only ever sees shared
+skills (index, view, update, delete), so a private chat's procedures never reach a group.
+Every write is threat-scanned and size-limited like memory; the `skill_manage` tool returns
+a short JSON result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.fileio import atomic_write
+from agent.memory_files import decode, read_bytes
+from agent.threats import first_threat
+
+log = logging.getLogger(__name__)
+
+SKILL_FILE = "SKILL.md"
+MAX_SKILL_CHARS = 8000
+MAX_DESCRIPTION_CHARS = 200
+MAX_SKILLS = 50
+SKILL_ACTIONS = ("list", "view", "create", "update", "delete")
+VISIBILITIES = ("private", "shared")
+_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,47}")
+
+Result = dict[str, Any]
+
+
+def _fail(error: str, **extra: Any) -> Result:
+    return {"success": False, "error": error, **extra}
+
+
+@dataclass(frozen=True)
+class SkillInfo:
+    name: str
+    description: str
+    visibility: str
+
+
+def _render(info: SkillInfo, body: str) -> str:
+    return (f"---\nname: {info.name}\ndescription: {info.description}\nvisibility: {info.visibility}\n---\n"
+            f"{body.strip()}\n")
+
+
+def _parse(name: str, text: str) -> tuple[SkillInfo, str]:
+    """Front matter and body; a file without front matter is a private skill."""
+    meta: dict[str, str] = {}
+    body = text
+    if text.startswith("---\n"):
+        head, sep, rest = text[4:].partition("\n---\n")
+        if sep:
+            for line in head.splitlines():
+                key, colon, value = line.partition(":")
+                if colon:
+                    meta[key.strip().lower()] = value.strip()
+            body = rest
+    visibility = meta.get("visibility", "private")
+    return SkillInfo(name, meta.get("description", ""), visibility if visibility in VISIBILITIES else "private"), body.strip()
+
+
+class SkillStore:
+    """The skills directory of one profile."""
+
+    def __init__(self, profile_dir: Path, *, read_only: bool = False) -> None:
+        self.skills_dir = Path(profile_dir) / "skills"
+        self.read_only = read_only
+        self._lock = asyncio.Lock()
+
+    # -- reads ---------------------------------------------------------------------------
+    def _dir_ok(self, path: Path) -> bool:
+        return not path.is_symlink()
+
+    def _load(self, name: str) -> tuple[SkillInfo, str] | None:
+        folder = self.skills_dir / name
+        if not _NAME_RE.fullmatch(name) or not self._dir_ok(self.skills_dir) or not self._dir_ok(folder):
+            return None
+        raw = read_bytes(folder / SKILL_FILE)
+        return None if raw is None else _parse(name, decode(raw, strict=False))
+
+    def _all(self) -> list[tuple[SkillInfo, str]]:
+        if not self.skills_dir.is_dir() or not self._dir_ok(self.skills_dir):
+            return []
+        out = []
+        for folder in sorted(self.skills_dir.iterdir()):
+            loaded = self._load(folder.name) if folder.is_dir() else None
+            if loaded is not None:
+                out.append(loaded)
+        return out
+
+    async def index(self, *, shared_only: bool) -> list[SkillInfo]:
+        """The skills a lane may see (only shared ones in a group lane)."""
+        skills = await asyncio.to_thread(self._all)
+        return [info for info, _ in skills if not shared_only or info.visibility == "shared"]
+
+    def _visible(self, name: str, shared_only: bool) -> tuple[SkillInfo, str] | None:
+        loaded = self._load(name)
+        if loaded is None or (shared_only and loaded[0].visibility != "shared"):
+            return None
+        return loaded
+
+    async def view(self, name: str, *, shared_only: bool) -> Result:
+        loaded = await asyncio.to_thread(self._visible, name, shared_only)
+        if loaded is None:
+            return _fail(f"No skill named {name!r}. Use action 'list' to see the skills.")
+        info, body = loaded
+        if (reason := first_threat(body)) is not None:  # edited by hand into something unsafe
+            body = f"[skill withheld: {reason}]"
+        return {"success": True, "name": info.name, "description": info.description, "content": body}
+
+    # -- writes --------------------------------------------------------------------------
+    def _check(self, name: object, description: object = None, content: object = None) -> Result | None:
+        if self.read_only:
+            return _fail("Skills are read-only here; nothing was saved.")
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            return _fail("'name' must be 1-48 characters: lower-case letters, digits, '-' or '_'.")
+        for key, value, limit in (("description", description, MAX_DESCRIPTION_CHARS),
+                                  ("content", content, MAX_SKILL_CHARS)):
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value.strip():
+                return _fail(f"'{key}' must be non-empty text.")
+            if len(value) > limit:
+                return _fail(f"'{key}' is {len(value):,} characters; the limit is {limit:,}. Make it shorter.")
+            if (reason := first_threat(value)) is not None:
+                return _fail(f"Refused: {reason}. Skills go into the system prompt and must not contain "
+                             "injection or exfiltration payloads, or secrets.")
+        if description is not None and "\n" in description.strip():
+            return _fail("'description' must be one line.")
+        return None
+
+    async def create(self, name: str, description: str, content: str, *, visibility: str) -> Result:
+        if (err := self._check(name, description, content)) is not None:
+            return err
+        info = SkillInfo(name, description.strip(), visibility)
+
+        def write() -> Result:
+            if self._load(name) is not None or (self.skills_dir / name).exists():
+                return _fail(f"A skill named {name!r} already exists; use 'update' to refine it.")
+            if len(self._all()) >= MAX_SKILLS:
+                return _fail(f"There are already {MAX_SKILLS} skills; delete or merge some first.")
+            if not self._dir_ok(self.skills_dir):
+                return _fail("The skills directory is not usable (symlink); nothing was saved.")
+            (self.skills_dir / name).mkdir(mode=0o700, parents=True)
+            atomic_write(self.skills_dir / name / SKILL_FILE, _render(info, content))
+            return {"success": True, "message": f"Skill {name!r} created."}
+
+        async with self._lock:
+            return await asyncio.to_thread(write)
+
+    async def update(self, name: str, *, description: str | None, content: str | None, shared_only: bool) -> Result:
+        if (err := self._check(name, description, content)) is not None:
+            return err
+        if description is None and content is None:
+            return _fail("Give 'content' and/or 'description' to update.")
+
+        def write() -> Result:
+            loaded = self._visible(name, shared_only)
+            if loaded is None:
+                return _fail(f"No skill named {name!r}. Use action 'list' to see the skills.")
+            info, body = loaded
+            new = SkillInfo(name, description.strip() if description else info.description, info.visibility)
+            atomic_write(self.skills_dir / name / SKILL_FILE, _render(new, content if content else body))
+            return {"success": True, "message": f"Skill {name!r} updated."}
+
+        async with self._lock:
+            return await asyncio.to_thread(write)
+
+    async def delete(self, name: str, *, shared_only: bool) -> Result:
+        if (err := self._check(name)) is not None:
+            return err
+
+        def remove() -> Result:
+            if self._visible(name, shared_only) is None:
+                return _fail(f"No skill named {name!r}.")
+            shutil.rmtree(self.skills_dir / name)
+            return {"success": True, "message": f"Skill {name!r} deleted."}
+
+        async with self._lock:
+            return await asyncio.to_thread(remove)
+
+    # -- the tool ------------------------------------------------------------------------
+    async def handle_tool_call(self, args: dict[str, Any], *, shared: bool) -> str:
+        """One `skill_manage` call from a lane (`shared`: a group lane); never raises."""
+        try:
+            result = await self._dispatch(args, shared)
+        except Exception as exc:
+            log.exception("skill_manage call failed")
+            result = _fail(f"Skill operation failed: {type(exc).__name__}")
+        return json.dumps(result, ensure_ascii=False)
+
+    async def _dispatch(self, args: dict[str, Any], shared: bool) -> Result:
+        action, name = args.get("action"), args.get("name")
+        if action not in SKILL_ACTIONS:
+            return _fail(f"Unknown action {action!r}. Use one of: {', '.join(SKILL_ACTIONS)}.")
+        if action == "list":
+            skills = await self.index(shared_only=shared)
+            return {"success": True, "skills": [{"name": s.name, "description": s.description} for s in skills]}
+        if not isinstance(name, str):
+            return _fail("'name' is required.")
+        if action == "view":
+            return await self.view(name, shared_only=shared)
+        if action == "create":
+            description, content = args.get("description"), args.get("content")
+            if not isinstance(description, str) or not isinstance(content, str):
+                return _fail("'description' and 'content' are required to create a skill.")
+            return await self.create(name, description, content, visibility="shared" if shared else "private")
+        if action == "update":
+            return await self.update(name, description=args.get("description"), content=args.get("content"),
+                                     shared_only=shared)
+        return await self.delete(name, shared_only=shared)
+
+
+def render_skill_index(skills: list[SkillInfo]) -> str:
+    """The skills block of the system prompt ('' when there are none)."""
+    if not skills:
+        return ""
+    lines = [f"- {s.name}: {s.description if first_threat(s.description) is None else '[description withheld]'}"
+             for s in skills]
+    return ("SKILLS (procedures you saved earlier; view one with skill_manage(action='view', name=...) "
+            "before following it):\n" + "\n".join(lines))
+
+
+__all__ = ["MAX_SKILL_CHARS", "MAX_SKILLS", "SKILL_ACTIONS", "SkillInfo", "SkillStore", "render_skill_index"]

@@ -61,6 +61,12 @@ class FakeTranscription:
     async def _handle(self, request: web.Request) -> web.Response:
         auth = request.headers.get("Authorization")
         record: dict[str, Any] = {"authorization": auth, "fields": {}}
+        if self.api_key is not None and auth != f"Bearer {self.api_key}":
+            self.requests.append(record)
+            return web.json_response({"error": {"message": "Incorrect API key"}}, status=401)
+        if not request.content_type.startswith("multipart/"):
+            self.requests.append(record)
+            return web.json_response({"error": {"message": "expected a multipart form"}}, status=400)
         reader = await request.multipart()
         async for part in reader:
             if part.name == "file":
@@ -71,8 +77,6 @@ class FakeTranscription:
                 record["fields"][part.name] = await part.text()
         record["model"] = record["fields"].get("model")
         self.requests.append(record)
-        if self.api_key is not None and auth != f"Bearer {self.api_key}":
-            return web.json_response({"error": {"message": "Incorrect API key"}}, status=401)
         if self._fail:
             return web.json_response({"error": {"message": "server error"}}, status=self._fail.pop(0))
         if "data" not in record or not record["model"]:

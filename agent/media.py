@@ -36,12 +36,13 @@ def safe_name(name: str, fallback: str) -> str:
     return cleaned or fallback
 
 
-def save_media(profile_path: Path, data: bytes, name: str, fallback: str = "file") -> str:
-    """Store `data` under the profile's media/ and return its profile-relative path
-    (blocking: run it off the event loop)."""
+def save_media(profile_path: Path, data: bytes, name: str, key: str | None = None, fallback: str = "file") -> str:
+    """Store `data` under the profile's media/ as `<key>-<name>` and return its
+    profile-relative path; the same key and name rewrite the same file (blocking: run it
+    off the event loop)."""
     folder = Path(profile_path) / MEDIA_DIR
     folder.mkdir(mode=0o700, exist_ok=True)
-    rel = f"{MEDIA_DIR}/{new_uid()}-{safe_name(name, fallback)}"
+    rel = f"{MEDIA_DIR}/{safe_name(key or new_uid(), 'file')}-{safe_name(name, fallback)}"
     atomic_write(Path(profile_path) / rel, data, mode=0o600)
     return rel
 

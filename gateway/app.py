@@ -325,8 +325,8 @@ class GatewayApp:
                     text, kind = await HANDLERS[spec.name](ctx), "reply"
                 else:
                     # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
-                    prepared = [await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path)
-                                for j in jobs]
+                    prepared = [await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path,
+                                                         input_uid(j.msg)) for j in jobs]
                     inputs = [UserInput(uid=input_uid(j.msg), text=p.text, user_name=j.msg.user_name,
                                         meta={"platform": j.msg.platform, "message_id": j.msg.message_id,
                                               "user": j.msg.principal, **p.meta})

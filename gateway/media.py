@@ -78,26 +78,26 @@ class MediaIntake:
             return None
         return Transcriber(t.base_url, t.model, api_key=t.api_key(), timeout_s=t.timeout_s)
 
-    async def prepare(self, msg: InboundMessage, adapter: Any, profile_path: Path) -> Prepared:
+    async def prepare(self, msg: InboundMessage, adapter: Any, profile_path: Path, uid: str) -> Prepared:
+        """`uid` (the stored message's) names the files, so a message replayed after a
+        crash rewrites its files instead of storing them twice."""
         quote = reply_context(msg)
         body = msg.text.strip()
         if not msg.attachments:
             return Prepared("\n".join(p for p in (quote, msg.text) if p))
-        out = Prepared("")
-        said: list[str] = [body] if body else []  # what the person said (text, transcripts)
-        notes: list[str] = []  # short bracketed notes about attachments
-        blocks: list[str] = []  # extracted document text
+        work = _Work(profile_path, uid, Prepared(""), said=[body] if body else [])
         content = bool(body)
-        for att in msg.attachments:
-            got = await self._one(att, adapter, profile_path, out, said, notes, blocks)
+        for n, att in enumerate(msg.attachments):
+            got = await self._one(att, n, adapter, work)
             content = content or got
-        out.text = "\n".join(p for p in (quote, "\n".join(said), "\n".join(notes), "\n\n".join(blocks)) if p)
-        out.answerable = content
-        return out
+        parts = (quote, "\n".join(work.said), "\n".join(work.notes), "\n\n".join(work.blocks))
+        work.out.text = "\n".join(p for p in parts if p)
+        work.out.answerable = content
+        return work.out
 
-    async def _one(self, att: Attachment, adapter: Any, profile_path: Path, out: Prepared,
-                   said: list[str], notes: list[str], blocks: list[str]) -> bool:
+    async def _one(self, att: Attachment, n: int, adapter: Any, work: "_Work") -> bool:
         """Handle one attachment; True when it gave the model something to answer."""
+        profile_path, out, said, notes, blocks = work.profile_path, work.out, work.said, work.notes, work.blocks
         kind = kind_of(att.type, att.name, att.mime_type)
         label = att.name or att.type
         limit = self.cfg.limits.max_attachment_bytes
@@ -136,8 +136,8 @@ class MediaIntake:
             notes.append(f"[attached {label}: not read, over the size limit]")
             return False
         if kind == "image":
-            return await self._image(att, label, data, profile_path, out, notes)
-        rel = await asyncio.to_thread(save_media, profile_path, data, att.name or f"{att.type}", att.type)
+            return await self._image(att, label, data, work.file_key(n), work)
+        rel = await asyncio.to_thread(save_media, profile_path, data, att.name or att.type, work.file_key(n), att.type)
         out.meta.setdefault("files", []).append({"path": rel, "name": label, "kind": kind, "bytes": len(data)})
         if kind == "audio":
             return await self._audio(att, label, data, out, said, notes)
@@ -153,17 +153,16 @@ class MediaIntake:
         blocks.append(f"{head}\n{text}\n[end of {label}]")
         return True
 
-    async def _image(self, att: Attachment, label: str, data: bytes, profile_path: Path, out: Prepared,
-                     notes: list[str]) -> bool:
+    async def _image(self, att: Attachment, label: str, data: bytes, key: str, work: "_Work") -> bool:
         mime = sniff_image(data)
         if mime is None:
-            notes.append(f"[attached {label}: not an image format I can read]")
+            work.notes.append(f"[attached {label}: not an image format I can read]")
             return True
         fallback = "photo." + mime.split("/", 1)[1].replace("jpeg", "jpg")
         name = att.name if att.name and "." in att.name else fallback
-        rel = await asyncio.to_thread(save_media, profile_path, data, name, "image")
-        out.meta.setdefault("images", []).append({"path": rel, "name": label, "mime": mime})
-        notes.append(f"[image: {label}]")
+        rel = await asyncio.to_thread(save_media, work.profile_path, data, name, key, "image")
+        work.out.meta.setdefault("images", []).append({"path": rel, "name": label, "mime": mime})
+        work.notes.append(f"[image: {label}]")
         return True
 
     async def _audio(self, att: Attachment, label: str, data: bytes, out: Prepared, said: list[str],
@@ -193,6 +192,21 @@ class MediaIntake:
         limit = human_bytes(self.cfg.limits.max_attachment_bytes)
         size_txt = f" ({human_bytes(size)})" if size else ""
         return f"{label}{size_txt} is too large: I can take files up to {limit}, so I didn't read it."
+
+
+@dataclass
+class _Work:
+    """One message being prepared: where its files go and the text collected so far."""
+
+    profile_path: Path
+    uid: str
+    out: Prepared
+    said: list[str] = field(default_factory=list)  # what the person said (text, transcripts)
+    notes: list[str] = field(default_factory=list)  # short bracketed notes about attachments
+    blocks: list[str] = field(default_factory=list)  # extracted document text
+
+    def file_key(self, n: int) -> str:
+        return f"{self.uid}-{n}"
 
 
 def _first_time(profile_path: Path) -> bool:

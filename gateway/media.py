@@ -42,6 +42,23 @@ def human_bytes(n: int) -> str:
     return f"{n} bytes"  # pragma: no cover
 
 
+_AUDIO_EXTENSIONS = {"audio/ogg": ".ogg", "audio/opus": ".ogg", "audio/mpeg": ".mp3", "audio/mp3": ".mp3",
+                     "audio/mp4": ".m4a", "audio/x-m4a": ".m4a", "audio/wav": ".wav", "audio/x-wav": ".wav",
+                     "audio/webm": ".webm", "audio/flac": ".flac", "video/mp4": ".mp4"}
+
+
+def file_name(att: Attachment, kind: str) -> str:
+    """The attachment's name with an extension (speech-to-text servers tell the format by
+    it; Telegram voice notes come without a name)."""
+    name = att.name or att.type
+    if "." in name.strip("."):
+        return name
+    if kind == "audio":
+        mime = (att.mime_type or "").split(";", 1)[0].strip().lower()
+        return name + _AUDIO_EXTENSIONS.get(mime, ".mp4" if att.type == "video_note" else ".ogg")
+    return name
+
+
 @dataclass
 class Prepared:
     """One message as the model gets it: `text` (also what history and search show),
@@ -137,10 +154,11 @@ class MediaIntake:
             return False
         if kind == "image":
             return await self._image(att, label, data, work.file_key(n), work)
-        rel = await asyncio.to_thread(save_media, profile_path, data, att.name or att.type, work.file_key(n), att.type)
+        name = file_name(att, kind)
+        rel = await asyncio.to_thread(save_media, profile_path, data, name, work.file_key(n), att.type)
         out.meta.setdefault("files", []).append({"path": rel, "name": label, "kind": kind, "bytes": len(data)})
         if kind == "audio":
-            return await self._audio(att, label, data, out, said, notes)
+            return await self._audio(att, name, label, data, out, said, notes)
         max_chars = self.cfg.limits.max_attachment_chars
         text, cut = await asyncio.to_thread(extract_text, kind, data, max_chars)
         if text is None:
@@ -165,7 +183,7 @@ class MediaIntake:
         work.notes.append(f"[image: {label}]")
         return True
 
-    async def _audio(self, att: Attachment, label: str, data: bytes, out: Prepared, said: list[str],
+    async def _audio(self, att: Attachment, name: str, label: str, data: bytes, out: Prepared, said: list[str],
                      notes: list[str]) -> bool:
         transcriber = self._transcriber()
         what = "voice note" if att.type in ("voice", "video_note") else f"audio file {label}"
@@ -175,7 +193,7 @@ class MediaIntake:
             notes.append(f"[{what}: not transcribed]")
             return False
         try:
-            transcript = await transcriber.transcribe(data, att.name or "voice.ogg", att.mime_type or "audio/ogg")
+            transcript = await transcriber.transcribe(data, name, att.mime_type or "audio/ogg")
         except TranscriptionError as err:
             out.notices.append(f"I couldn't transcribe your {what}: {err}. Please try again or send it as text.")
             notes.append(f"[{what}: transcription failed]")

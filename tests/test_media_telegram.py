@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from adapters.telegram import TelegramAdapter
-from gateway.admin import backup_data_dir, delete_tenant, export_profile, find_tenant
+from gateway.admin import backup_data_dir, export_profile, find_tenant
 from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.fakes.llm import image_urls, last_user_text, tool_call
@@ -148,6 +148,7 @@ async def test_voice_note_transcript_is_the_message_text_and_is_searchable(tg, f
         assert sent[-1]["text"] == "ok: please book the pelican restaurant for friday"
         [req] = stt.requests
         assert req["model"] == "whisper-large-v3" and req["data"] == voice
+        assert req["filename"] == "voice.ogg" and req["content_type"] == "audio/ogg"  # servers go by the extension
         # the model searches its history for it in a later turn
         fake_llm.script(tool_call("session_search", {"query": "pelican"}))
         tg.push_private(111, "which restaurant did I mention?")

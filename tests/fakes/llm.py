@@ -19,7 +19,10 @@ callable `(request_json) -> response` (sync or async).
 With `strict=True` (the default) requests are checked the way OpenAI checks them: every
 assistant `tool_calls` entry must be answered by a `tool` message with its id before the next
 non-tool message, tool messages must answer a pending call, arguments must be JSON strings.
-Violations get a 400 and are listed in `llm.violations`.
+Violations get a 400 and are listed in `llm.violations`. Content parts are checked too: text
+parts, and image parts (user messages only) whose URL must be a base64 `data:` URL of an
+image, since a local model server cannot fetch URLs. `FakeLLM(vision=False)` answers any
+image part with a 400, as a text-only model does; `image_urls(request)` lists what came in.
 """
 
 from __future__ import annotations

@@ -114,62 +114,59 @@ class MediaIntake:
 
     async def _one(self, att: Attachment, n: int, adapter: Any, work: "_Work") -> bool:
         """Handle one attachment; True when it gave the model something to answer."""
-        profile_path, out, said, notes, blocks = work.profile_path, work.out, work.said, work.notes, work.blocks
         kind = kind_of(att.type, att.name, att.mime_type)
         label = att.name or att.type
-        limit = self.cfg.limits.max_attachment_bytes
         if kind == "image" and not self.cfg.llm.vision:
-            notes.append(f"[The person sent an image ({label}); image reading is off, so you cannot see it.]")
-            if await asyncio.to_thread(_first_time, profile_path):
-                out.notices.append(VISION_OFF_NOTICE)
+            work.notes.append(f"[The person sent an image ({label}); image reading is off, so you cannot see it.]")
+            if await asyncio.to_thread(_first_time, work.profile_path):
+                work.out.notices.append(VISION_OFF_NOTICE)
             return True
         if kind == "other":
-            notes.append(f"[attached {att.type}: {label} (not read: this kind of file isn't supported)]")
+            work.notes.append(f"[attached {att.type}: {label} (not read: this kind of file isn't supported)]")
             return True
-        if att.size and att.size > limit:
-            out.notices.append(self._too_big(label, att.size))
-            notes.append(f"[attached {label}: not read, over the size limit]")
+        if getattr(adapter, "download", None) is None:
+            work.notes.append(f"[attached {att.type}: {label} (not read: files can't be fetched here)]")
+            return True
+        data = await self._fetch(att, label, adapter, work)
+        if data is None:
             return False
-        download = getattr(adapter, "download", None)
-        if download is None:
-            notes.append(f"[attached {att.type}: {label} (not read: files can't be fetched here)]")
-            return True
+        key = work.file_key(n)
+        if kind == "image":
+            return await self._image(att, label, data, key, work)
+        name = file_name(att, kind)
+        rel = await asyncio.to_thread(save_media, work.profile_path, data, name, key, att.type)
+        work.out.meta.setdefault("files", []).append({"path": rel, "name": label, "kind": kind, "bytes": len(data)})
+        if kind == "audio":
+            return await self._audio(att, name, label, data, work)
+        return await self._document(kind, label, data, work)
+
+    async def _fetch(self, att: Attachment, label: str, adapter: Any, work: "_Work") -> bytes | None:
+        """The attachment's bytes through the adapter, or None (and a notice) when it is too
+        large or the download failed. Errors are reduced to safe words (no URLs)."""
+        limit = self.cfg.limits.max_attachment_bytes
+        if att.size and att.size > limit:  # refused before anything is downloaded
+            work.out.notices.append(self._too_big(label, att.size))
+            work.notes.append(f"[attached {label}: not read, over the size limit]")
+            return None
         try:
-            data = bytes(await download(att, limit))
+            data = bytes(await adapter.download(att, limit))
         except DownloadError as err:
             if err.too_big:
-                out.notices.append(self._too_big(label, att.size or None))
+                work.out.notices.append(self._too_big(label, att.size or None))
             else:
-                out.notices.append(f"I couldn't download {label}: {err}. Please try sending it again.")
-            notes.append(f"[attached {label}: could not be downloaded]")
-            return False
-        except Exception as err:  # a download must never break the turn; nor leak its URL
+                work.out.notices.append(f"I couldn't download {label}: {err}. Please try sending it again.")
+            work.notes.append(f"[attached {label}: could not be downloaded]")
+            return None
+        except Exception as err:  # a download must never break the turn, nor leak its URL
             log.warning("download of a %s attachment failed (%s)", att.type, type(err).__name__)
-            out.notices.append(f"I couldn't download {label}. Please try sending it again.")
-            notes.append(f"[attached {label}: could not be downloaded]")
-            return False
+            work.out.notices.append(f"I couldn't download {label}. Please try sending it again.")
+            work.notes.append(f"[attached {label}: could not be downloaded]")
+            return None
         if len(data) > limit:
-            out.notices.append(self._too_big(label, len(data)))
-            notes.append(f"[attached {label}: not read, over the size limit]")
-            return False
-        if kind == "image":
-            return await self._image(att, label, data, work.file_key(n), work)
-        name = file_name(att, kind)
-        rel = await asyncio.to_thread(save_media, profile_path, data, name, work.file_key(n), att.type)
-        out.meta.setdefault("files", []).append({"path": rel, "name": label, "kind": kind, "bytes": len(data)})
-        if kind == "audio":
-            return await self._audio(att, name, label, data, out, said, notes)
-        max_chars = self.cfg.limits.max_attachment_chars
-        text, cut = await asyncio.to_thread(extract_text, kind, data, max_chars)
-        if text is None:
-            notes.append(f"[attached {label}: could not be read as text]")
-            return True
-        if not text:
-            notes.append(f"[attached {label}: it has no text layer]" if kind == "pdf" else f"[attached {label}: empty]")
-            return True
-        head = f"[attached file {label}" + (f", first {max_chars:,} characters" if cut else "") + "]"
-        blocks.append(f"{head}\n{text}\n[end of {label}]")
-        return True
+            work.out.notices.append(self._too_big(label, len(data)))
+            work.notes.append(f"[attached {label}: not read, over the size limit]")
+            return None
+        return data
 
     async def _image(self, att: Attachment, label: str, data: bytes, key: str, work: "_Work") -> bool:
         mime = sniff_image(data)
@@ -183,27 +180,40 @@ class MediaIntake:
         work.notes.append(f"[image: {label}]")
         return True
 
-    async def _audio(self, att: Attachment, name: str, label: str, data: bytes, out: Prepared, said: list[str],
-                     notes: list[str]) -> bool:
+    async def _audio(self, att: Attachment, name: str, label: str, data: bytes, work: "_Work") -> bool:
+        """The transcript becomes what the person said; failures are told, not guessed at."""
         transcriber = self._transcriber()
         what = "voice note" if att.type in ("voice", "video_note") else f"audio file {label}"
         if transcriber is None:
-            out.notices.append(f"I can't listen to your {what}: no transcription service is configured "
-                               "(transcription.base_url). Please send it as text.")
-            notes.append(f"[{what}: not transcribed]")
+            work.out.notices.append(f"I can't listen to your {what}: no transcription service is configured "
+                                    "(transcription.base_url). Please send it as text.")
+            work.notes.append(f"[{what}: not transcribed]")
             return False
         try:
             transcript = await transcriber.transcribe(data, name, att.mime_type or "audio/ogg")
         except TranscriptionError as err:
-            out.notices.append(f"I couldn't transcribe your {what}: {err}. Please try again or send it as text.")
-            notes.append(f"[{what}: transcription failed]")
+            work.out.notices.append(f"I couldn't transcribe your {what}: {err}. Please try again or send it as text.")
+            work.notes.append(f"[{what}: transcription failed]")
             return False
         if not transcript:
-            out.notices.append(f"I couldn't hear any words in your {what}.")
-            notes.append(f"[{what}: no speech recognised]")
+            work.out.notices.append(f"I couldn't hear any words in your {what}.")
+            work.notes.append(f"[{what}: no speech recognised]")
             return False
-        said.append(transcript)
-        out.meta["transcribed"] = True
+        work.said.append(transcript)
+        work.out.meta["transcribed"] = True
+        return True
+
+    async def _document(self, kind: str, label: str, data: bytes, work: "_Work") -> bool:
+        """A text file's or PDF's text, cut at `limits.max_attachment_chars`, as a block."""
+        max_chars = self.cfg.limits.max_attachment_chars
+        text, cut = await asyncio.to_thread(extract_text, kind, data, max_chars)
+        if text is None:
+            work.notes.append(f"[attached {label}: could not be read as text]")
+        elif not text:
+            work.notes.append(f"[attached {label}: it has no text layer]" if kind == "pdf" else f"[attached {label}: empty]")
+        else:
+            head = f"[attached file {label}" + (f", first {max_chars:,} characters" if cut else "") + "]"
+            work.blocks.append(f"{head}\n{text}\n[end of {label}]")
         return True
 
     def _too_big(self, label: str, size: int | None) -> str:

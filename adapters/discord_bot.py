@@ -666,6 +666,11 @@ class DiscordAdapter:
     async def download(self, attachment: Attachment, max_bytes: int) -> bytes:
         """Fetch one attachment from Discord's CDN through discord.py's HTTP client (what
         `discord.Attachment.read` does). Errors become `DownloadError` with a safe message."""
+        if self._client is None and not self._stopping:  # a message replayed before the connection is up
+            try:
+                await asyncio.wait_for(self._ready.wait(), min(self._ready_timeout, 30.0))
+            except asyncio.TimeoutError:
+                pass
         client = self._client
         if client is None or not attachment.url.startswith(("https://", "http://")):
             raise DownloadError("the file is not available")

@@ -16,12 +16,27 @@ OutboundKind = Literal["reply", "notice", "error"]
 
 
 class Attachment(BaseModel):
+    """A file on a message. `type` is the platform's kind (`photo`, `voice`, `document`,
+    `image`, `audio`, `file`, ...); `file_id` / `url` are what the adapter's `download`
+    needs (never a URL carrying the bot token: Telegram's file URLs do, so Telegram keeps
+    only the file id). `size` 0 means the platform did not say."""
+
     model_config = ConfigDict(frozen=True)
 
     type: str
     name: str = ""
     size: int = 0
     url: str = ""
+    file_id: str = ""
+    mime_type: str = ""
+
+
+class DownloadError(Exception):
+    """A file could not be fetched; the message is safe to show (no URLs, no tokens)."""
+
+    def __init__(self, message: str, *, too_big: bool = False) -> None:
+        super().__init__(message)
+        self.too_big = too_big
 
 
 class InboundMessage(BaseModel):
@@ -39,6 +54,10 @@ class InboundMessage(BaseModel):
     text: str = ""
     attachments: tuple[Attachment, ...] = ()
     reply_to_message_id: str | None = None
+    # the text of the message replied to, as the platform delivered it with this message
+    # (never fetched from elsewhere), and who wrote it ("" when unknown)
+    reply_to_text: str | None = None
+    reply_to_author: str = ""
     mentions_bot: bool = False
     timestamp: float = Field(default_factory=time.time)
     # The platform's own payload: kept out of logs, reprs and prompts.
@@ -105,3 +124,7 @@ class Adapter(Protocol):
     async def typing(self, chat_id: str, thread_id: str | None) -> None:
         """Show the typing indicator once (the gateway repeats it while a turn runs)."""
         ...
+
+    # Optional (platforms with files): `async def download(attachment, max_bytes) -> bytes`
+    # fetches one attachment through the platform's client library, raising `DownloadError`
+    # (too_big when over `max_bytes`). The gateway calls it; the inbound path never does.

@@ -40,7 +40,7 @@ from discord import app_commands
 from discord.gateway import DiscordWebSocket
 from discord.http import Route
 
-from adapters.base import Attachment, InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.base import Attachment, DownloadError, InboundMessage, InboundSink, OutboundMessage, SentMessage
 from gateway.command_specs import COMMAND_SPECS, CommandSpec
 from gateway.config import ConfigError, DiscordConfig
 
@@ -615,6 +615,7 @@ class DiscordAdapter:
 
         replied_to_bot = False
         ref_id: str | None = None
+        quoted: dict[str, str] = {}
         if message.reference is not None and message.reference.message_id is not None:
             ref_id = str(message.reference.message_id)
             resolved = message.reference.resolved
@@ -622,6 +623,10 @@ class DiscordAdapter:
                 replied_to_bot = True
             elif ref_id in self._own_messages:
                 replied_to_bot = True
+            # the quoted text only as Discord sent it with this message (never fetched)
+            if isinstance(resolved, discord.Message) and resolved.content:
+                quoted = {"reply_to_text": self._readable_mentions(resolved.content, resolved),
+                          "reply_to_author": "you" if replied_to_bot else resolved.author.display_name}
 
         text = re.sub(rf"[ \t]*{mention_rx.pattern}[ \t]*", " ", content)
         if role_rx is not None:
@@ -635,7 +640,8 @@ class DiscordAdapter:
                 return None
 
         attachments = tuple(
-            Attachment(type=_attachment_kind(a.content_type), name=a.filename, size=a.size, url=a.url)
+            Attachment(type=_attachment_kind(a.content_type), name=a.filename, size=a.size, url=a.url,
+                       file_id=str(a.id), mime_type=a.content_type or "")
             for a in message.attachments
         )
         if not text and not attachments:
@@ -651,10 +657,35 @@ class DiscordAdapter:
             text=text,
             attachments=attachments,
             reply_to_message_id=ref_id,
+            **quoted,
             mentions_bot=mentioned or replied_to_bot or chat_type == "dm",
             timestamp=message.created_at.timestamp(),
             raw=message,
         )
+
+    async def download(self, attachment: Attachment, max_bytes: int) -> bytes:
+        """Fetch one attachment from Discord's CDN through discord.py's HTTP client (what
+        `discord.Attachment.read` does). Errors become `DownloadError` with a safe message."""
+        if self._client is None and not self._stopping:  # a message replayed before the connection is up
+            try:
+                await asyncio.wait_for(self._ready.wait(), min(self._ready_timeout, 30.0))
+            except asyncio.TimeoutError:
+                pass
+        client = self._client
+        if client is None or not attachment.url.startswith(("https://", "http://")):
+            raise DownloadError("the file is not available")
+        if attachment.size and attachment.size > max_bytes:
+            raise DownloadError("the file is too large", too_big=True)
+        try:
+            data = await client.http.get_from_cdn(attachment.url)
+        except discord.NotFound:
+            raise DownloadError("the file was deleted") from None
+        except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.warning("discord: downloading an attachment failed (%s)", type(exc).__name__)
+            raise DownloadError("the download from Discord failed") from None
+        if len(data) > max_bytes:
+            raise DownloadError("the file is too large", too_big=True)
+        return data
 
     @staticmethod
     def _readable_mentions(text: str, message: discord.Message) -> str:

@@ -40,7 +40,7 @@ from telegram.error import (
 )
 from telegram.request import HTTPXRequest
 
-from adapters.base import Attachment, InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.base import Attachment, DownloadError, InboundMessage, InboundSink, OutboundMessage, SentMessage
 from adapters.telegram_format import markdown_to_telegram_html
 from gateway.command_specs import COMMAND_SPECS
 from gateway.config import ConfigError, TelegramConfig
@@ -739,6 +739,7 @@ class TelegramAdapter:
             text=text,
             attachments=tuple(attachments),
             reply_to_message_id=str(reply_to.message_id) if reply_to is not None else None,
+            **self._reply_context(message, reply_to),
             mentions_bot=mentions_bot,
             timestamp=stamp.timestamp() if stamp else time.time(),
             raw=raw,
@@ -785,8 +786,52 @@ class TelegramAdapter:
                 value = value[-1]
             name = getattr(value, "file_name", None) or kind
             size = getattr(value, "file_size", None) or 0
-            found.append(Attachment(type=kind, name=name, size=size))
+            mime = getattr(value, "mime_type", None) or ("image/jpeg" if kind == "photo" else "")
+            # only the file id: Telegram's file URLs carry the bot token
+            found.append(Attachment(type=kind, name=name, size=size, file_id=value.file_id, mime_type=mime))
         return found
+
+    def _reply_context(self, message: Message, reply_to: Message | None) -> dict[str, Any]:
+        """The quoted text of the message replied to (the part the person selected, when
+        they quoted one), and who wrote it. Only what Telegram sent with this message."""
+        if reply_to is None:
+            return {}
+        quote = message.quote.text if message.quote is not None and message.quote.text else None
+        text = quote or reply_to.text or reply_to.caption
+        if not text:
+            return {}
+        author = reply_to.from_user
+        if author is not None and self.bot_id is not None and author.id == self.bot_id:
+            who = "you"
+        elif author is not None:
+            who = author.username or author.full_name or ""
+        else:
+            who = reply_to.sender_chat.title if reply_to.sender_chat is not None and reply_to.sender_chat.title else ""
+        return {"reply_to_text": text, "reply_to_author": who}
+
+    async def download(self, attachment: Attachment, max_bytes: int) -> bytes:
+        """Fetch one attachment with getFile + File.download_as_bytearray. Errors become
+        `DownloadError` with a safe message (the file URL, which holds the token, never
+        leaves this method)."""
+        if not attachment.file_id:
+            raise DownloadError("the file is not available")
+        try:
+            file = await self.bot.get_file(attachment.file_id)
+            if file.file_size and file.file_size > max_bytes:
+                raise DownloadError("the file is too large", too_big=True)
+            data = await file.download_as_bytearray()
+        except DownloadError:
+            raise
+        except BadRequest as exc:
+            too_big = "too big" in str(exc).lower()
+            log.warning("telegram: getFile refused a %s (%s)", attachment.type, "too big" if too_big else "bad request")
+            raise DownloadError("Telegram refused the download", too_big=too_big) from None
+        except (TelegramError, RuntimeError, OSError) as exc:
+            log.warning("telegram: downloading a %s failed (%s)", attachment.type, type(exc).__name__)
+            raise DownloadError("the download from Telegram failed") from None
+        if len(data) > max_bytes:
+            raise DownloadError("the file is too large", too_big=True)
+        return bytes(data)
 
     # ----------------------------------------------------------------- delivery
 

@@ -63,6 +63,7 @@ from agent.llm import (
     LLMUnavailable,
     Usage,
 )
+from agent.media import IMAGE_TOKENS, image_parts, image_refs
 from agent.messages import StoredMessage
 from agent.prompt import COMPACTION_NOTE
 from agent.sessions import StaleRouteError
@@ -259,6 +260,7 @@ class Compressor:
         if cached is not None:
             return cached
         n = self.tokens.count_text(text_of(item.get("content"))) + MESSAGE_OVERHEAD
+        n += IMAGE_TOKENS * len(item.get("_images") or ())
         if item.get("tool_calls"):
             n += self.tokens.count_text(json.dumps(item["tool_calls"], ensure_ascii=False, separators=(",", ":")))
         item["_tokens"] = n
@@ -287,10 +289,13 @@ class Compressor:
             d["_summary"] = bool(m.meta.get("compressed_summary"))
             d["_msg"] = m
             d["_tokens"] = self.tokens.count_message(m)
+            d["_images"] = image_refs(m.meta)
             ov = overrides.get(m.uid)
             if isinstance(ov, dict):
                 if "content" in ov:
                     d["content"] = ov["content"]
+                if "images" in ov:
+                    d["_images"] = image_refs({"images": ov["images"]})
                 if "tool_calls" in ov:
                     if ov["tool_calls"]:
                         d["tool_calls"] = ov["tool_calls"]
@@ -305,7 +310,7 @@ class Compressor:
         their neighbours (merged into the next message when both roles would collide), orphan
         tool calls/results repaired, private keys removed."""
         if not any(it.get("_summary") for it in items):
-            return [strip_private(it) for it in sanitize_tool_pairs(items)]
+            return [self._wire_item(it) for it in sanitize_tool_pairs(items)]
         out = list(items)
         if out and out[0].get("role") == "system":
             system = dict(out[0])
@@ -331,7 +336,14 @@ class Compressor:
                 it = merge_summary_into(it, pending, user_leading=it.get("role") == "user")
                 pending = None
             result.append(it)
-        return [strip_private(it) for it in sanitize_tool_pairs(result)]
+        return [self._wire_item(it) for it in sanitize_tool_pairs(result)]
+
+    def _wire_item(self, it: Item) -> dict[str, Any]:
+        """The wire form of an item: with `llm.vision`, a message's stored images become
+        image parts (placeholder URLs that `agent.media.inline_images` fills in)."""
+        if it.get("_images") and self.cfg.llm.vision:
+            it = {**it, "content": image_parts(text_of(it.get("content")), it["_images"])}
+        return strip_private(it)
 
     def wire(self, history: list[StoredMessage]) -> list[dict[str, Any]]:
         return self.finalize(self.view(history))
@@ -586,6 +598,8 @@ class Compressor:
                 ov["content"] = it.get("content")
             if (it.get("tool_calls") or None) != (m.tool_calls or None):
                 ov["tool_calls"] = it.get("tool_calls") or None
+            if "_images" in it and it["_images"] != image_refs(m.meta):
+                ov["images"] = it["_images"]
             if ov:
                 out[m.uid] = ov
         return out
@@ -594,6 +608,11 @@ class Compressor:
         m: StoredMessage = it["_msg"]
         meta = {k: v for k, v in m.meta.items() if k not in ("after_uid", "overrides")}
         meta["copied_from"] = m.meta.get("copied_from", m.uid)
+        if "_images" in it:  # pruned images stay out of the child too
+            if it["_images"]:
+                meta["images"] = it["_images"]
+            else:
+                meta.pop("images", None)
         return StoredMessage(
             session_id=session_id, role=m.role, content=it.get("content"), tool_call_id=m.tool_call_id,
             tool_calls=(it.get("tool_calls") or None) if m.role == "assistant" else m.tool_calls,

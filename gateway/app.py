@@ -29,6 +29,7 @@ from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
 from gateway.linking import LaneMoved, Linking
 from gateway.logs import log_text, turn_logger
+from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
@@ -97,6 +98,7 @@ class GatewayApp:
         self.metrics = Metrics()
         self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
         self.agent = Agent(cfg, self.llm_monitor, self.tokens)
+        self.media = MediaIntake(cfg)
         self.agent.compression.on_outcome = self.metrics.compression  # hermes_compressions_total{outcome}
         self.agent.reviewer.on_outcome = self.metrics.review  # hermes_memory_reviews_total{kind,outcome}
         self.linking = Linking(self)
@@ -332,16 +334,24 @@ class GatewayApp:
                     ctx = CommandContext(self, first.msg, lane, place, profile, args)
                     text, kind = await HANDLERS[spec.name](ctx), "reply"
                 else:
-                    inputs = [UserInput(uid=input_uid(j.msg), text=self._input_text(j.msg),
-                                        user_name=j.msg.user_name,
+                    # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
+                    prepared = [await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path,
+                                                         input_uid(j.msg)) for j in jobs]
+                    inputs = [UserInput(uid=input_uid(j.msg), text=p.text, user_name=j.msg.user_name,
                                         meta={"platform": j.msg.platform, "message_id": j.msg.message_id,
-                                              "user": j.msg.principal})
-                              for j in jobs]
-                    result: TurnResult = await self.agent.run_turn(profile, lane, place, inputs,
-                                                                   notify=_Notifier(self, last.msg))
-                    text, kind = result.text, result.kind
-                    if kind == "error":
-                        outcome = "llm_error"
+                                              "user": j.msg.principal, **p.meta})
+                              for j, p in zip(jobs, prepared) if p.answerable]
+                    notices = [n for p in prepared for n in p.notices]
+                    if inputs:
+                        for notice in notices:
+                            await self.send(last.msg, notice, kind="notice", reply=False)
+                        result: TurnResult = await self.agent.run_turn(profile, lane, place, inputs,
+                                                                       notify=_Notifier(self, last.msg))
+                        text, kind = result.text, result.kind
+                        if kind == "error":
+                            outcome = "llm_error"
+                    else:  # nothing the model could read: the notices are the answer
+                        text, kind, outcome = "\n\n".join(notices) or "I couldn't read that.", "error", "refused"
         except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
             await self._move_jobs(jobs, moved.lane)
             return
@@ -414,13 +424,6 @@ class GatewayApp:
         from gateway.observability import adapter_state
 
         return {platform: adapter_state(adapter)[0] for platform, adapter in self.adapters.items()}
-
-    @staticmethod
-    def _input_text(msg: InboundMessage) -> str:
-        if not msg.attachments:
-            return msg.text
-        names = ", ".join(f"{a.type} {a.name}".strip() for a in msg.attachments)
-        return f"{msg.text}\n[attached: {names}]".strip()
 
     async def _keep_typing(self, msg: InboundMessage) -> None:
         adapter = self.adapters.get(msg.platform)

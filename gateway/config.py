@@ -30,6 +30,7 @@ class LLMConfig(_Section):
     max_tokens: int | None = Field(default=None, ge=1)
     timeout_s: float = Field(default=120.0, gt=0)
     max_retries: int = Field(default=3, ge=0, le=10)
+    vision: bool = False  # images go to the model as inline image parts (doctor checks it accepts one)
 
     @model_validator(mode="after")
     def _answer_fits_the_window(self) -> "LLMConfig":
@@ -144,6 +145,21 @@ class LimitsConfig(_Section):
     max_queued_turns: int = Field(default=5, ge=1)
     max_tool_iterations: int = Field(default=8, ge=1)
     coalesce_burst_ms: int = Field(default=0, ge=0)
+    max_attachment_bytes: int = Field(default=20 * 1024 * 1024, ge=1)  # Telegram's own download cap
+    max_attachment_chars: int = Field(default=20000, ge=0)  # text taken from one document
+
+
+class TranscriptionConfig(_Section):
+    """An OpenAI-compatible `/v1/audio/transcriptions` endpoint (whisper.cpp server,
+    faster-whisper servers, hosted APIs); no base_url: voice notes are not transcribed."""
+
+    base_url: str | None = None  # e.g. http://127.0.0.1:8080/v1
+    model: str = "whisper-1"
+    api_key_env: str | None = None
+    timeout_s: float = Field(default=120.0, gt=0)
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
 class WebhookConfig(_Section):
@@ -210,6 +226,7 @@ class Config(_Section):
     tenancy: TenancyConfig = TenancyConfig()
     access: AccessConfig = AccessConfig()
     limits: LimitsConfig = LimitsConfig()
+    transcription: TranscriptionConfig = TranscriptionConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     logging: LoggingConfig = LoggingConfig()

@@ -64,6 +64,14 @@ async def run_doctor(cfg: Config) -> int:
     results.append((ok, "tokenizer", detail))
     ok, detail = await check_llm(cfg)
     results.append((ok, "model endpoint", detail))
+    if cfg.llm.vision or cfg.transcription.base_url:  # media checks live in gateway/media_checks.py
+        from gateway.media_checks import check_transcription, check_vision
+        if cfg.llm.vision:
+            ok, detail = await check_vision(cfg)
+            results.append((ok, "vision", detail))
+        if cfg.transcription.base_url:
+            ok, detail = await check_transcription(cfg)
+            results.append((ok, "transcription", detail))
     if cfg.platforms.telegram.enabled:
         from adapters.telegram import doctor as telegram_doctor
         ok, detail = await telegram_doctor(cfg.platforms.telegram)

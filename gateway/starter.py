@@ -15,6 +15,7 @@ llm:                            # any OpenAI-compatible /v1/chat/completions end
   context_length: 32768
   max_tokens: null
   timeout_s: 120
+  vision: false                 # send photos to the model as images (doctor checks it can)
 
 # auxiliary:
 #   compression:                # the summary model; unset fields fall back to llm
@@ -64,6 +65,13 @@ limits:
   rate_limit_per_minute: 20
   max_text_length: 16000
   max_queued_turns: 5
+  max_attachment_bytes: 20971520  # 20 MB, Telegram's own download cap
+  max_attachment_chars: 20000     # text taken from one document or PDF
+
+# transcription:                # voice notes: an OpenAI-compatible /v1/audio/transcriptions
+#   base_url: http://127.0.0.1:8080/v1   # whisper.cpp server, faster-whisper server, hosted API
+#   model: whisper-1
+#   api_key_env: null
 
 platforms:
   telegram:

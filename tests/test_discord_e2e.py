@@ -114,10 +114,10 @@ async def test_mention_gating(rig, fake, fake_llm):
     # a reply to the bot's message needs no mention
     fake.push_guild_message(fake.general, fake.bob, "replying to you", reply_to=sent["id"])
     replies = await r.replies(fake.general, 2)
-    assert replies[1]["content"] == "ok: replying to you"
+    assert replies[1]["content"] == 'ok: [In reply to you: "ok: now you"]\nreplying to you'  # the quote goes along
     texts = [last_user_text(req) for req in fake_llm.requests]
     assert "talking to bob, not the bot" not in json.dumps(fake_llm.requests)
-    assert texts == ["now you", "replying to you"]
+    assert texts == ["now you", '[In reply to you: "ok: now you"]\nreplying to you']
 
 
 async def test_thread_is_its_own_lane(rig, fake, fake_llm):

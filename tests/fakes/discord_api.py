@@ -113,6 +113,8 @@ class FakeDiscord:
         self._send_lock = asyncio.Lock()  # frames go out in dispatch order
         self._nonces: dict[str, tuple[float, str]] = {}  # enforce_nonce: nonce -> (time, message id)
         self._fail_after_create: list[int] = []  # statuses to answer after creating a message
+        self.attachment_files: dict[str, bytes] = {}  # attachment id -> bytes served at its url
+        self.attachment_downloads: list[dict[str, Any]] = []  # {"id", "authorization"} per GET
         self.identify_count = 0
         self.resume_count = 0
         self.connection_count = 0
@@ -126,6 +128,7 @@ class FakeDiscord:
         app = web.Application()
         app.router.add_get("/gateway", self._gateway_ws)
         app.router.add_route("*", "/api/{tail:.*}", self._rest)
+        app.router.add_get("/attachments/{channel}/{aid}/{name}", self._serve_attachment)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
@@ -510,6 +513,28 @@ class FakeDiscord:
         self.messages[msg["id"]] = msg
         channel["last_message_id"] = msg["id"]
         return msg
+
+    def attachment(self, channel_id: str, filename: str, data: bytes, content_type: str | None = None,
+                   *, size: int | None = None) -> dict[str, Any]:
+        """An attachment object for `attachments=[...]` of a pushed message; its `url` (CDN
+        style, with signed-looking query parameters) serves `data`. `size` overrides the
+        stated size."""
+        aid = self.snowflake()
+        self.attachment_files[aid] = data
+        url = f"{self.base_url}/attachments/{channel_id}/{aid}/{filename}?ex=6790&is=678f&hm=abc123"
+        att: dict[str, Any] = {"id": aid, "filename": filename, "size": len(data) if size is None else size,
+                               "url": url, "proxy_url": url}
+        if content_type:
+            att["content_type"] = content_type
+        return att
+
+    async def _serve_attachment(self, request: web.Request) -> web.StreamResponse:
+        aid = request.match_info["aid"]
+        self.attachment_downloads.append({"id": aid, "authorization": request.headers.get("Authorization")})
+        data = self.attachment_files.get(aid)
+        if data is None:
+            return web.Response(status=404, text="Not Found")
+        return web.Response(body=data, content_type="application/octet-stream")
 
     def push_dm(self, user_id: str, text: str, **kw: Any) -> dict[str, Any]:
         msg = self._user_message(self.dm_channel(user_id), user_id, text, **kw)

@@ -19,7 +19,10 @@ callable `(request_json) -> response` (sync or async).
 With `strict=True` (the default) requests are checked the way OpenAI checks them: every
 assistant `tool_calls` entry must be answered by a `tool` message with its id before the next
 non-tool message, tool messages must answer a pending call, arguments must be JSON strings.
-Violations get a 400 and are listed in `llm.violations`.
+Violations get a 400 and are listed in `llm.violations`. Content parts are checked too: text
+parts, and image parts (user messages only) whose URL must be a base64 `data:` URL of an
+image, since a local model server cannot fetch URLs. `FakeLLM(vision=False)` answers any
+image part with a 400, as a text-only model does; `image_urls(request)` lists what came in.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ __all__ = [
     "is_review_request",
     "offered_tools",
     "last_user_text",
+    "image_urls",
     "message_text",
     "prompt_chars",
 ]
@@ -204,6 +208,17 @@ def message_text(msg: Mapping[str, Any]) -> str:
     return ""
 
 
+def image_urls(request: Mapping[str, Any]) -> list[str]:
+    """Every `image_url` URL in a request's messages, in order."""
+    urls = []
+    for msg in request.get("messages") or []:
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, Mapping) and part.get("type") == "image_url":
+                urls.append(str((part.get("image_url") or {}).get("url", "")))
+    return urls
+
+
 def last_user_text(request: Mapping[str, Any]) -> str:
     for msg in reversed(request.get("messages") or []):
         if isinstance(msg, Mapping) and msg.get("role") == "user":
@@ -334,6 +349,8 @@ def _violations(body: Any) -> list[str]:
             pending.clear()
         if role == "user" and msg.get("content") is None:
             problems.append(f"messages[{i}]: user message content is required")
+        if isinstance(msg.get("content"), list):
+            problems.extend(_part_violations(i, role, msg["content"]))
         if role == "assistant" and msg.get("tool_calls") is not None:
             calls = msg["tool_calls"]
             if not isinstance(calls, list) or not calls:
@@ -357,6 +374,24 @@ def _violations(body: Any) -> list[str]:
     return problems
 
 
+def _part_violations(i: int, role: str, parts: list[Any]) -> list[str]:
+    """Content parts as OpenAI checks them: text parts and (user only) image parts whose URL
+    is a base64 data: URL of an image (this fake, like a local server, cannot fetch URLs)."""
+    problems = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image_url" and role == "user":
+            url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+            m = re.match(r"^data:image/(png|jpeg|gif|webp);base64,([A-Za-z0-9+/=]+)$", url or "")
+            if not m:
+                problems.append(f"messages[{i}].content[{j}]: image_url.url must be a base64 data: URL of an image")
+            continue
+        problems.append(f"messages[{i}].content[{j}]: unsupported content part {kind!r} for role {role!r}")
+    return problems
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -377,8 +412,10 @@ class FakeLLM:
         strict: bool = True,
         host: str = "127.0.0.1",
         port: int = 0,
+        vision: bool = True,
     ) -> None:
         self.model = model
+        self.vision = vision  # False: image parts get a 400, as from a text-only model
         self.context_length = context_length  # prompt_chars//4 above this -> context error
         self.context_dialect = context_dialect
         self.strict = strict
@@ -561,6 +598,10 @@ class FakeLLM:
                 self.violations.extend(problems)
                 return web.json_response({"error": {"message": "; ".join(problems),
                                                     "type": "invalid_request_error", "code": None}}, status=400)
+        if not self.vision and image_urls(body):
+            self.violations.append("image input sent to a model without vision")
+            return web.json_response({"error": {"message": "this model does not support image input",
+                                                "type": "invalid_request_error", "code": None}}, status=400)
         estimate = prompt_chars(body) // 4
         if self.context_length is not None and estimate > self.context_length:
             chosen: ResponseLike = context_length_error(

@@ -20,6 +20,10 @@ What it speaks, like the real server:
   text. Empty text and text over 4096 UTF-16 units are 400s, as are unknown chats.
 - `editMessageText`, `sendChatAction`, `setMyCommands`/`getMyCommands`, `deleteWebhook`,
   `setWebhook`, `getWebhookInfo`, `getMe`.
+- Files: `getFile` (400 `file is too big` over 20 MB, like the Bot API) and
+  `GET /file/bot<token>/<file_path>` (401 with a wrong token); `add_file(data)` stores one,
+  `push_media(user, "photo"|"voice"|"audio"|"document", data, ...)` sends it in a message,
+  `file_downloads` records the paths fetched.
 
 Injection: `tg.fail_next(method, status=429, retry_after=1)`, `status=403, description=...`,
 `status=400, description="Bad Request: can't parse entities: ..."`; `times=n` repeats;
@@ -210,6 +214,10 @@ class FakeTelegram:
         self._message_ids: dict[int, itertools.count[int]] = defaultdict(lambda: itertools.count(1))
         self._failures: dict[str, deque[_Failure]] = defaultdict(deque)
         self._delays: dict[str, deque[float]] = defaultdict(deque)
+        self.files: dict[str, dict[str, Any]] = {}  # file_id -> {"data", "file_path", "file_unique_id"}
+        self.file_downloads: list[str] = []  # file paths fetched from /file/bot<token>/...
+        self.lost_files: set[str] = set()  # file ids getFile answers but whose download is a 404
+        self._file_ids = itertools.count(1)
         self._changed = asyncio.Condition()
         self._poll_generation = 0
         self._runner: web.AppRunner | None = None
@@ -373,6 +381,58 @@ class FakeTelegram:
         if target is None:
             raise KeyError(f"no message {message_id} in chat {chat_id}")
         return {k: v for k, v in target.items() if k != "reply_to_message"}
+
+    def add_file(self, data: bytes, *, file_path: str | None = None, size: int | None = None) -> dict[str, Any]:
+        """Store a file the Bot API serves (getFile + GET /file/bot<token>/<file_path>);
+        returns the file object fields for a message (`file_id`, `file_unique_id`, `file_size`).
+        `size` overrides the stated size (to model a file larger than what is stored)."""
+        n = next(self._file_ids)
+        file_id = f"AgACAgFAKEfile{n:04d}"
+        path = file_path or f"documents/file_{n}.bin"
+        stated = len(data) if size is None else size
+        self.files[file_id] = {"data": data, "file_path": path, "file_unique_id": f"uniq{n}", "file_size": stated}
+        return {"file_id": file_id, "file_unique_id": f"uniq{n}", "file_size": stated}
+
+    def push_media(
+        self,
+        user_id: int,
+        kind: str,
+        data: bytes,
+        *,
+        chat_id: int | None = None,
+        caption: str | None = None,
+        file_name: str | None = None,
+        mime_type: str | None = None,
+        size: int | None = None,
+        username: str | None = None,
+        reply_to_message_id: int | None = None,
+    ) -> Pushed:
+        """A photo / voice / audio / document message from `user_id` (in their DM, or in
+        group `chat_id` addressed to the bot by a mention in the caption)."""
+        user = self._user(user_id, username=username)
+        if chat_id is None:
+            chat = self.add_chat(user_id, "private", first_name=user["first_name"], username=user["username"])
+        else:
+            chat = self.add_chat(chat_id, "supergroup", title=f"Group {chat_id}")
+        ext = {"photo": "jpg", "voice": "oga", "audio": "mp3"}.get(kind, "bin")
+        ref = self.add_file(data, file_path=f"{kind}s/file_{len(self.files) + 1}.{ext}", size=size)
+        if kind == "photo":
+            value: Any = [{**ref, "file_id": ref["file_id"] + "s", "file_unique_id": "thumb", "file_size": 100,
+                           "width": 90, "height": 90}, {**ref, "width": 800, "height": 600}]
+            self.files[ref["file_id"] + "s"] = {**self.files[ref["file_id"]], "data": data[:100]}
+        elif kind == "voice":
+            value = {**ref, "duration": 3, "mime_type": mime_type or "audio/ogg"}
+        elif kind == "audio":
+            value = {**ref, "duration": 30, "mime_type": mime_type or "audio/mpeg", "file_name": file_name or "audio.mp3"}
+        else:
+            value = {**ref, "file_name": file_name or "file.bin", "mime_type": mime_type or "application/octet-stream"}
+        fields: dict[str, Any] = {kind: value}
+        if caption:
+            fields.update(caption=caption, caption_entities=make_entities(caption) or None)
+        if reply_to_message_id:
+            fields["reply_to_message"] = self._reply_stub(chat["id"], reply_to_message_id)
+        msg = self._new_message(chat, user, None, **fields)
+        return self._push_message("message", msg)
 
     def push_update(self, raw: dict[str, Any]) -> Pushed:
         """Queue a raw update (an `update_id` is assigned if missing)."""
@@ -577,6 +637,9 @@ class FakeTelegram:
 
     async def _handle(self, request: web.Request) -> web.Response:
         path = request.path
+        f = re.match(r"^/file/bot([^/]+)/(.+)$", path)
+        if f:
+            return self._serve_file(f.group(1), f.group(2))
         m = re.match(r"^/bot([^/]+)/([A-Za-z_]+)$", path)
         if not m:
             return web.json_response({"ok": False, "error_code": 404, "description": "Not Found"}, status=404)
@@ -609,6 +672,24 @@ class FakeTelegram:
             await self._notify()
 
     # ----------------------------------------------------------------- methods
+
+    def _serve_file(self, token: str, file_path: str) -> web.Response:
+        if token != self.token:
+            return web.json_response({"ok": False, "error_code": 401, "description": "Unauthorized"}, status=401)
+        for file_id, entry in self.files.items():
+            if entry["file_path"] == file_path and file_id not in self.lost_files:
+                self.file_downloads.append(file_path)
+                return web.Response(body=entry["data"], content_type="application/octet-stream")
+        return web.json_response({"ok": False, "error_code": 404, "description": "Not Found"}, status=404)
+
+    async def _api_getfile(self, params: dict[str, Any]) -> web.Response:
+        entry = self.files.get(str(params.get("file_id")))
+        if entry is None:
+            return self._error("getFile", 400, "Bad Request: invalid file_id")
+        if entry["file_size"] > 20 * 1024 * 1024:  # the Bot API's download cap
+            return self._error("getFile", 400, "Bad Request: file is too big")
+        return self._ok("getFile", {"file_id": params["file_id"], "file_unique_id": entry["file_unique_id"],
+                                    "file_size": entry["file_size"], "file_path": entry["file_path"]})
 
     async def _api_getme(self, params: dict[str, Any]) -> web.Response:
         return self._ok("getMe", {

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import subprocess
+import sys
 import time
+import warnings
+from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 import pytest
+from telegram.warnings import PTBUserWarning
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -436,6 +442,33 @@ async def test_flood_control_waits_and_sends_once(tg):
     assert elapsed >= 0.95
     assert [s for m, s in tg.responses if m == "sendMessage"] == [429, 200]
     assert [m["text"] for m in tg.sent_messages(111)] == ["chunk one"]
+
+
+def test_importing_the_adapter_leaves_the_environment_alone():
+    env = {k: v for k, v in os.environ.items() if k != "PTB_TIMEDELTA"}
+    code = "import os, adapters.telegram; print(os.environ.get('PTB_TIMEDELTA'))"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "None"
+
+
+async def test_polling_and_flood_control_use_public_ptb_api_without_warnings(tg):
+    source = (Path(__file__).resolve().parent.parent / "adapters" / "telegram.py").read_text()
+    assert "._post(" not in source and "._request" not in source and "_retry_after" not in source.replace("_retry_after_seconds", "")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = Recorder()
+        async with running(tg, rec) as adapter:
+            tg.push_private(111, "hello")
+            await rec.wait(1)
+            tg.fail_next("sendMessage", status=429, retry_after=1)
+            sent = await adapter.send(OutboundMessage(chat_id="111", text="after a 429"))
+    assert sent is not None and [m["text"] for m in tg.sent_messages(111)] == ["after a 429"]
+    assert [s for m, s in tg.responses if m == "sendMessage"] == [429, 200]
+    assert any(m == "getUpdates" for m, _ in tg.calls)
+    ptb = [w for w in caught if issubclass(w.category, PTBUserWarning)]
+    assert ptb == [], [str(w.message) for w in ptb]
 
 
 async def test_forbidden_is_logged_once_and_not_retried(tg, caplog):

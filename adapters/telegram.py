@@ -37,6 +37,7 @@ from telegram.request import HTTPXRequest
 from telegram.warnings import PTBDeprecationWarning, PTBUserWarning
 
 from adapters.base import Attachment, InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.telegram_flood import FloodGate, FloodLimits
 from adapters.telegram_format import markdown_to_telegram_html
 from gateway.command_specs import COMMAND_SPECS
 from gateway.config import ConfigError, TelegramConfig
@@ -235,6 +236,7 @@ class TelegramAdapter:
         send_timeout_s: float = 20.0,
         max_send_attempts: int = 5,
         max_flood_wait_s: float = 300.0,
+        flood_limits: FloodLimits | None = None,
     ) -> None:
         if not token:
             raise ConfigError(f"platforms.telegram: the bot token (env {cfg.token_env}) is empty")
@@ -249,6 +251,7 @@ class TelegramAdapter:
         self._backoff_max = backoff_max_s
         self._max_send_attempts = max(1, max_send_attempts)
         self._max_flood_wait = max_flood_wait_s
+        self._flood = FloodGate(flood_limits)
         self.bot, self._polling_request = _make_bot(cfg, token, send_timeout_s=send_timeout_s)
 
         self.bot_id: int | None = None
@@ -838,6 +841,7 @@ class TelegramAdapter:
         flood_waited = 0.0
         while True:
             attempts += 1
+            await self._flood.wait_turn(str(chat_id))
             try:
                 if formatted:
                     sent = await self.bot.send_message(chat_id, html_text, parse_mode=ParseMode.HTML, **kwargs)
@@ -852,7 +856,7 @@ class TelegramAdapter:
                     return None
                 log.warning("telegram: flood control (429) in chat %s; retrying in %.1fs", message.chat_id, wait)
                 flood_waited += wait
-                await asyncio.sleep(wait)
+                self._flood.hold(str(chat_id), wait)  # the next wait_turn sleeps it off
             except Forbidden:
                 self._mark_forbidden(message.chat_id)
                 return None
@@ -906,6 +910,7 @@ class TelegramAdapter:
         html_text = markdown_to_telegram_html(text)
         formatted = True
         for _ in range(self._max_send_attempts + 3):
+            await self._flood.wait_turn(sent.chat_id)
             try:
                 if formatted:
                     await self.bot.edit_message_text(html_text, chat_id=chat_id, message_id=message_id, parse_mode=ParseMode.HTML)
@@ -916,7 +921,7 @@ class TelegramAdapter:
                 wait = _retry_after_seconds(exc)
                 if wait > self._max_flood_wait:
                     return False
-                await asyncio.sleep(wait)  # 429: not applied, so retrying is safe
+                self._flood.hold(sent.chat_id, wait)  # 429: not applied, so retrying is safe
             except Forbidden:
                 self._mark_forbidden(sent.chat_id)
                 return False

@@ -775,7 +775,11 @@ def test_markdown_to_html_examples():
     assert markdown_to_telegram_html("> quoted\n> more\nafter") == "<blockquote>quoted\nmore</blockquote>\nafter"
 
 
-_md_alphabet = st.sampled_from(list("ab *_~`|#>[]()<&\n") + ["```", "```py\n", "**", "__", "~~", "||", "http://x.y", "😀", "&amp;"])
+_md_alphabet = st.sampled_from(
+    list("ab *_~`|#>[]()<&\n-:")
+    + ["```", "```py\n", "~~~", "~~~yaml\n", "   ```\n", "**", "***", "__", "~~", "||", "http://x.y",
+       "](http://x.y/a_(b))", "|---|---|\n", "> > ", "😀", "&amp;"]
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -471,7 +471,9 @@ class DiscordAdapter:
             async def with_args(interaction: discord.Interaction, args: Optional[str] = None) -> None:
                 await self._on_interaction(interaction, name, args)
 
-            cmd = app_commands.Command(name=name, description=description, callback=with_args)
+            cmd: app_commands.Command[Any, Any, Any] = app_commands.Command(
+                name=name, description=description, callback=with_args
+            )
             cmd = app_commands.describe(args="Arguments, as you would type after the command")(cmd)
         else:
 
@@ -492,7 +494,7 @@ class DiscordAdapter:
         try:
             wanted = {c.name: c.to_dict(tree) for c in tree.get_commands()}
             existing = await tree.fetch_commands()
-            have = {c.name: c.to_dict() for c in existing}
+            have: dict[str, dict[str, Any]] = {c.name: dict(c.to_dict()) for c in existing}
             for c in existing:  # AppCommand.to_dict() leaves the permissions out
                 perms = c.default_member_permissions
                 have[c.name]["default_member_permissions"] = perms.value if perms is not None else None

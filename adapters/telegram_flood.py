@@ -51,7 +51,7 @@ class _Window:
 
 
 class _ChatState:
-    __slots__ = ("lock", "chat", "group", "held_until")
+    __slots__ = ("chat", "group", "held_until", "lock")
 
     def __init__(self, limits: FloodLimits, is_group: bool) -> None:
         self.lock = asyncio.Lock()  # FIFO: sends to one chat keep their order
@@ -113,7 +113,8 @@ class FloodGate:
     def _prune(self) -> None:
         now = self._clock()
         for chat_id, state in list(self._chats.items()):
-            idle = not state.lock.locked() and state.held_until <= now
-            if idle and state.chat.wait_needed(now) == 0 and not state.chat.times:
-                if state.group is None or (state.group.wait_needed(now) == 0 and not state.group.times):
-                    del self._chats[chat_id]
+            windows = [state.chat] + ([state.group] if state.group else [])
+            # wait_needed() also drops expired send times, so `times` is then current
+            quiet = all(w.wait_needed(now) == 0 and not w.times for w in windows)
+            if quiet and not state.lock.locked() and state.held_until <= now:
+                del self._chats[chat_id]

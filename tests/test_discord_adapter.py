@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from adapters.base import InboundMessage, OutboundMessage, SentMessage
-from adapters.discord_bot import INTENT_HINT, DiscordAdapter, doctor, resolve_api_base
+from adapters.discord_bot import EPHEMERAL_IN_SERVERS, INTENT_HINT, DiscordAdapter, doctor, resolve_api_base
 from gateway.command_specs import COMMAND_SPECS
 from gateway.config import ConfigError, DiscordConfig
 from tests.fakes.discord_api import FakeDiscord
@@ -360,6 +360,53 @@ async def test_slash_command_roundtrip_via_followups(h):
     m = fake.push_guild_message(w.general, w.bob, "hey", mention_bot=True)
     await adapter.send(OutboundMessage(chat_id=w.general, text="hi bob", reply_to_message_id=m["id"]))
     assert fake.sent_messages(w.general)[-1]["via"] == "channel"
+
+
+async def test_admin_commands_are_registered_for_administrators_only(h):
+    adapter = await h.start()
+    fake = h.fake
+    await fake.wait_until(lambda: adapter.commands_synced)
+    (put,) = fake.rest_calls("PUT", rf"^/applications/{fake.app_id}/commands$")
+    perms = {c["name"]: c.get("default_member_permissions") for c in put["json"]}
+    admin = {s.name for s in COMMAND_SPECS if s.admin_only}
+    assert admin == {"pair"}
+    assert all(int(perms[name]) == 1 << 3 for name in admin)  # ADMINISTRATOR: only admins see it
+    assert all(perms[name] is None for name in perms if name not in admin)  # everyone sees the rest
+    await adapter.stop()
+    # commands registered before (without the permission) are overwritten at the next start
+    for cmd in fake.commands:
+        cmd["default_member_permissions"] = None
+    again = await h.start()
+    await fake.wait_until(lambda: again.commands_synced)
+    assert len(fake.rest_calls("PUT", r"/commands$")) == 2
+    assert int({c["name"]: c["default_member_permissions"] for c in fake.commands}["pair"]) == 8
+
+
+async def test_personal_commands_are_answered_ephemerally_in_servers_only(h):
+    adapter = await h.start()
+    w, fake = h.world, h.fake
+    await fake.wait_until(lambda: adapter.commands_synced)
+    assert EPHEMERAL_IN_SERVERS == {"whoami", "status", "memory", "usage"}
+    for n, name in enumerate(sorted(EPHEMERAL_IN_SERVERS)):
+        inter = fake.push_interaction(name, user_id=w.alice, channel_id=w.general)
+        msg = (await h.wait_for(n + 1))[-1]
+        callback = fake.rest_calls("POST", rf"^/interactions/{inter['id']}/")[0]["json"]
+        assert callback["type"] == 5 and callback["data"]["flags"] == 64  # "thinking…" only for alice
+        await adapter.send(OutboundMessage(chat_id=msg.chat_id, text=f"{name} one", reply_to_message_id=msg.message_id))
+        await adapter.send(OutboundMessage(chat_id=msg.chat_id, text=f"{name} two"))  # the next chunk
+    sent = fake.sent_messages(w.general)
+    assert len(sent) == 8 and all(m["interaction_id"] for m in sent)
+    assert all(int(m["body"].get("flags") or 0) & 64 for m in sent), [m["body"] for m in sent]
+    # other commands in a server, and these in a DM, are ordinary (visible) answers
+    public = fake.push_interaction("help", user_id=w.alice, channel_id=w.general)
+    dm_channel = fake.dm_channel(w.bob)
+    in_dm = fake.push_interaction("whoami", user_id=w.bob, channel_id=dm_channel)
+    await h.wait_for(len(EPHEMERAL_IN_SERVERS) + 2)
+    for inter in (public, in_dm):
+        callback = fake.rest_calls("POST", rf"^/interactions/{inter['id']}/")[0]["json"]
+        assert not (callback.get("data") or {}).get("flags")
+    await adapter.send(OutboundMessage(chat_id=dm_channel, text="you are bob", reply_to_message_id=f"interaction-{in_dm['id']}"))
+    assert not int(fake.sent_messages(dm_channel)[-1]["body"].get("flags") or 0) & 64
 
 
 async def test_slash_command_in_a_dm_and_without_args(h):

@@ -4,24 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import subprocess
+import sys
 import time
+import warnings
+from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 import pytest
+from telegram.warnings import PTBUserWarning
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.base import InboundMessage, OutboundMessage, SentMessage
 from adapters.telegram import TelegramAdapter, doctor, telegram_commands
+from adapters.telegram_flood import FloodGate, FloodLimits
 from adapters.telegram_format import markdown_to_telegram_html
 from gateway.config import ConfigError, TelegramConfig
 from gateway.delivery import utf16_len
 from tests.fakes.telegram_api import FakeTelegram, _parse_html
 
 TOKEN = "123456:AAEfakeTOKENfakeTOKENfake_-xyz"
+# Pacing loose enough not to slow the tests that are not about it (those set their own).
+LOOSE_FLOOD = FloodLimits(per_chat=(50, 1.0), per_group=(50, 1.0), overall=(100, 1.0))
 BOT = "hermes_test_bot"
 
 
@@ -73,7 +82,9 @@ async def tg():
 @asynccontextmanager
 async def running(tg: FakeTelegram, sink: Any = None, *, kwargs: dict[str, Any] | None = None, **cfg: Any):
     adapter = TelegramAdapter(
-        make_cfg(tg, **cfg), TOKEN, **({"backoff_initial_s": 0.05, "backoff_max_s": 0.2} | (kwargs or {}))
+        make_cfg(tg, **cfg),
+        TOKEN,
+        **({"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "flood_limits": LOOSE_FLOOD} | (kwargs or {})),
     )
     await adapter.start(sink or Recorder())
     try:
@@ -438,6 +449,130 @@ async def test_flood_control_waits_and_sends_once(tg):
     assert [m["text"] for m in tg.sent_messages(111)] == ["chunk one"]
 
 
+def test_importing_the_adapter_leaves_the_environment_alone():
+    env = {k: v for k, v in os.environ.items() if k != "PTB_TIMEDELTA"}
+    code = "import os, adapters.telegram; print(os.environ.get('PTB_TIMEDELTA'))"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "None"
+
+
+async def test_polling_and_flood_control_use_public_ptb_api_without_warnings(tg):
+    source = (Path(__file__).resolve().parent.parent / "adapters" / "telegram.py").read_text()
+    assert "._post(" not in source and "._request" not in source and "_retry_after" not in source.replace("_retry_after_seconds", "")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = Recorder()
+        async with running(tg, rec) as adapter:
+            tg.push_private(111, "hello")
+            await rec.wait(1)
+            tg.fail_next("sendMessage", status=429, retry_after=1)
+            sent = await adapter.send(OutboundMessage(chat_id="111", text="after a 429"))
+    assert sent is not None and [m["text"] for m in tg.sent_messages(111)] == ["after a 429"]
+    assert [s for m, s in tg.responses if m == "sendMessage"] == [429, 200]
+    assert any(m == "getUpdates" for m, _ in tg.calls)
+    ptb = [w for w in caught if issubclass(w.category, PTBUserWarning)]
+    assert ptb == [], [str(w.message) for w in ptb]
+
+
+# ----------------------------------------------------------------------------- flood control
+
+
+class FakeClock:
+    """time.monotonic/asyncio.sleep stand-ins: sleeping moves the clock, instantly."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += max(seconds, 0.0)
+        await asyncio.sleep(0)
+
+
+async def test_flood_gate_keeps_telegrams_published_limits():
+    clock = FakeClock()
+    gate = FloodGate(clock=clock.now, sleep=clock.sleep)  # the defaults: Telegram's limits
+
+    async def times(chat_ids: list[str]) -> list[float]:
+        out = []
+        for chat_id in chat_ids:
+            await gate.wait_turn(chat_id)
+            out.append(clock.now())
+        return out
+
+    private = await times(["111"] * 3)
+    assert [b - a for a, b in zip(private, private[1:])] == [1.0, 1.0]  # 1 message/s in a chat
+    clock.t += 120
+    group = await times(["-100200"] * 45)
+    assert all(b - a >= 1.0 for a, b in zip(group, group[1:]))
+    assert all(group[i + 20] - group[i] >= 60.0 for i in range(len(group) - 20))  # 20/min in a group
+    assert group[19] - group[0] == 19.0  # no slower than it has to be
+    clock.t += 120
+    many = await times([str(1000 + i) for i in range(95)])
+    assert all(many[i + 30] - many[i] >= 1.0 for i in range(len(many) - 30))  # 30/s overall
+    assert many[29] == many[0]  # a burst of 30 distinct chats goes out at once
+
+
+async def test_flood_gate_forgets_idle_chats_but_not_busy_ones():
+    clock = FakeClock()
+    gate = FloodGate(clock=clock.now, sleep=clock.sleep)
+    for i in range(600):
+        await gate.wait_turn(str(-1000 - i))  # groups: remembered for their 60 s window
+    clock.t += 61
+    await gate.wait_turn("-5")
+    held_at = clock.now()
+    gate.hold("-6", 300)  # held by a 429: must be remembered
+    for i in range(600):
+        await gate.wait_turn(str(10_000 + i))
+    tracked = len(gate._chats)
+    assert tracked < 700, tracked  # the 600 idle groups were dropped
+    await gate.wait_turn("-6")
+    assert clock.now() >= held_at + 300  # the hold survived the pruning
+
+
+async def test_sends_are_paced_per_chat_and_per_group_at_the_bot_api(tg):
+    limits = FloodLimits(per_chat=(1, 0.3), per_group=(3, 1.0), overall=(30, 1.0))
+    async with running(tg, kwargs={"flood_limits": limits}) as adapter:
+        tg.add_chat(111, "private")
+        tg.add_chat(-100200, "supergroup")
+        sends = [adapter.send(OutboundMessage(chat_id="111", text=f"private {i}")) for i in range(4)]
+        sends += [adapter.send(OutboundMessage(chat_id="-100200", text=f"group {i}")) for i in range(5)]
+        results = await asyncio.gather(*sends)
+    assert all(r is not None for r in results)
+    private, group = tg.sent_messages(111), tg.sent_messages(-100200)
+    assert [m["text"] for m in private] == [f"private {i}" for i in range(4)]  # in order, once each
+    assert [m["text"] for m in group] == [f"group {i}" for i in range(5)]
+    at = [m["_at"] for m in private]
+    assert all(b - a >= 0.25 for a, b in zip(at, at[1:])), at  # 0.3 s apart, minus arrival jitter
+    gat = [m["_at"] for m in group]
+    assert all(gat[i + 3] - gat[i] >= 0.9 for i in range(len(gat) - 3)), gat  # 3 per second
+    assert [s for m, s in tg.responses if m == "sendMessage"] == [200] * 9  # ahead of any 429
+
+
+async def test_a_429_holds_that_chat_and_every_chunk_lands_once(tg):
+    limits = FloodLimits(per_chat=(1, 0.05), per_group=(20, 1.0), overall=(30, 1.0))
+    async with running(tg, kwargs={"flood_limits": limits}) as adapter:
+        tg.add_chat(111, "private")
+        tg.add_chat(222, "private")
+        tg.fail_next("sendMessage", status=429, retry_after=1)
+        first = asyncio.create_task(adapter.send(OutboundMessage(chat_id="111", text="first")))
+        await tg.wait_for(lambda: ("sendMessage", 429) in tg.responses)
+        refused_at = time.monotonic()
+        second = asyncio.create_task(adapter.send(OutboundMessage(chat_id="111", text="second")))
+        other = await adapter.send(OutboundMessage(chat_id="222", text="elsewhere"))
+        assert other is not None and all(await asyncio.gather(first, second))
+    texts = [m["text"] for m in tg.sent_messages(111)]
+    assert sorted(texts) == ["first", "second"]  # each exactly once
+    held = [m for m in tg.sent_messages(111)]
+    assert all(m["_at"] - refused_at >= 0.8 for m in held)  # nothing into 111 during the hold
+    assert tg.sent_messages(222)[0]["_at"] < min(m["_at"] for m in held)  # other chats go on
+    assert [s for m, s in tg.responses if m == "sendMessage"] == [429, 200, 200, 200]
+
+
 async def test_forbidden_is_logged_once_and_not_retried(tg, caplog):
     caplog.set_level(logging.INFO, logger="adapters.telegram")
     rec = Recorder()
@@ -657,7 +792,11 @@ def test_markdown_to_html_examples():
     assert markdown_to_telegram_html("> quoted\n> more\nafter") == "<blockquote>quoted\nmore</blockquote>\nafter"
 
 
-_md_alphabet = st.sampled_from(list("ab *_~`|#>[]()<&\n") + ["```", "```py\n", "**", "__", "~~", "||", "http://x.y", "😀", "&amp;"])
+_md_alphabet = st.sampled_from(
+    list("ab *_~`|#>[]()<&\n-:")
+    + ["```", "```py\n", "~~~", "~~~yaml\n", "   ```\n", "**", "***", "__", "~~", "||", "http://x.y",
+       "](http://x.y/a_(b))", "|---|---|\n", "> > ", "😀", "&amp;"]
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from adapters.telegram import TelegramAdapter
+from adapters.telegram_flood import FloodLimits
 from gateway.app import GatewayApp
 from gateway.delivery import utf16_len
 from tests.fakes.llm import last_user_text, memory_saving_responder, reply
@@ -25,6 +26,8 @@ BOT = "hermes_test_bot"
 GROUP = -1001234567890
 FORUM = -1009876543210
 SECRET = "locker code 4711-QX"
+# Pacing loose enough not to slow these tests (tests/test_telegram_adapter.py checks the real one).
+LOOSE_FLOOD = FloodLimits(per_chat=(50, 1.0), per_group=(50, 1.0), overall=(100, 1.0))
 
 
 @pytest.fixture
@@ -42,7 +45,9 @@ def tg_config(config_for, tg: FakeTelegram, sections: dict[str, Any] | None = No
 
 @asynccontextmanager
 async def gateway(cfg):
-    adapter = TelegramAdapter.from_config(cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5)
+    adapter = TelegramAdapter.from_config(
+        cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5, flood_limits=LOOSE_FLOOD
+    )
     app = GatewayApp(cfg, [adapter])
     await app.start()
     try:

@@ -1,15 +1,19 @@
-"""TokenCounter: the offline cl100k encoding, the per-message cache and the chars/4 fallback."""
+"""TokenCounter: the shipped cl100k encoding, the per-message cache and the chars/4 fallback."""
 
 from __future__ import annotations
 
 import logging
 import socket
 
-import pytest
-import tiktoken.registry
+import hashlib
+import shutil
 
+import pytest
+import tiktoken_ext.openai_public as openai_public
+
+import agent.tokens
 from agent.messages import StoredMessage
-from agent.tokens import MESSAGE_OVERHEAD, OFFLINE_ENCODING, TokenCounter
+from agent.tokens import DEFAULT_ENCODING, ENCODINGS_DIR, MESSAGE_OVERHEAD, TokenCounter, load_encoding
 
 
 @pytest.fixture
@@ -25,12 +29,12 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_offline_encoding_loads_without_network(no_network: None, monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path, caplog: pytest.LogCaptureFixture) -> None:
-    # force a real load (not tiktoken's in-process copy) and no on-disk tiktoken cache
-    monkeypatch.delitem(tiktoken.registry.ENCODINGS, OFFLINE_ENCODING, raising=False)
+    # force a real load (not the in-process copy) and an empty tiktoken cache
+    load_encoding.cache_clear()
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     caplog.set_level(logging.WARNING)
     counter = TokenCounter.create()
-    assert counter.exact and counter.encoding_name == OFFLINE_ENCODING
+    assert counter.exact and counter.encoding_name == DEFAULT_ENCODING
     assert counter.count_text("hello world") == 2  # the real BPE, not chars/4 (= 3)
     assert counter.count_text("") == 0 and counter.count_text(None) == 0
     assert counter.count_text("<|endoftext|>") > 1  # special tokens are plain text here
@@ -39,7 +43,47 @@ def test_offline_encoding_loads_without_network(no_network: None, monkeypatch: p
 
 def test_create_is_cheap_after_the_first_load() -> None:
     a, b = TokenCounter.create(), TokenCounter.create()
-    assert a._enc is b._enc  # tiktoken keeps one Encoding per exact name
+    assert a._enc is b._enc  # one Encoding per name and process
+
+
+def test_shipped_encoding_is_the_one_tiktoken_defines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our constructor parameters equal tiktoken's own cl100k_base (fed the shipped file)."""
+    path = ENCODINGS_DIR / "cl100k_base.tiktoken"
+    seen: list[str] = []
+
+    def local_file(url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+        seen.append(url)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == expected_hash
+        return load_encoding()._mergeable_ranks  # the ranks we built from the shipped file
+
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", local_file)
+    theirs = openai_public.cl100k_base()
+    ours = load_encoding()
+    assert seen and seen[0].endswith("/cl100k_base.tiktoken")
+    assert theirs["pat_str"] == ours._pat_str
+    assert theirs["special_tokens"] == ours._special_tokens
+    assert theirs["name"] == ours.name == "cl100k_base"
+    assert ours.n_vocab == 100277
+    assert ours.encode("hello world<|endoftext|>", allowed_special="all") == [15339, 1917, 100257]
+
+
+def test_a_tampered_encoding_file_falls_back_to_chars(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    bad_dir = tmp_path / "encodings"
+    bad_dir.mkdir()
+    shutil.copy(ENCODINGS_DIR / "cl100k_base.tiktoken", bad_dir / "cl100k_base.tiktoken")
+    with open(bad_dir / "cl100k_base.tiktoken", "ab") as f:
+        f.write(b"IQ== 100300\n")
+    monkeypatch.setattr(agent.tokens, "ENCODINGS_DIR", bad_dir)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken's cache off: it would not check the hash
+    load_encoding.cache_clear()
+    caplog.set_level(logging.WARNING)
+    try:
+        counter = TokenCounter.create()
+    finally:
+        load_encoding.cache_clear()
+    assert not counter.exact
+    assert "ValueError" in caplog.text and "characters/4" in caplog.text
 
 
 def test_count_message_caches_on_the_record() -> None:

@@ -873,7 +873,10 @@ class FakeDiscord:
             "name": spec["name"],
             "description": spec.get("description", ""),
             "options": spec.get("options", []),
-            "default_member_permissions": spec.get("default_member_permissions"),
+            # Discord answers with the permission bitfield as a string, whatever was sent
+            "default_member_permissions": (
+                None if spec.get("default_member_permissions") is None else str(spec["default_member_permissions"])
+            ),
             "dm_permission": spec.get("dm_permission", True),
             "nsfw": spec.get("nsfw", False),
             "contexts": spec.get("contexts"),

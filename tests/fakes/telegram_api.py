@@ -32,7 +32,8 @@ timeout after Telegram processed the request).
 
 Recording: `tg.calls` is every call as `(method, params)`, `tg.responses` the matching
 `(method, status)`; `tg.sent_messages(chat_id=None)` the messages the bot sent (Message
-dicts, plus `"_params"` with the request parameters); `tg.acked_offset`,
+dicts, plus `"_params"` with the request parameters and `"_at"` the time.monotonic() it
+arrived); `tg.acked_offset`,
 `tg.pending_updates`. Waiting helpers: `await tg.wait_for(lambda: ..., timeout=10)`,
 `await tg.wait_sent(n, chat_id=None)`.
 
@@ -796,6 +797,7 @@ class FakeTelegram:
         msg = self._new_message(chat, dict(self.bot_user), text, **extra)
         record = dict(msg)
         record["_params"] = dict(params)
+        record["_at"] = time.monotonic()  # arrival time, to check the adapter's pacing
         self.sent.append(record)
         return self._ok("sendMessage", msg)
 

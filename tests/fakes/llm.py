@@ -20,6 +20,11 @@ With `strict=True` (the default) requests are checked the way OpenAI checks them
 assistant `tool_calls` entry must be answered by a `tool` message with its id before the next
 non-tool message, tool messages must answer a pending call, arguments must be JSON strings.
 Violations get a 400 and are listed in `llm.violations`.
+
+With `alternating_roles=True` the fake also refuses, like vLLM with a Llama-2/Mistral/Gemma
+chat template, any request whose user and assistant turns do not alternate (system messages
+only at the start, tool results between an assistant's calls and its answer): 400 with
+"Conversation roles must alternate user/assistant/user/assistant/...".
 """
 
 from __future__ import annotations
@@ -325,6 +330,33 @@ def _violations(body: Any) -> list[str]:
     return problems
 
 
+ALTERNATION_ERROR = "Conversation roles must alternate user/assistant/user/assistant/..."
+
+
+def _alternation_violation(body: Any) -> str | None:
+    """vLLM's chat-template check: after leading system messages, user and assistant turns
+    alternate, starting with user (tool results sit between a call and its answer)."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return None
+    expect: str | None = "user"  # None: after tool results either may follow
+    started = False
+    for i, msg in enumerate(messages):
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role in ("system", "developer"):
+            if started:
+                return f"{ALTERNATION_ERROR} (messages[{i}] is a {role} message after the first turn)"
+            continue
+        started = True
+        if role == "tool":
+            expect = None
+            continue
+        if expect is not None and role != expect:
+            return f"{ALTERNATION_ERROR} (messages[{i}] is {role}, expected {expect})"
+        expect = "assistant" if role == "user" else "user"
+    return None
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -343,6 +375,7 @@ class FakeLLM:
         context_length: int | None = None,
         context_dialect: str = "openai",
         strict: bool = True,
+        alternating_roles: bool = False,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -350,6 +383,7 @@ class FakeLLM:
         self.context_length = context_length  # prompt_chars//4 above this -> context error
         self.context_dialect = context_dialect
         self.strict = strict
+        self.alternating_roles = alternating_roles
         self.responder: ResponseLike = None
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[CIMultiDict[str]] = []
@@ -529,6 +563,10 @@ class FakeLLM:
                 self.violations.extend(problems)
                 return web.json_response({"error": {"message": "; ".join(problems),
                                                     "type": "invalid_request_error", "code": None}}, status=400)
+        if self.alternating_roles and (problem := _alternation_violation(body)):
+            self.violations.append(problem)
+            return web.json_response({"object": "error", "message": problem, "type": "BadRequestError",
+                                      "param": None, "code": 400}, status=400)
         estimate = prompt_chars(body) // 4
         if self.context_length is not None and estimate > self.context_length:
             chosen: ResponseLike = context_length_error(

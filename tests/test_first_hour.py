@@ -9,6 +9,7 @@ import os
 import pty
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -171,6 +172,27 @@ def test_ctrl_c_during_a_slow_reply_quits_at_once_and_keeps_the_message(tmp_path
         again = cli("chat", "-c", str(config), "--user", "amy", stdin="")
     assert again.returncode == 0, again.stderr
     assert "Hermes: ok: hello slow model" in again.stdout
+
+
+def test_sigint_stops_a_piped_chat_waiting_on_the_model_and_on_stdin(tmp_path):
+    with FakeLLM() as llm:
+        llm.script(hang(300))
+        config = write_config(tmp_path / "gw.yaml", llm.base_url)
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "chat", "-c", str(config), "--user", "amy"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=ROOT, env=ENV, text=True)
+        try:
+            proc.stdin.write("hello\n")
+            proc.stdin.flush()  # stdin stays open: the reader thread is blocked on it too
+            wait_for(lambda: len(llm.requests) == 1)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "Fatal Python error" not in err
+    assert out == ""  # nothing half-written on the conversation stream
 
 
 def test_ctrl_c_at_the_prompt_exits_130_and_ctrl_d_ends_the_line(tmp_path, terminals):

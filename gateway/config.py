@@ -260,18 +260,16 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    loader.flatten_mapping(node)
     seen: dict[Any, int] = {}
-    for key_node, _value in node.value:
+    for key_node, _value in node.value:  # the keys written here; `<<` merges may be overridden
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
-        try:
-            first = seen.setdefault(key, line)
-        except TypeError:  # an unhashable key: the base constructor reports it
-            continue
-        if first != line:
+        if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first given on line {first})", key_node.start_mark)
+                None, None, f"duplicate key {key!r} (first given on line {seen[key]})", key_node.start_mark)
+        seen[key] = line
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
 

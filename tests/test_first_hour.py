@@ -456,3 +456,10 @@ def test_profiles_path_gives_the_hermes_home_of_a_principal(tmp_path):
     assert "has no profile yet" in fresh.stderr
     unknown = cli("profiles", "path", "nobody", "-c", str(config))
     assert unknown.returncode == 1 and "no profile found" in unknown.stderr
+
+
+def test_yaml_merge_keys_may_still_be_overridden():
+    from gateway.config import parse_yaml
+
+    doc = parse_yaml("base: &b {timeout_s: 1, model: a}\nllm:\n  <<: *b\n  model: b\n")
+    assert doc["llm"] == {"timeout_s": 1, "model": "b"}  # an override, not a duplicate

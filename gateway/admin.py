@@ -65,9 +65,9 @@ class RunLock:
         except OSError:
             os.close(fd)
             raise AdminError(
-                f"{self.path.parent} is in use: a hermes-gateway (or an admin command) holds {self.path}. "
-                f"Stop the gateway first (systemctl stop hermes-gateway, or docker compose stop), "
-                f"then run {what} again. Exports and backups work while it runs.") from None
+                f"{self.path.parent} is in use: a hermes-gateway `run`, `chat` or admin command holds "
+                f"{self.path}. Stop the gateway first (systemctl stop hermes-gateway, or docker compose stop) "
+                f"or quit that chat, then run {what} again. Exports and backups work while it runs.") from None
         self._fd = fd
         return self
 

@@ -1,4 +1,4 @@
-"""The `hermes-gateway` command line: run, chat, doctor, init."""
+"""The `hermes-gateway` command line: run, chat, doctor, init (and the admin commands of gateway/admin.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gateway.admin import AdminError
+from gateway.admin import CONFIG_HELP, AdminError
 from gateway.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from agent.llm import LLMError
 
 DEFAULT_CONFIG = "hermes-gateway.yaml"
 
@@ -104,7 +108,7 @@ def _banner(cfg: Config, user: str, room: str | None) -> str:
             f"  /help lists the commands; Ctrl-D or Ctrl-C quits.")
 
 
-def _explain_llm_error(err, config_path: str) -> str:
+def _explain_llm_error(err: LLMError, config_path: str) -> str:
     """For the console, where the operator is the person chatting: what failed, where it
     is configured and how to check it."""
     return (f"({err.detail} — llm.base_url and llm.model are in {config_path}; "
@@ -144,9 +148,6 @@ def cmd_init(args: argparse.Namespace) -> int:
     print(f"Wrote {path}. Edit llm.base_url and llm.model in it, check them with "
           f"`{cmd} doctor -c {path}`, then chat with `{cmd} chat -c {path} --user you`{make}.")
     return 0
-
-
-CONFIG_HELP = "config file (default: hermes-gateway.yaml, or $HERMES_GATEWAY_CONFIG)"
 
 
 def build_parser() -> argparse.ArgumentParser:

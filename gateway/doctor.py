@@ -43,19 +43,29 @@ async def check_llm(cfg: Config) -> tuple[bool, str]:
         return False, f"cannot reach {base} ({type(err).__name__}); is the server running? (llm.base_url)"
     if resp.status_code in (401, 403):
         return False, f"{base} rejected the API key (HTTP {resp.status_code})"
-    if resp.status_code == 404:
-        return False, (f"{base}/models answered HTTP 404: llm.base_url has the wrong path "
-                       f"(OpenAI-compatible servers usually end in /v1, e.g. http://127.0.0.1:11434/v1)")
-    return await _check_completion(cfg)
+    ok, detail = await _check_completion(cfg)
+    if resp.status_code == 404:  # both 404: the path is wrong; chat works: it just lists no models
+        if not ok and "HTTP 404" in detail:
+            return False, (f"{base}/models and {base}/chat/completions answered HTTP 404: llm.base_url has "
+                           f"the wrong path (OpenAI-compatible servers usually end in /v1, "
+                           f"e.g. http://127.0.0.1:11434/v1)")
+        if ok:
+            detail += " (it lists no models at /models)"
+    return ok, detail
 
 
 async def _check_completion(cfg: Config) -> tuple[bool, str]:
     from agent.llm import LLMClient, LLMError
 
-    client = LLMClient.from_config(cfg.llm)
-    client.max_retries = 0
+    client = LLMClient.from_config(cfg.llm.model_copy(update={"max_retries": 0}))
+    ping = [{"role": "user", "content": "Say OK."}]
     try:
-        await client.chat([{"role": "user", "content": "Say OK."}], max_tokens=1)
+        try:
+            await client.chat(ping, max_tokens=1)
+        except LLMError as err:
+            if err.status != 400 or "max_tokens" not in err.detail:
+                raise
+            await client.chat(ping)  # e.g. OpenAI's reasoning models refuse max_tokens
     except LLMError as err:
         if err.status == 404:
             return False, (f"{err.detail}; check llm.model ({cfg.llm.model!r}) and llm.base_url "

@@ -284,7 +284,8 @@ def test_doctor_fails_a_base_url_without_v1(tmp_path):
         config = write_config(tmp_path / "gw.yaml", llm.base_url.removesuffix("/v1"))
         proc = cli("doctor", "-c", str(config))
     assert proc.returncode == 1
-    assert "[FAIL] model endpoint:" in proc.stdout and "/models answered HTTP 404" in proc.stdout
+    assert "[FAIL] model endpoint:" in proc.stdout
+    assert "/chat/completions answered HTTP 404: llm.base_url has the wrong path" in proc.stdout
     assert "end in /v1" in proc.stdout and "1 check failed." in proc.stdout
 
 

@@ -1,4 +1,4 @@
-"""The console adapter: one line of stdin is one message; replies go to stdout.
+"""The console adapter: one line of input is one message; replies go to stdout.
 
 Works with piped stdin, so a script can play several people and group rooms, one
 process after another, over the same data directory.
@@ -13,22 +13,37 @@ import time
 from typing import Awaitable, Callable, TextIO
 
 from adapters.base import InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.console_input import LineSource, PipedLines, PromptLines
+
+
+THINKING = "thinking… (Ctrl-C quits)"
 
 
 class ConsoleAdapter:
+    """One console person (or group room). On a terminal: a line editor with history, a
+    "thinking…" line while the gateway works; piped: plain lines in, plain replies out."""
+
     platform = "console"
     max_message_length = 100_000
     can_edit = False
 
     def __init__(self, user: str, room: str | None = None, *, stdin: TextIO | None = None,
                  stdout: TextIO | None = None, agent_name: str = "Hermes",
-                 after_line: Callable[[], Awaitable[object]] | None = None) -> None:
+                 after_line: Callable[[], Awaitable[object]] | None = None,
+                 interactive: bool | None = None,
+                 explain_error: Callable[[], str | None] | None = None) -> None:
         self.user = user
         self.room = room
         self._stdin = stdin or sys.stdin
         self._stdout = stdout or sys.stdout
         self._agent_name = agent_name
         self._after_line = after_line
+        self._explain_error = explain_error
+        if interactive is None:
+            interactive = _isatty(self._stdin) and _isatty(self._stdout)
+        self.interactive = interactive
+        self.interrupted = False
+        self._thinking = False
         self._ids = itertools.count(1)
         self._run_id = f"{time.time_ns():x}"  # message ids stay unique across runs
         self._task: asyncio.Task | None = None
@@ -51,23 +66,46 @@ class ConsoleAdapter:
     async def start(self, sink: InboundSink) -> None:
         self._task = asyncio.create_task(self._read(sink))
 
+    def interrupt(self) -> None:
+        """Ctrl-C: stop at once; the turn in flight is cancelled by the caller and its
+        message stays pending (answered on the next start)."""
+        self.interrupted = True
+        self._clear_thinking()
+        self.finished.set()
+
+    def _lines(self) -> LineSource:
+        if self.interactive:
+            return PromptLines(f"{self.user}> ")
+        return PipedLines(self._stdin)
+
     async def _read(self, sink: InboundSink) -> None:
-        interactive = self._stdin.isatty()
+        lines = self._lines()
         try:
+            await self._answers()  # replies to messages replayed from the last run come first
             while True:
-                if interactive:
-                    self._write(f"{self.user}> ", end="")
-                line = await asyncio.to_thread(self._stdin.readline)
-                if not line:
+                try:
+                    text = await lines.read()
+                except KeyboardInterrupt:
+                    self.interrupt()
+                    return
+                if text is None:
                     break
-                text = line.rstrip("\r\n")
                 if not text.strip():
                     continue
                 await sink(self._message(text))
-                if self._after_line is not None:
-                    await self._after_line()
+                await self._answers()
+                if self.interrupted:
+                    return
         finally:
+            lines.close()
             self.finished.set()
+
+    async def _answers(self) -> None:
+        if self._after_line is not None:
+            try:
+                await self._after_line()
+            finally:
+                self._clear_thinking()
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
@@ -75,16 +113,38 @@ class ConsoleAdapter:
         self.finished.set()
 
     def _write(self, text: str, end: str = "\n") -> None:
+        self._clear_thinking()
         self._stdout.write(text + end)
         self._stdout.flush()
+
+    def _clear_thinking(self) -> None:
+        if self._thinking:
+            self._thinking = False
+            self._stdout.write("\r\x1b[K")
+            self._stdout.flush()
 
     async def send(self, message: OutboundMessage) -> SentMessage | None:
         label = {"reply": self._agent_name, "notice": "notice", "error": "error"}[message.kind]
         self._write(f"{label}: {message.text}")
+        if message.kind == "error" and self._explain_error is not None:
+            hint = self._explain_error()
+            if hint:
+                self._write(f"  {hint}")
         return SentMessage(chat_id=message.chat_id, message_id=f"out-{next(self._ids)}")
 
     async def edit(self, sent: SentMessage, text: str) -> bool:
         return False
 
     async def typing(self, chat_id: str, thread_id: str | None) -> None:
-        return None
+        """The gateway is working on a turn: show "thinking…" (terminal only)."""
+        if self.interactive and not self._thinking and not self.finished.is_set():
+            self._thinking = True
+            self._stdout.write(f"{self._agent_name} is {THINKING}")
+            self._stdout.flush()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -74,6 +74,17 @@ class LLMUnavailable(LLMError):
     )
 
 
+class LLMTimeout(LLMUnavailable):
+    """The server took the request but did not finish the answer in `timeout_s`. Not
+    retried: asking again would make a busy server generate the same answer again."""
+
+    kind = "timeout"
+    default_user_message = (
+        "The assistant's model did not finish its answer in time; your message was kept — "
+        "please try again, perhaps with a shorter request."
+    )
+
+
 class LLMRateLimited(LLMError):
     kind = "rate_limited"
     default_user_message = (
@@ -94,6 +105,17 @@ class ContextLengthExceeded(LLMError):
         super().__init__(detail, **kw)
         self.limit = limit
         self.requested = requested
+
+
+class LLMRefused(LLMError):
+    """A 4xx the server gave for this conversation (e.g. vLLM's "Conversation roles must
+    alternate"): sending the same history again will fail again, so say how to get out."""
+
+    kind = "bad_request"
+    default_user_message = (
+        "The assistant's model provider refused this conversation; send /new to start a fresh one "
+        "(your memory is kept), or tell an operator if it keeps happening."
+    )
 
 
 class LLMBadResponse(LLMError):
@@ -223,7 +245,8 @@ class LLMClient:
     """One OpenAI-compatible endpoint; one pooled httpx.AsyncClient per instance.
 
     Retries (bounded, exponential backoff with jitter) on 429, 5xx, connect errors and
-    timeouts; never on other 4xx or context-length errors.
+    connect timeouts; never on a read timeout (the server may still be generating), other
+    4xx or context-length errors.
     """
 
     def __init__(
@@ -294,7 +317,7 @@ class LLMClient:
         temperature: float | None = None,
     ) -> ChatResult:
         """One chat completion (non-streaming). Raises an `LLMError` subclass on failure."""
-        payload: dict[str, Any] = {"model": model or self.model, "messages": messages}
+        payload: dict[str, Any] = {"model": model or self.model, "messages": wire_messages(messages)}
         if tools:
             payload["tools"] = tools
         if max_tokens is not None:
@@ -327,9 +350,12 @@ class LLMClient:
         """One HTTP round trip: (error, retry_after_s, body)."""
         try:
             resp = await self._http.post(self._url, json=payload)
-        except httpx.TimeoutException as exc:
-            return LLMUnavailable(self._redact(f"timed out talking to {self._safe_base} ({type(exc).__name__})"),
+        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:  # nothing was generated: retryable
+            return LLMUnavailable(self._redact(f"timed out connecting to {self._safe_base} ({type(exc).__name__})"),
                                   attempts=attempt), None, None
+        except httpx.TimeoutException as exc:
+            return LLMTimeout(self._redact(f"timed out after {self.timeout_s:g} s waiting for {self._safe_base} "
+                                           f"to answer ({type(exc).__name__})"), attempts=attempt), None, None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             return LLMUnavailable(self._redact(f"cannot reach {self._safe_base}: {type(exc).__name__}: {exc}"),
                                   attempts=attempt), None, None
@@ -381,11 +407,11 @@ class LLMClient:
                 user_message="The assistant's model or endpoint was not found; an operator needs to fix the configuration.",
                 **kw,
             )
-        return LLMError(detail, kind="bad_request", **kw)
+        return LLMRefused(detail, **kw)
 
     @staticmethod
     def _retryable(err: LLMError) -> bool:
-        return isinstance(err, (LLMUnavailable, LLMRateLimited))
+        return isinstance(err, (LLMUnavailable, LLMRateLimited)) and not isinstance(err, LLMTimeout)
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
@@ -438,6 +464,31 @@ def _safe_url(url: str) -> str:
     if parts.port:
         host = f"{host}:{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each run of consecutive user messages merged into one (texts joined
+    by a blank line), so servers whose chat template needs alternating roles (vLLM,
+    llama.cpp with Mistral or Gemma templates) accept a history where messages were kept
+    while the model was down. The stored history is not changed."""
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        prev = out[-1] if out else None
+        if prev is not None and msg.get("role") == "user" and prev.get("role") == "user":
+            out[-1] = {**prev, "content": _join_contents(prev.get("content"), msg.get("content"))}
+        else:
+            out.append(msg)
+    return out
+
+
+def _join_contents(a: Any, b: Any) -> Any:
+    if isinstance(a, str) and isinstance(b, str):
+        return f"{a}\n\n{b}"
+
+    def parts(c: Any) -> list[Any]:
+        return list(c) if isinstance(c, list) else [{"type": "text", "text": c or ""}]
+
+    return parts(a) + [{"type": "text", "text": "\n\n"}] + parts(b)
 
 
 def _content_text(content: Any) -> str | None:

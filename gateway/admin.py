@@ -34,6 +34,7 @@ from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir
 
 LOCK_NAME = "gateway.lock"
+CONFIG_HELP = "config file (default: hermes-gateway.yaml, or $HERMES_GATEWAY_CONFIG)"
 RETIRED_MARKER = "merged-into.json"  # written by gateway/linking.py into a merged-away profile
 EXPORT_FORMAT = "hermes-gateway-profile-export"
 BACKUP_FORMAT = "hermes-gateway-backup"
@@ -64,9 +65,9 @@ class RunLock:
         except OSError:
             os.close(fd)
             raise AdminError(
-                f"{self.path.parent} is in use: a hermes-gateway (or an admin command) holds {self.path}. "
-                f"Stop the gateway first (systemctl stop hermes-gateway, or docker compose stop), "
-                f"then run {what} again. Exports and backups work while it runs.") from None
+                f"{self.path.parent} is in use: a hermes-gateway `run`, `chat` or admin command holds "
+                f"{self.path}. Stop the gateway first (systemctl stop hermes-gateway, or docker compose stop) "
+                f"or quit that chat, then run {what} again. Exports and backups work while it runs.") from None
         self._fd = fd
         return self
 
@@ -601,25 +602,39 @@ def _lock_profile(path: Path) -> int:
 
 # ----- backup / restore of the whole data directory ---------------------------------------------
 
+BACKUP_GLOB = "hermes-backup-*.tar.gz"
+
+
+def _backup_name(directory: Path) -> Path:
+    """`hermes-backup-<UTC date>-<time>-<microseconds>.tar.gz`, not yet taken in `directory`.
+    Fixed width, so names sort in time order (what `keep` relies on)."""
+    now = time.time()
+    while True:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f"-{int(now * 1e6) % 1_000_000:06d}"
+        path = directory / f"hermes-backup-{stamp}.tar.gz"
+        if not path.exists():
+            return path
+        now += 1e-6
+
+
 def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> Path:
     """A consistent copy of the data directory while the gateway runs: every state.db and
     gateway.db through SQLite's online backup, then journals, memories, provider files and
-    links.json. `dest` ending in .tar.gz/.tgz gives one archive (mode 0600); an existing
-    directory gets a timestamped archive inside (and `keep` prunes older ones); any other
-    path becomes a new directory."""
+    links.json. Always one archive (mode 0600) with a timestamped name inside the directory
+    `dest` (created if missing); `keep` then deletes all but the newest `keep` archives."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise AdminError(f"{data_dir}: no such data directory")
-    dest = Path(dest)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    rotate_in = None
-    if dest.is_dir():
-        rotate_in = dest
-        dest = dest / f"hermes-backup-{stamp}.tar.gz"
-    as_tar = dest.name.endswith((".tar.gz", ".tgz"))
-    if dest.exists():
-        raise AdminError(f"{dest} already exists")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    if keep is not None and keep < 1:
+        raise AdminError(f"--keep must be at least 1 (got {keep})")
+    directory = Path(dest)
+    if directory.name.endswith((".tar.gz", ".tgz")) and not directory.is_dir():
+        raise AdminError(f"backup writes a timestamped archive inside a directory; give the directory "
+                         f"(e.g. {directory.parent}), not an archive name")
+    if directory.exists() and not directory.is_dir():
+        raise AdminError(f"{directory} is a file; backup needs a directory to put the archive in")
+    directory.mkdir(parents=True, exist_ok=True)
+    dest = _backup_name(directory)
     with tempfile.TemporaryDirectory(prefix=".hermes-backup-", dir=dest.parent) as tmp:
         stage = Path(tmp) / "data"
         stage.mkdir(mode=0o700)
@@ -644,14 +659,9 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
             copy_profile_files(info.path, target)
             report["profiles"] += 1
         (stage / "BACKUP.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-        if as_tar:
-            _write_tar(stage, dest)
-        else:
-            _fsync_tree(stage)
-            os.replace(stage, dest)
-    if rotate_in is not None and keep:
-        old = sorted(rotate_in.glob("hermes-backup-*.tar.gz"))
-        for path in old[:-keep]:
+        _write_tar(stage, dest)
+    if keep:
+        for path in sorted(directory.glob(BACKUP_GLOB))[:-keep]:
             path.unlink()
     return dest
 
@@ -702,6 +712,10 @@ def _check_owner(cfg: Config) -> None:
     if os.geteuid() == 0 and owner != 0:
         raise AdminError(f"{cfg.data_dir} belongs to uid {owner}; run this as that user "
                          f"(e.g. sudo -u hermes-gateway hermes-gateway ...) so new files stay readable by the gateway")
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _print_json(data: Any) -> None:
@@ -772,11 +786,28 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
     print(f"disk use:      {_human_bytes(stats['disk_bytes'])}")
     print(f"memory:        MEMORY.md {memory['memory']['entries']} entries / {memory['memory']['chars']} chars, "
           f"USER.md {memory['user']['entries']} entries / {memory['user']['chars']} chars")
-    print(f"provider:      {len(provider_files)} file(s)")
+    print(f"provider:      {_count(len(provider_files), 'file', 'files')}")
     print(f"sessions:      {stats['sessions']} ({stats['messages']} messages)")
     for s in data["sessions_detail"]:
         state = f"ended {_when(s['ended_at'])} ({s['end_reason']})" if s["ended_at"] else "live"
         print(f"  {s['id']}  {s['session_key']}  {s['message_count']} msgs  started {_when(s['started_at'])}  {state}")
+    return 0
+
+
+def cmd_profiles_path(cfg: Config, args: argparse.Namespace) -> int:
+    """Print the profile directory (the HERMES_HOME) of a principal or tenant, e.g. for
+    `HERMES_HOME=$(hermes-gateway profiles path telegram:111) hermes`."""
+    try:
+        path = find_tenant(cfg, args.principal).path
+    except AdminError:
+        platform, sep, user = args.principal.partition(":")
+        if not sep or not platform or not user:
+            raise
+        tenant = load_links(cfg).tenant_for(args.principal) or person_tenant_id(platform, user)
+        path = tenant_dir(cfg.data_dir, tenant)
+        print(f"note: {args.principal} has no profile yet; it will be created there on their first message",
+              file=sys.stderr)
+    print(path.resolve())
     return 0
 
 
@@ -795,7 +826,8 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
         RunLock(cfg.data_dir).acquire("`profiles delete`")  # raises the explanation
     stats = profile_stats(info.path)
     print(f"This permanently deletes {info.tenant_id} ({', '.join(info.principals) or 'no principals'}): "
-          f"{stats['sessions']} session(s), {stats['messages']} message(s), memory, provider data, "
+          f"{_count(stats['sessions'], 'session', 'sessions')}, {_count(stats['messages'], 'message', 'messages')}, "
+          f"memory, provider data, "
           f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db.")
     if not args.yes:
         if not sys.stdin.isatty():
@@ -806,8 +838,9 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
             print("Not confirmed; nothing was deleted.")
             return 1
     report = delete_tenant(cfg, info)
-    print(f"deleted {report.tenant_id}: {len(report.removed_dirs)} profile director(y/ies), "
-          f"{len(report.links_removed)} link entr(y/ies), {report.gateway_rows} gateway.db row(s)")
+    print(f"deleted {report.tenant_id}: {_count(len(report.removed_dirs), 'profile directory', 'profile directories')}, "
+          f"{_count(len(report.links_removed), 'link entry', 'link entries')}, "
+          f"{_count(report.gateway_rows, 'gateway.db row', 'gateway.db rows')}")
     if report.pinned:
         print(f"note: {', '.join(report.pinned)} are linked in the config file (tenancy.identity_links); "
               "remove them there too.")
@@ -818,7 +851,8 @@ def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     info = restore_profile(cfg, Path(args.archive), force=args.force)
     stats = profile_stats(info.path)
-    print(f"restored {info.tenant_id} to {info.path}: {stats['sessions']} session(s), {stats['messages']} message(s)")
+    print(f"restored {info.tenant_id} to {info.path}: {_count(stats['sessions'], 'session', 'sessions')}, "
+          f"{_count(stats['messages'], 'message', 'messages')}")
     return 0
 
 
@@ -832,7 +866,7 @@ def cmd_backup(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_restore(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     report = restore_data_dir(Path(args.src), cfg.data_dir)
-    print(f"restored {report.get('profiles', 0)} profile(s) into {cfg.data_dir} "
+    print(f"restored {_count(report.get('profiles', 0), 'profile', 'profiles')} into {cfg.data_dir} "
           f"(backup of {_when(report.get('created_at'))} UTC)")
     return 0
 
@@ -863,39 +897,45 @@ def _guard(fn: Any) -> Any:
 
 def register(sub: Any) -> None:
     """Add the operator subcommands to the CLI (see gateway/cli.py `_EXTRA_COMMANDS`)."""
+    tenant_help = "tenant id (telegram-111), principal (telegram:111) or profile directory name"
+    json_help = "print JSON instead of a table"
     profiles = sub.add_parser("profiles", help="list, show, export, delete or restore tenant profiles")
     psub = profiles.add_subparsers(dest="profiles_command", required=True)
     p = psub.add_parser("list", help="every tenant: principals, sessions, messages, disk use, last activity")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(handler=_guard(cmd_profiles_list))
     p = psub.add_parser("show", help="one tenant in detail (id, principal like telegram:111, or directory)")
-    p.add_argument("tenant")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("tenant", help=tenant_help)
+    p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(handler=_guard(cmd_profiles_show))
+    p = psub.add_parser("path", help="print a tenant's profile directory, for HERMES_HOME=$(...)")
+    p.add_argument("principal", help=tenant_help)
+    p.set_defaults(handler=_guard(cmd_profiles_path))
     p = psub.add_parser("export", help="one .tar.gz of everything a tenant owns (works while running)")
-    p.add_argument("tenant")
+    p.add_argument("tenant", help=tenant_help)
     p.add_argument("-o", "--output", default=None, help="archive path or directory (default: current directory)")
     p.set_defaults(handler=_guard(cmd_profiles_export))
     p = psub.add_parser("delete", help="delete everything a tenant owns (gateway stopped; asks to confirm)")
-    p.add_argument("tenant")
+    p.add_argument("tenant", help=tenant_help)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(handler=_guard(cmd_profiles_delete))
     p = psub.add_parser("restore", help="put back a profile from a `profiles export` archive (gateway stopped)")
-    p.add_argument("archive")
+    p.add_argument("archive", help="a .tar.gz written by `profiles export`")
     p.add_argument("--force", action="store_true", help="replace an existing profile of the same tenant")
     p.set_defaults(handler=_guard(cmd_profiles_restore))
     for p in psub.choices.values():
-        p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS)
+        p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)
 
-    p = sub.add_parser("backup", help="consistent copy of the whole data directory (works while running)")
-    p.add_argument("dest", help="new directory, FILE.tar.gz, or an existing directory for a timestamped archive")
-    p.add_argument("--keep", type=int, default=None, help="with a directory: keep only the newest N archives")
+    p = sub.add_parser("backup", help="consistent archive of the whole data directory (works while running)")
+    p.add_argument("dest", help="directory for the timestamped archive (created if missing)")
+    p.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="then delete all but the newest N archives in that directory")
     p.set_defaults(handler=_guard(cmd_backup))
-    p = sub.add_parser("restore", help="restore a `backup` into an empty data directory")
-    p.add_argument("src", help="backup directory or archive")
+    p = sub.add_parser("restore", help="restore a `backup` into an empty data directory (gateway stopped)")
+    p.add_argument("src", help="backup archive (or a backup directory of an older version)")
     p.set_defaults(handler=_guard(cmd_restore))
     p = sub.add_parser("health", help="ask the running gateway's /healthz (exit 0 when healthy)")
     p.add_argument("--listen", default=None, help="host:port (default: observability.listen)")
-    p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing; only the exit status tells")
     p.set_defaults(handler=_guard(cmd_health))

@@ -1,4 +1,4 @@
-"""The `hermes-gateway` command line: run, chat, doctor, init."""
+"""The `hermes-gateway` command line: run, chat, doctor, init (and the admin commands of gateway/admin.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,17 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gateway.admin import AdminError
+from gateway.admin import CONFIG_HELP, AdminError
 from gateway.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from agent.llm import LLMError
 
 DEFAULT_CONFIG = "hermes-gateway.yaml"
 
@@ -41,7 +46,7 @@ async def _run(cfg: Config) -> int:
     adapters = build_adapters(cfg)
     if not adapters:
         print("No platform is enabled (platforms.telegram.enabled / platforms.discord.enabled). "
-              "Try `hermes-gateway chat` for the console.", file=sys.stderr)
+              f"Try `{command_name()} chat` for the console.", file=sys.stderr)
         return 2
     app = GatewayApp(cfg, adapters)
     stop = asyncio.Event()
@@ -56,62 +61,154 @@ async def _run(cfg: Config) -> int:
     return 0
 
 
-async def _chat(cfg: Config, user: str, room: str | None) -> int:
+async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> int:
     from adapters.console import ConsoleAdapter
     from gateway.app import GatewayApp
 
     app_box: list[GatewayApp] = []
+    explained: list[object] = [None]
+
+    def explain() -> str | None:
+        err = app_box[0].llm_monitor.last_error
+        if err is None or err is explained[0]:
+            return None
+        explained[0] = err
+        return _explain_llm_error(err, config_path)
+
     console = ConsoleAdapter(user, room, agent_name=cfg.agent_name,
-                             after_line=lambda: app_box[0].drain(timeout=None))
+                             after_line=lambda: app_box[0].drain(timeout=None), explain_error=explain)
     app = GatewayApp(cfg, [console])
     app_box.append(app)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, console.finished.set)
-    await app.start()
-    await console.finished.wait()
-    await app.stop()
+        loop.add_signal_handler(sig, console.interrupt)
+    try:
+        await app.start()
+        if console.interactive:
+            print(_banner(cfg, user, room), flush=True)
+        await console.finished.wait()
+    finally:
+        # after Ctrl-C do not wait for the reply: the turn is cancelled and its message stays
+        # pending in gateway.db, answered the next time the chat (or the gateway) starts
+        busy = app.lanes.depth() > 0
+        await app.stop(drain_timeout=0 if console.interrupted else 30.0)
+    if console.interrupted:
+        if busy:
+            print("Interrupted; your message is kept and will be answered the next time the chat starts.",
+                  file=sys.stderr, flush=True)
+        return 130
     return 0
+
+
+def _banner(cfg: Config, user: str, room: str | None) -> str:
+    where = f"in group room {room!r}" if room else "in a private chat"
+    return (f"hermes-gateway console: {user} {where} with {cfg.agent_name}\n"
+            f"  model {cfg.llm.model} at {cfg.llm.base_url}\n"
+            f"  data in {cfg.data_dir}\n"
+            f"  /help lists the commands; Ctrl-D or Ctrl-C quits.")
+
+
+def _explain_llm_error(err: LLMError, config_path: str) -> str:
+    """For the console, where the operator is the person chatting: what failed, where it
+    is configured and how to check it."""
+    return (f"({err.detail} — llm.base_url and llm.model are in {config_path}; "
+            f"check them with `{command_name()} doctor -c {config_path}`)")
+
+
+def command_name() -> str:
+    """How to run this program again from the current directory; it may not be on PATH
+    (after `make install` it is `.venv/bin/hermes-gateway`)."""
+    candidates = [Path(sys.argv[0])] if Path(sys.argv[0]).name == "hermes-gateway" else []
+    candidates.append(Path(sys.prefix) / "bin" / "hermes-gateway")
+    on_path = shutil.which("hermes-gateway")
+    for exe in candidates:
+        if not exe.exists():
+            continue
+        if on_path and Path(on_path).resolve() == exe.resolve():
+            return "hermes-gateway"
+        rel = os.path.relpath(exe)
+        return rel if not rel.startswith("..") else str(exe)
+    return "hermes-gateway"
 
 
 def cmd_init(args: argparse.Namespace) -> int:
     from gateway.starter import STARTER_CONFIG
 
     path = Path(args.config)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory; give init the config file to write, "
+                          f"e.g. -c {path / DEFAULT_CONFIG}")
     if path.exists() and not args.force:
         print(f"{path} already exists (use --force to overwrite).", file=sys.stderr)
         return 1
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(STARTER_CONFIG, encoding="utf-8")
-    print(f"Wrote {path}. Edit llm.base_url/model, then: hermes-gateway chat -c {path} --user you")
+    cmd = command_name()
+    make = " (or `make run`)" if str(path) == DEFAULT_CONFIG and Path("Makefile").is_file() else ""
+    print(f"Wrote {path}. Edit llm.base_url and llm.model in it, check them with "
+          f"`{cmd} doctor -c {path}`, then chat with `{cmd} chat -c {path} --user you`{make}.")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hermes-gateway",
                                      description="One LLM agent on Discord and Telegram, one memory per person.")
-    parser.add_argument("-c", "--config", default=os.environ.get("HERMES_GATEWAY_CONFIG", DEFAULT_CONFIG))
+    parser.add_argument("-c", "--config", default=os.environ.get("HERMES_GATEWAY_CONFIG", DEFAULT_CONFIG),
+                        help=CONFIG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run every enabled platform until SIGINT/SIGTERM")
     chat = sub.add_parser("chat", help="talk to the agent on the console (works with piped stdin)")
-    chat.add_argument("--user", default=os.environ.get("USER", "me"), help="who is speaking")
+    chat.add_argument("--user", default=os.environ.get("USER", "me"), help="who is speaking (default: $USER)")
     chat.add_argument("--group", default=None, metavar="ROOM", help="speak in a group room instead of a DM")
     sub.add_parser("doctor", help="check the config, the data directory, the model and the platforms")
-    init = sub.add_parser("init", help="write a commented starter config")
-    init.add_argument("--force", action="store_true")
+    init = sub.add_parser("init", help="write a commented starter config (parent directories are created)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
     for extra in _EXTRA_COMMANDS:
         extra(sub)
     # the global -c may also come after the subcommand
     for p in sub.choices.values():
-        p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+        p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)
+    return parser
 
-    if args.command == "init":
-        return cmd_init(args)
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; every failure a person can cause ends in one message and a
+    non-zero exit: 2 for a config problem, 1 for a refusal, 130 after Ctrl-C."""
     try:
-        cfg = load_config(args.config)
+        code = _dispatch(build_parser().parse_args(argv))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    except AdminError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `... | head` closed our stdout: stop quietly
+        _silence_stdout()
+        return 141
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"error: {where}{err.strerror or err}", file=sys.stderr)
+        return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "init":
+        return cmd_init(args)
+    cfg = load_config(args.config)
     if args.command == "doctor":
         from gateway.doctor import run_doctor
         setup_logging(cfg, quiet=True)
@@ -120,26 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(cfg, quiet=True)
         # the conversation is on stdout; retries and warnings would only clutter the terminal
         logging.getLogger().setLevel(logging.ERROR)
-        try:
-            return asyncio.run(_chat(cfg, args.user, args.group))
-        except KeyboardInterrupt:
-            return 130
+        return asyncio.run(_chat(cfg, args.user, args.group, args.config))
     if args.command == "run":
         setup_logging(cfg)
-        try:
-            return asyncio.run(_run(cfg))
-        except ConfigError as err:
-            print(err, file=sys.stderr)
-            return 2
-        except AdminError as err:  # another gateway holds the data directory
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+        return asyncio.run(_run(cfg))
     handler = getattr(args, "handler", None)
     if handler is not None:
         setup_logging(cfg, quiet=True)
         return handler(cfg, args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    raise ConfigError(f"unknown command {args.command}")
 
 
 # Extra subcommands register here (e.g. `profiles`, `backup`): callables taking the

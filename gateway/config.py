@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -41,6 +42,14 @@ class LLMConfig(_Section):
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} must be an http(s) URL such as http://127.0.0.1:11434/v1")
+        return url
 
 
 class AuxModelConfig(_Section):
@@ -97,6 +106,16 @@ class MemoryConfig(_Section):
     review_timeout_s: float = Field(default=120.0, gt=0)
     write_approval: Literal["allow", "stage", "block"] = "allow"
     provider: str = ""  # "" = no external provider
+
+    @field_validator("provider")
+    @classmethod
+    def _known_provider(cls, kind: str) -> str:
+        from agent.providers import PROVIDERS
+
+        if kind and kind not in PROVIDERS:
+            known = ", ".join(repr(k) for k in ["", *PROVIDERS])
+            raise ValueError(f"unknown memory provider {kind!r} (known: {known})")
+        return kind
 
 
 class SkillsConfig(_Section):
@@ -207,6 +226,18 @@ class PlatformsConfig(_Section):
 class ObservabilityConfig(_Section):
     listen: str | None = None  # "127.0.0.1:9464" serves /healthz and /metrics
 
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, listen: str | None) -> str | None:
+        from gateway.observability import parse_listen
+
+        if listen is not None:
+            try:
+                parse_listen(listen)
+            except ValueError:
+                raise ValueError(f"{listen!r} must look like 127.0.0.1:9464 (host:port)") from None
+        return listen
+
 
 class LoggingConfig(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -236,7 +267,7 @@ def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         lines.append(f"  {key}: {msg}")
     return "\n".join(lines)
 
@@ -256,6 +287,33 @@ def parse_config(data: object, source: str = "<config>", base_dir: Path | None =
     return cfg
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error instead of the
+    last one silently winning."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _value in node.value:  # the keys written here; `<<` merges may be overridden
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first given on line {seen[key]})", key_node.start_mark)
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse one YAML document with the strict loader (duplicate keys refused)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_config(path: str | Path) -> Config:
     """Read and validate the YAML file at `path`."""
     p = Path(path)
@@ -263,8 +321,19 @@ def load_config(path: str | Path) -> Config:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such config file (create one with `hermes-gateway init -c {p}`)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p} is a directory; -c needs the path of a YAML config file") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p} is not UTF-8 text (byte {err.start} cannot be decoded); "
+                          "save the config file as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read the config file ({err.strerror or err})") from None
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}{where}: not valid YAML: {err.problem or err.context}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML: {err}") from None
     return parse_config(data, str(p), base_dir=p.resolve().parent)

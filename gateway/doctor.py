@@ -10,8 +10,8 @@ import httpx
 from gateway.config import Config
 
 
-def _line(ok: bool, what: str, detail: str) -> str:
-    return f"[{'ok' if ok else 'FAIL'}] {what}: {detail}"
+def _line(ok: bool | None, what: str, detail: str) -> str:
+    return f"[{'warn' if ok is None else 'ok' if ok else 'FAIL'}] {what}: {detail}"
 
 
 def check_data_dir(cfg: Config) -> tuple[bool, str]:
@@ -27,24 +27,53 @@ def check_data_dir(cfg: Config) -> tuple[bool, str]:
 
 
 async def check_llm(cfg: Config) -> tuple[bool, str]:
-    """GET {base_url}/models: reachable, and the key accepted."""
+    """GET {base_url}/models (reachable, key accepted, path right), then a real one-token
+    chat completion, so a wrong path or model name is caught here rather than in a chat."""
     headers = {}
     key = cfg.llm.api_key()
     if cfg.llm.api_key_env and not key:
         return False, f"environment variable {cfg.llm.api_key_env} (llm.api_key_env) is not set"
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    url = cfg.llm.base_url.rstrip("/") + "/models"
+    base = cfg.llm.base_url.rstrip("/")
     try:
         async with httpx.AsyncClient(timeout=10) as client:
-            resp = await client.get(url, headers=headers)
+            resp = await client.get(base + "/models", headers=headers)
     except httpx.HTTPError as err:
-        return False, f"cannot reach {cfg.llm.base_url} ({type(err).__name__}); is the server running?"
+        return False, f"cannot reach {base} ({type(err).__name__}); is the server running? (llm.base_url)"
     if resp.status_code in (401, 403):
-        return False, f"{cfg.llm.base_url} rejected the API key (HTTP {resp.status_code})"
-    if resp.status_code >= 400:
-        return True, f"{cfg.llm.base_url} answered HTTP {resp.status_code} to /models (it may not list models)"
-    return True, f"{cfg.llm.base_url} is reachable (model {cfg.llm.model})"
+        return False, f"{base} rejected the API key (HTTP {resp.status_code})"
+    ok, detail = await _check_completion(cfg)
+    if resp.status_code == 404:  # both 404: the path is wrong; chat works: it just lists no models
+        if not ok and "HTTP 404" in detail:
+            return False, (f"{base}/models and {base}/chat/completions answered HTTP 404: llm.base_url has "
+                           f"the wrong path (OpenAI-compatible servers usually end in /v1, "
+                           f"e.g. http://127.0.0.1:11434/v1)")
+        if ok:
+            detail += " (it lists no models at /models)"
+    return ok, detail
+
+
+async def _check_completion(cfg: Config) -> tuple[bool, str]:
+    from agent.llm import LLMClient, LLMError
+
+    client = LLMClient.from_config(cfg.llm.model_copy(update={"max_retries": 0}))
+    ping = [{"role": "user", "content": "Say OK."}]
+    try:
+        try:
+            await client.chat(ping, max_tokens=1)
+        except LLMError as err:
+            if err.status != 400 or "max_tokens" not in err.detail:
+                raise
+            await client.chat(ping)  # e.g. OpenAI's reasoning models refuse max_tokens
+    except LLMError as err:
+        if err.status == 404:
+            return False, (f"{err.detail}; check llm.model ({cfg.llm.model!r}) and llm.base_url "
+                           "(usually ending in /v1)")
+        return False, f"a one-token chat completion failed: {err.detail}"
+    finally:
+        await client.aclose()
+    return True, f"{cfg.llm.base_url} answered a one-token chat completion with model {cfg.llm.model}"
 
 
 def check_tokens() -> tuple[bool, str]:
@@ -57,7 +86,8 @@ def check_tokens() -> tuple[bool, str]:
 
 
 async def run_doctor(cfg: Config) -> int:
-    results: list[tuple[bool, str, str]] = [(True, "config", "valid")]
+    """Print one line per check ([ok], [warn] or [FAIL]); exit status 1 if any failed."""
+    results: list[tuple[bool | None, str, str]] = [(True, "config", "valid")]
     ok, detail = check_data_dir(cfg)
     results.append((ok, "data directory", detail))
     ok, detail = check_tokens()
@@ -80,8 +110,19 @@ async def run_doctor(cfg: Config) -> int:
         from adapters.discord_bot import doctor as discord_doctor
         ok, detail = await discord_doctor(cfg.platforms.discord)
         results.append((ok, "discord", detail))
+    if not (cfg.platforms.telegram.enabled or cfg.platforms.discord.enabled):
+        results.append((None, "platforms", "none enabled: `run` will refuse to start until you set "
+                                           "platforms.telegram.enabled or platforms.discord.enabled "
+                                           "(the console `chat` works without one)"))
     for ok, what, detail in results:
         print(_line(ok, what, detail))
-    failed = [r for r in results if not r[0]]
-    print("All checks passed." if not failed else f"{len(failed)} check(s) failed.")
+    failed = [r for r in results if r[0] is False]
+    warned = [r for r in results if r[0] is None]
+    if failed:
+        print("1 check failed." if len(failed) == 1 else f"{len(failed)} checks failed.")
+    elif warned:
+        print("All checks passed, with 1 warning." if len(warned) == 1
+              else f"All checks passed, with {len(warned)} warnings.")
+    else:
+        print("All checks passed.")
     return 0 if not failed else 1

@@ -259,6 +259,7 @@ class InstrumentedLLM:
         self.last_ok_at: float | None = None
         self.last_error_at: float | None = None
         self.last_error_kind: str | None = None
+        self.last_error: Exception | None = None  # the console chat explains it to the operator
 
     async def chat(self, *args: Any, **kwargs: Any) -> Any:
         from agent.llm import LLMError
@@ -266,7 +267,7 @@ class InstrumentedLLM:
         try:
             result = await self._inner.chat(*args, **kwargs)
         except LLMError as err:
-            self.last_error_at, self.last_error_kind = time.monotonic(), err.kind
+            self.last_error_at, self.last_error_kind, self.last_error = time.monotonic(), err.kind, err
             self._metrics.llm_result(err.kind)
             raise
         self.last_ok_at = time.monotonic()

@@ -318,8 +318,8 @@ async def test_burst_coalesces_into_one_turn_when_enabled(config_for, fake_llm):
         assert await app.drain(20)
         assert len(fake_llm.requests) == 1
         users = [m["content"] for m in fake_llm.requests[0]["messages"] if m["role"] == "user"]
-        assert users == ["first part", "second part", "third part"]
-        assert adapter.texts() == ["ok: third part"]
+        assert users == ["first part\n\nsecond part\n\nthird part"]  # one user turn on the wire
+        assert adapter.texts() == ["ok: first part\n\nsecond part\n\nthird part"]
         rows = await app.inbox.db.execute_fetchall("SELECT status FROM inbound")
         assert [r[0] for r in rows] == ["done", "done", "done"]
     finally:

@@ -20,6 +20,8 @@ from agent.llm import (
     LLMClient,
     LLMError,
     LLMRateLimited,
+    LLMRefused,
+    LLMTimeout,
     LLMUnavailable,
     Usage,
 )
@@ -210,14 +212,38 @@ async def test_connection_refused_is_unavailable_quickly() -> None:
     assert info.value.user_message == UNAVAILABLE and info.value.attempts == 3 and info.value.status is None
 
 
-async def test_timeout_is_unavailable(llm: FakeLLM) -> None:
+async def test_read_timeout_is_reported_as_timeout_and_never_retried(llm: FakeLLM) -> None:
     llm.script(hang(30), hang(30))
-    async with client_for(llm, timeout_s=0.3, max_retries=1) as c:
-        t0 = time.monotonic()
-        with pytest.raises(LLMUnavailable) as info:
+    async with client_for(llm, timeout_s=0.3, max_retries=3) as c:
+        with pytest.raises(LLMTimeout) as info:
             await c.chat(USER)
-    assert time.monotonic() - t0 < 5
-    assert "timed out" in str(info.value) and len(llm.requests) == 2
+    err = info.value
+    assert len(llm.requests) == 1 and err.attempts == 1  # the server is not asked to generate it again
+    assert "timed out after 0.3 s" in str(err) and err.kind == "timeout"
+    assert "unreachable" not in err.user_message and "in time" in err.user_message
+    assert isinstance(err, LLMUnavailable)  # still "the message was kept, try again" for callers
+
+
+async def test_consecutive_user_messages_reach_a_role_alternating_server_as_one() -> None:
+    history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+               {"role": "user", "content": "hi again"}, {"role": "user", "content": "anyone?"}]
+    kept = json.loads(json.dumps(history))
+    async with FakeLLM(alternating_roles=True) as server, client_for(server) as c:
+        result = await c.chat(history)
+        assert result.content == "ok: hi\n\nhi again\n\nanyone?"
+        sent = server.requests[-1]["messages"]
+        assert [m["role"] for m in sent] == ["system", "user"] and server.violations == []
+        assert history == kept  # only the wire form changes
+
+
+async def test_role_alternation_refusal_tells_the_person_to_start_over() -> None:
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+               {"role": "assistant", "content": "b"}, {"role": "user", "content": "and?"}]
+    async with FakeLLM(alternating_roles=True) as server, client_for(server) as c:
+        with pytest.raises(LLMRefused) as info:
+            await c.chat(history)
+    assert "Conversation roles must alternate" in str(info.value) and len(server.requests) == 1
+    assert "send /new to start a fresh one" in info.value.user_message
 
 
 async def test_hang_then_reply_within_timeout(llm: FakeLLM) -> None:
@@ -293,7 +319,8 @@ async def test_other_4xx_not_retried(llm: FakeLLM) -> None:
         with pytest.raises(LLMError) as missing:
             await c.chat(USER)
     assert bad.value.kind == "bad_request" and missing.value.kind == "not_found"
-    assert type(bad.value) is LLMError and len(llm.requests) == 2
+    assert type(bad.value) is LLMRefused and len(llm.requests) == 2
+    assert "/new" in bad.value.user_message
 
 
 @pytest.mark.parametrize("response", [

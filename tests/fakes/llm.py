@@ -23,6 +23,11 @@ Violations get a 400 and are listed in `llm.violations`. Content parts are check
 parts, and image parts (user messages only) whose URL must be a base64 `data:` URL of an
 image, since a local model server cannot fetch URLs. `FakeLLM(vision=False)` answers any
 image part with a 400, as a text-only model does; `image_urls(request)` lists what came in.
+
+With `alternating_roles=True` the fake also refuses, like vLLM with a Llama-2/Mistral/Gemma
+chat template, any request whose user and assistant turns do not alternate (system messages
+only at the start, tool results between an assistant's calls and its answer): 400 with
+"Conversation roles must alternate user/assistant/user/assistant/...".
 """
 
 from __future__ import annotations
@@ -390,6 +395,31 @@ def _part_violations(i: int, role: str, parts: list[Any]) -> list[str]:
             continue
         problems.append(f"messages[{i}].content[{j}]: unsupported content part {kind!r} for role {role!r}")
     return problems
+ALTERNATION_ERROR = "Conversation roles must alternate user/assistant/user/assistant/..."
+
+
+def _alternation_violation(body: Any) -> str | None:
+    """vLLM's chat-template check: after leading system messages, user and assistant turns
+    alternate, starting with user (tool results sit between a call and its answer)."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return None
+    expect: str | None = "user"  # None: after tool results either may follow
+    started = False
+    for i, msg in enumerate(messages):
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role in ("system", "developer"):
+            if started:
+                return f"{ALTERNATION_ERROR} (messages[{i}] is a {role} message after the first turn)"
+            continue
+        started = True
+        if role == "tool":
+            expect = None
+            continue
+        if expect is not None and role != expect:
+            return f"{ALTERNATION_ERROR} (messages[{i}] is {role}, expected {expect})"
+        expect = "assistant" if role == "user" else "user"
+    return None
 
 
 # --------------------------------------------------------------------------- the server
@@ -410,6 +440,7 @@ class FakeLLM:
         context_length: int | None = None,
         context_dialect: str = "openai",
         strict: bool = True,
+        alternating_roles: bool = False,
         host: str = "127.0.0.1",
         port: int = 0,
         vision: bool = True,
@@ -419,6 +450,7 @@ class FakeLLM:
         self.context_length = context_length  # prompt_chars//4 above this -> context error
         self.context_dialect = context_dialect
         self.strict = strict
+        self.alternating_roles = alternating_roles
         self.responder: ResponseLike = None
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[CIMultiDict[str]] = []
@@ -602,6 +634,10 @@ class FakeLLM:
             self.violations.append("image input sent to a model without vision")
             return web.json_response({"error": {"message": "this model does not support image input",
                                                 "type": "invalid_request_error", "code": None}}, status=400)
+        if self.alternating_roles and (problem := _alternation_violation(body)):
+            self.violations.append(problem)
+            return web.json_response({"object": "error", "message": problem, "type": "BadRequestError",
+                                      "param": None, "code": 400}, status=400)
         estimate = prompt_chars(body) // 4
         if self.context_length is not None and estimate > self.context_length:
             chosen: ResponseLike = context_length_error(

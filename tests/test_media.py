@@ -137,7 +137,7 @@ async def test_stored_media_is_part_of_export_backup_and_delete(config_for, fake
         cfg = app.cfg
         info = find_tenant(cfg, "testchat-bob")
         archive = export_profile(cfg, info, tmp_path / "bob.tar.gz")
-        backup = backup_data_dir(cfg.data_dir, tmp_path / "all.tar.gz")
+        backup = backup_data_dir(cfg.data_dir, tmp_path / "backups")
     with tarfile.open(archive) as tar:
         assert tar.extractfile(f"profile/media/{stored.name}").read() == image
     with tarfile.open(backup) as tar:

@@ -258,7 +258,7 @@ async def test_bot_token_never_reaches_logs_messages_exports_or_the_model(tg, fa
     profile = profile_of(cfg, "telegram-111")
     info = find_tenant(cfg, "telegram-111")
     archive = export_profile(cfg, info, tmp_path / "export.tar.gz")
-    backup = backup_data_dir(cfg.data_dir, tmp_path / "backup.tar.gz")
+    backup = backup_data_dir(cfg.data_dir, tmp_path / "backups")
     haystacks: dict[str, bytes] = {
         "logs": "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records).encode(),
         "model requests": json.dumps(fake_llm.requests).encode(),

@@ -288,8 +288,10 @@ REVIEW_MARKER = "[BACKGROUND REVIEW]"  # the first line of agent.review's instru
 
 def is_review_request(request: Mapping[str, Any]) -> bool:
     """True for a background memory/skill review request (its last user message is the
-    review instruction; tool results of the review may follow it)."""
-    return last_user_text(request).startswith(REVIEW_MARKER)
+    review instruction; tool results of the review may follow it). The client merges a run of
+    user messages into one, so the instruction may follow the lane's last user message."""
+    text = last_user_text(request)
+    return text.startswith(REVIEW_MARKER) or f"\n\n{REVIEW_MARKER}" in text
 
 
 def offered_tools(request: Mapping[str, Any]) -> set[str]:

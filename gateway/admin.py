@@ -39,7 +39,7 @@ EXPORT_FORMAT = "hermes-gateway-profile-export"
 BACKUP_FORMAT = "hermes-gateway-backup"
 _STATE_FILES = {"state.db", "state.db-wal", "state.db-shm", "state.db-journal"}
 # kv keys of gateway.db that name a principal after the prefix
-_PRINCIPAL_KEYS = ("paired:", "pairing-of:", "link-code-of:", "link-issued:", "link-fail:")
+_PRINCIPAL_KEYS = ("paired:", "pairing-of:", "link-code-of:", "link-issued:", "link-fail:", "link-request:")
 
 
 class AdminError(Exception):
@@ -150,19 +150,38 @@ def link_names_of(links: IdentityLinks, tenant_id: str) -> list[str]:
     return [n for n in links.names() if link_tenant_id(n) == tenant_id]
 
 
+def live_principals(links: IdentityLinks, info: TenantInfo) -> list[str]:
+    """The principals whose lanes belong to this tenant today: a link tenant's live
+    members; otherwise the tenant.json principals no link has taken (a stale entry left by
+    an older version's /unlink never counts)."""
+    names = link_names_of(links, info.tenant_id)
+    if names:
+        return sorted({p for n in names for p in links.principals_of(n)})
+    if info.merged_into is not None:
+        return []
+    return sorted(p for p in info.principals if links.name_for(p) is None)
+
+
 def find_tenant(cfg: Config, ref: str) -> TenantInfo:
     """A tenant by id (`telegram-111`, `link-alice`), directory name, or principal
-    (`telegram:111`, following identity links)."""
+    (`telegram:111`, following live identity links only)."""
     profiles = scan_profiles(cfg.data_dir)
     for info in profiles:
         if ref in (info.tenant_id, info.dir_name):
             return info
-    linked = load_links(cfg).tenant_for(ref) if ":" in ref else None
-    if linked is not None:
+    links = load_links(cfg)
+    if ":" in ref:
+        linked = links.tenant_for(ref)
+        if linked is not None:
+            for info in profiles:
+                if info.tenant_id == linked:
+                    return info
+            raise AdminError(f"{ref} is linked to {linked}, which has no profile yet")
+        platform, _, uid = ref.partition(":")
         for info in profiles:
-            if info.tenant_id == linked:
+            if info.tenant_id == person_tenant_id(platform, uid) and info.merged_into is None:
                 return info
-    owners = [i for i in profiles if ref in i.principals and i.merged_into is None]
+    owners = [i for i in profiles if ref in live_principals(links, i)]
     if len(owners) == 1:
         return owners[0]
     if len(owners) > 1:
@@ -447,7 +466,7 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
     out.parent.mkdir(parents=True, exist_ok=True)
     links = load_links(cfg)
     link_name = next(iter(link_names_of(links, info.tenant_id)), None)
-    principals = sorted(set(info.principals) | set(links.principals_of(link_name) if link_name else []))
+    principals = live_principals(links, info)
     with tempfile.TemporaryDirectory(prefix=".hermes-export-", dir=out.parent) as tmp:
         stage = Path(tmp) / "profile"
         stage.mkdir()
@@ -474,6 +493,40 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
     return out
 
 
+def archive_problems(cfg: Config, manifest: dict[str, Any], tenant_json: dict[str, Any], target: Path) -> list[str]:
+    """Why an export archive must not be restored as it is: it may only link and pair
+    principals its own tenant.json lists, that belong to its tenant, and that no other
+    tenant owns (an edited archive must not join someone else's account to it)."""
+    tid = manifest.get("tenant_id")
+    problems = []
+    if tenant_json.get("tenant_id") not in (None, tid):
+        problems.append(f"its tenant.json is for {tenant_json.get('tenant_id')!r}, not {tid!r}")
+    listed = {p for p in tenant_json.get("principals", []) if isinstance(p, str)}
+    link = manifest.get("link") or {}
+    name = link.get("name")
+    if name is not None and link_tenant_id(str(name)) != tid:
+        problems.append(f"its link {name!r} is not tenant {tid!r}")
+    wanted = {p for p in link.get("principals", []) if isinstance(p, str)} if name else set()
+    wanted |= {p for p in manifest.get("paired") or [] if isinstance(p, str)}
+    links = load_links(cfg)
+    others = [i for i in scan_profiles(cfg.data_dir) if i.path != target]
+    for p in sorted(wanted):
+        if p not in listed:
+            problems.append(f"{p} is not one of the principals its tenant.json lists")
+            continue
+        platform, _, uid = p.partition(":")
+        if not name and person_tenant_id(platform, uid) != tid:
+            problems.append(f"{p} is not the account of tenant {tid!r}")
+        current = links.name_for(p)
+        if current is not None and current != name:
+            problems.append(f"{p} belongs to the identity link {current!r}")
+            continue
+        owner = next((i.tenant_id for i in others if p in live_principals(links, i)), None)
+        if owner is not None:
+            problems.append(f"{p} belongs to tenant {owner}")
+    return problems
+
+
 def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> TenantInfo:
     """Put an exported profile back (gateway stopped): its directory, its identity link and
     its pairing approval."""
@@ -496,11 +549,15 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
             if manifest.get("dir_name") not in (None, target.name):
                 raise AdminError(f"{archive}: tenant {tid!r} belongs in {target.name}, the archive says "
                                  f"{manifest.get('dir_name')}")
+            stage = Path(tmp) / "profile"
+            problems = archive_problems(cfg, manifest, read_manifest(stage), target)
+            if problems and not force:
+                raise AdminError(f"{archive}: refusing to restore: " + "; ".join(problems)
+                                 + ". Use --force to restore anyway.")
             if target.exists() and any(target.iterdir()):
                 if not force:
                     raise AdminError(f"{tid} already has a profile at {target}; use --force to replace it")
                 shutil.rmtree(target)
-            stage = Path(tmp) / "profile"
             (stage / "state.sql").unlink(missing_ok=True)  # the dump is for people; state.db is the copy
             if (stage / "state.db").exists() and integrity_check(stage / "state.db") != "ok":
                 raise AdminError(f"{archive}: state.db fails PRAGMA integrity_check")
@@ -546,11 +603,8 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
         lock_fd = _lock_profile(info.path)
         try:
             links = load_links(cfg)
-            principals = set(info.principals)
-            link_names = {links.name_for(p) for p in principals} - {None}
-            link_names |= set(link_names_of(links, info.tenant_id))
-            for name in link_names:
-                principals |= set(links.principals_of(name))
+            principals = set(live_principals(links, info))  # never an account that left the link
+            link_names = set(link_names_of(links, info.tenant_id))
             chats = dm_chats(info.path)
             dirs = [info.path]
             for other in scan_profiles(data_dir):
@@ -567,6 +621,9 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
                         dirs.append(stale)
             for extra in dirs[1:]:
                 chats |= dm_chats(extra)
+            for other in scan_profiles(data_dir):  # a DM chat that lives on elsewhere keeps its rows
+                if other.path not in dirs:
+                    chats -= dm_chats(other.path)
             for path in dirs:
                 shutil.rmtree(path)
         finally:
@@ -882,7 +939,9 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=_guard(cmd_profiles_delete))
     p = psub.add_parser("restore", help="put back a profile from a `profiles export` archive (gateway stopped)")
     p.add_argument("archive")
-    p.add_argument("--force", action="store_true", help="replace an existing profile of the same tenant")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing profile of the same tenant, and restore links and pairings the "
+                        "archive's own tenant.json does not vouch for")
     p.set_defaults(handler=_guard(cmd_profiles_restore))
     for p in psub.choices.values():
         p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS)

@@ -227,6 +227,10 @@ class GatewayApp:
             raise
 
     async def _admit(self, msg: InboundMessage, *, replay: bool = False) -> None:
+        try:  # a link code typed where others can read it is burnt, whoever sent it
+            await self.linking.screen(msg)
+        except Exception:
+            log.exception("could not screen a %s message for link codes", msg.platform)
         if not await self.access.is_allowed(msg.principal):
             await self._refuse_stranger(msg)
             return
@@ -415,5 +419,5 @@ class GatewayApp:
     async def link_command(self, msg: InboundMessage, args: str) -> str:
         return await self.linking.link_command(msg, args)
 
-    async def unlink_command(self, msg: InboundMessage) -> str:
-        return await self.linking.unlink_command(msg)
+    async def unlink_command(self, msg: InboundMessage, args: str = "") -> str:
+        return await self.linking.unlink_command(msg, args)

@@ -27,7 +27,7 @@ COMMAND_SPECS: tuple[CommandSpec, ...] = (
     CommandSpec("export", "Get a copy of your conversations and memory"),
     CommandSpec("whoami", "Your ids and which profile you're in"),
     CommandSpec("link", "Join your accounts on two platforms into one memory", takes_args=True),
-    CommandSpec("unlink", "Separate this account from a linked identity"),
+    CommandSpec("unlink", "Separate this (or another) account from your linked identity", takes_args=True),
     CommandSpec("start", "Say hello (or start pairing)", takes_args=True),
     CommandSpec("pair", "Admin: approve a pairing code", takes_args=True, admin_only=True),
 )

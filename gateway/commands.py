@@ -197,7 +197,7 @@ async def cmd_link(ctx: CommandContext) -> str:
 
 
 async def cmd_unlink(ctx: CommandContext) -> str:
-    return await ctx.app.unlink_command(ctx.msg)
+    return await ctx.app.unlink_command(ctx.msg, ctx.args)
 
 
 async def cmd_pair(ctx: CommandContext) -> str:

@@ -43,6 +43,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import sqlite3
@@ -91,6 +92,30 @@ def _hash(code: str) -> str:
 
 def normalize_code(text: str) -> str:
     return "".join(ch for ch in text.upper() if ch.isalnum())
+
+
+_CANDIDATE_RE = re.compile(r"(?<![A-Za-z0-9])([A-Za-z2-9]{5})[-\s]?([A-Za-z2-9]{5})(?![A-Za-z0-9])")
+_MAX_CANDIDATES = 32
+
+
+def code_candidates(text: str) -> list[str]:
+    """Normalized code-shaped words of `text` (`XXXXX-XXXXX`, any case, dash or space
+    optional), at most `_MAX_CANDIDATES`; only code alphabet letters count."""
+    out: list[str] = []
+    for m in _CANDIDATE_RE.finditer(text):
+        code = (m.group(1) + m.group(2)).upper()
+        if all(ch in _ALPHABET for ch in code) and code not in out:
+            out.append(code)
+            if len(out) >= _MAX_CANDIDATES:
+                break
+    return out
+
+
+def _issuer_chat(record: dict) -> InboundMessage:
+    """A notice target: the private chat a code was issued in."""
+    return InboundMessage(platform=record["platform"], chat_id=record["chat_id"], chat_type="dm",
+                          user_id=record["user_id"], user_name=record.get("user_name") or "",
+                          message_id=f"link-{secrets.token_hex(4)}")
 
 
 def _platform_name(principal: str) -> str:
@@ -188,10 +213,37 @@ class Linking:
     async def link_command(self, msg: InboundMessage, args: str) -> str:
         if msg.chat_type != "dm":
             return "For your privacy, send /link in a private chat with me, not here."
+        word = args.strip().lower()
+        if word in ("confirm", "deny"):
+            return await self._answer(msg, word == "confirm")
         code = normalize_code(args)
         if not code:
             return await self._issue(msg)
         return await self._redeem(msg, code)
+
+    # ----- codes seen where they don't belong ------------------------------------------
+    async def screen(self, msg: InboundMessage) -> None:
+        """Burn every live link code that appears in `msg` unless `msg` is a private chat
+        (the only place a code may be typed), and tell each code's issuer privately.
+        Cheap: a regex finds code-shaped words; only those are hashed and looked up."""
+        if msg.chat_type == "dm" or not msg.text:
+            return
+        for code in code_candidates(msg.text):
+            key = f"link-code:{_hash(code)}"
+            raw = await self.app.inbox.get(key)
+            if not raw:
+                continue
+            await self.app.inbox.put(key, None)
+            record = json.loads(raw)
+            issuer = record["principal"]
+            if await self.app.inbox.get(f"link-code-of:{issuer}") == _hash(code):
+                await self.app.inbox.put(f"link-code-of:{issuer}", None)
+            self.app.metrics.links.inc(kind="issue", outcome="burnt")
+            log.warning("link: a live link code appeared in a %s %s chat; it was cancelled", msg.platform, msg.chat_type)
+            await self._tell(_issuer_chat(record), (
+                "Your link code was posted in a chat other people can read, so I cancelled it: nobody can use "
+                "it now. If you still want to link your accounts, send /link here for a new code and type it "
+                "only in a private chat with me from your other account."))
 
     async def _recent(self, key: str, window: float = 3600.0) -> list[float]:
         raw = await self.app.inbox.get(key)
@@ -276,9 +328,48 @@ class Linking:
         if name_a is not None and name_b is not None:
             return ("Both accounts already belong to different linked identities. Send /unlink from one "
                     "of them first, then link again.")
+        request = {"joiner": principal, "platform": msg.platform, "chat_id": msg.chat_id, "user_id": msg.user_id,
+                   "user_name": msg.user_name, "issuer": record, "expires": self.clock() + self.ttl_s}
+        await inbox.put(f"link-request:{issuer}", json.dumps(request))
+        self.app.metrics.links.inc(kind="redeem", outcome="asked")
+        who = f"{principal} ({msg.user_name})" if msg.user_name else principal
+        await self._tell(_issuer_chat(record), (
+            f"{who} wants to join your identity: reply /link confirm or /link deny.\n\n"
+            "If you confirm, that account will share your memory and conversations. If this wasn't you, "
+            "reply /link deny."))
+        return (f"Code accepted. To finish, confirm from your {_platform_name(issuer)} account: I've asked it "
+                "in its private chat with me. Nothing is linked until it confirms.")
+
+    async def _answer(self, msg: InboundMessage, confirm: bool) -> str:
+        """`/link confirm` or `/link deny` from the issuer, in the issuer's private chat."""
+        inbox, issuer, links = self.app.inbox, msg.principal, self.app.links
+        raw = await inbox.get(f"link-request:{issuer}")
+        request = json.loads(raw) if raw else None
+        if request is None or request["expires"] <= self.clock():
+            if request is not None:
+                await inbox.put(f"link-request:{issuer}", None)
+            return "No account is waiting to link with this one (requests expire after 10 minutes)."
+        principal = request["joiner"]
+        joiner_chat = InboundMessage(platform=request["platform"], chat_id=request["chat_id"], chat_type="dm",
+                                     user_id=request["user_id"], user_name=request.get("user_name") or "",
+                                     message_id=f"link-{secrets.token_hex(4)}")
+        if not confirm:
+            await inbox.put(f"link-request:{issuer}", None)
+            self.app.metrics.links.inc(kind="redeem", outcome="denied")
+            await self._tell(joiner_chat, f"Your {_platform_name(issuer)} account declined the link; nothing was linked.")
+            return f"Declined: {principal} was not linked with this account."
+        name_a, name_b = links.name_for(issuer), links.name_for(principal)
+        if name_a is not None and name_a == name_b:
+            await inbox.put(f"link-request:{issuer}", None)
+            return f"These accounts are already linked ({', '.join(links.principals_of(name_a))})."
+        if name_a is not None and name_b is not None:
+            await inbox.put(f"link-request:{issuer}", None)
+            return ("Both accounts already belong to different linked identities. Send /unlink from one "
+                    "of them first, then link again.")
         name = name_a or name_b or secrets.token_hex(5)
         if {issuer, principal} & self._busy or link_tenant_id(name) in self._gates:
             return "A link for these accounts is already in progress; please wait a minute and try again."
+        await inbox.put(f"link-request:{issuer}", None)
 
         joiners = [p for p, n in ((issuer, name_a), (principal, name_b)) if n is None]
         sources = []
@@ -287,17 +378,14 @@ class Linking:
             sources.append(person_tenant_id(platform, uid))
         plan = _Plan(name=name, target=link_tenant_id(name), joiners=joiners, sources=sources,
                      principals=[issuer, principal])
-        plan.notify = [msg, InboundMessage(platform=record["platform"], chat_id=record["chat_id"], chat_type="dm",
-                                           user_id=record["user_id"], user_name=record.get("user_name") or "",
-                                           message_id=f"link-{secrets.token_hex(4)}")]
+        plan.notify = [msg, joiner_chat]
         self._busy |= {issuer, principal}
         tenants = [plan.target, *plan.sources]
         self._gate(tenants)  # before returning: no new turn may start in these profiles
         task = asyncio.get_running_loop().create_task(self._run_merge(plan, tenants), name="link-merge")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return (f"Code accepted. Joining this account with your {_platform_name(issuer)} account now; "
-                "I'll confirm here in a moment.")
+        return f"Confirmed. Joining this account with {principal} now; I'll confirm here in a moment."
 
     async def _run_merge(self, plan: _Plan, tenants: list[str]) -> None:
         links = self.app.links
@@ -305,7 +393,7 @@ class Linking:
         try:
             redeem = plan.notify[0]
             deadline = time.monotonic() + self.idle_timeout_s
-            # let the /link CODE reply go out first (the inbox marks it done after sending)
+            # let the /link confirm reply go out first (the inbox marks it done after sending)
             while await self.app.inbox.status(redeem.platform, redeem.chat_id, redeem.message_id) == "pending":
                 if time.monotonic() > deadline:
                     raise TimeoutError("the accounts stayed busy")
@@ -394,25 +482,35 @@ class Linking:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
             raise
 
-    async def unlink_command(self, msg: InboundMessage) -> str:
+    async def unlink_command(self, msg: InboundMessage, args: str = "") -> str:
+        """`/unlink` separates this account; `/unlink <principal>` separates another account
+        of the same link (so a person can remove an account that should not be there)."""
+        if msg.chat_type != "dm":
+            return "For your privacy, send /unlink in a private chat with me, not here."
         links, principal = self.app.links, msg.principal
         name = links.name_for(principal)
         if name is None:
             return "This account isn't linked to another one."
-        if links.is_pinned(principal):
-            return ("This account is linked in the gateway's configuration (tenancy.identity_links); "
+        target = args.strip() or principal
+        members = links.principals_of(name)
+        if target not in members:
+            return (f"{target} isn't one of this link's accounts ({', '.join(members)}). "
+                    "Usage: /unlink, or /unlink <account> with an account listed by /whoami.")
+        if links.is_pinned(target):
+            return ("That account is linked in the gateway's configuration (tenancy.identity_links); "
                     "ask the operator to change it there.")
-        others = [p for p in links.principals_of(name) if p != principal]
+        others = [p for p in members if p != target]
         if not others:
             return "This is the only account left in its link, so there is nothing to separate."
-        if principal in self._busy:
+        if target in self._busy or principal in self._busy:
             return "A link for this account is in progress; please wait a minute."
-        platform, _, uid = principal.partition(":")
-        personal = person_tenant_id(platform, uid)
+        platform, _, uid = target.partition(":")
+        personal, link_tenant = person_tenant_id(platform, uid), link_tenant_id(name)
         self._gate([personal])
         try:
-            links.unlink(principal)
+            links.unlink(target)
             await asyncio.to_thread(links.save)
+            await self.app.profiles.discard_principal(link_tenant, target)
             # a personal profile left from before the link is never used again: start fresh
             path = tenant_dir(self.app.cfg.data_dir, personal)
             if path.exists() and self._active.get(personal, 0) == 0 and await self.app.profiles.evict(personal):
@@ -420,9 +518,13 @@ class Linking:
         finally:
             self._ungate([personal])
         self.app.metrics.links.inc(kind="unlink", outcome="ok")
-        log.info("unlink: one account left %s", link_tenant_id(name))
-        return (f"Done: this account is separate again from now on, with a fresh memory. Everything from the "
-                f"linked time stays with {', '.join(others)}.")
+        log.info("unlink: one account left %s", link_tenant)
+        if target == principal:
+            return (f"Done: this account is separate again from now on, with a fresh memory. Everything from the "
+                    f"linked time stays with {', '.join(others)}.")
+        return (f"Done: {target} is no longer part of this identity. From now on it starts over with a fresh "
+                "memory; it can no longer see this identity's memory or conversations. What it said while "
+                "linked stays here.")
 
 
 # ----- file-level merge (runs in a thread, on closed profiles) ------------------------------

@@ -46,8 +46,16 @@ async def link(app, tg, dc, tg_user="111", dc_user="222") -> None:
     code = code_in(await say(app, tg, dm(tg_user, "/link", platform="telegram")))
     out = await say(app, dc, dm(dc_user, f"/link {code}", platform="discord"))
     assert out and out[0].startswith("Code accepted"), out
+    await confirm(app, tg, dm(tg_user, "/link confirm", platform="telegram"))
+
+
+async def confirm(app, adapter, msg) -> list[str]:
+    """The issuer confirms in its private chat; returns the reply after the merge ran."""
+    out = await say(app, adapter, msg)
+    assert out and out[0].startswith("Confirmed"), out
     await app.linking.wait_idle(30)
     assert await app.drain(30)
+    return out
 
 
 async def test_linking_joins_memory_and_sessions_and_nobody_elses(config_for, fake_llm):
@@ -66,6 +74,7 @@ async def test_linking_joins_memory_and_sessions_and_nobody_elses(config_for, fa
         code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
         out = await say(app, dc, dm("222", f"/link {code}", platform="discord"))
         assert out[0].startswith("Code accepted")
+        assert await say(app, tg, dm("111", "/link confirm", platform="telegram"))
         # a message sent while the merge runs waits, then lands in the linked profile
         await tg.sink(dm("111", "sent while linking", platform="telegram"))
         await app.linking.wait_idle(30)
@@ -144,7 +153,7 @@ async def test_expired_reused_and_wrong_codes_are_refused(config_for, fake_llm):
         code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
         out = await say(app, dc, dm("222", f"/link {code.lower()}", platform="discord"))
         assert out[0].startswith("Code accepted")
-        await app.linking.wait_idle(30)
+        await confirm(app, tg, dm("111", "/link confirm", platform="telegram"))
         out = await say(app, dc, dm("999", f"/link {code}", platform="discord"))
         assert "unknown, expired or already used" in out[0]
         assert app.links.name_for("discord:999") is None
@@ -197,7 +206,7 @@ async def test_third_account_joins_existing_link_and_unlink_splits_going_forward
         # a third account joins the existing link (the link profile is merged into in place)
         code = code_in(await say(app, dc, dm("222", "/link", platform="discord")))
         assert (await say(app, tc, dm("777", f"/link {code}")))[0].startswith("Code accepted")
-        await app.linking.wait_idle(30)
+        await confirm(app, dc, dm("222", "/link confirm", platform="discord"))
         assert app.links.name_for("testchat:777") == name
         assert not tenant_dir(data, "testchat-777").exists()
         mem = await say(app, tc, dm("777", "/memory"))

@@ -240,10 +240,16 @@ class Linking:
                 await self.app.inbox.put(f"link-code-of:{issuer}", None)
             self.app.metrics.links.inc(kind="issue", outcome="burnt")
             log.warning("link: a live link code appeared in a %s %s chat; it was cancelled", msg.platform, msg.chat_type)
-            await self._tell(_issuer_chat(record), (
+            self._spawn(self._tell(_issuer_chat(record), (
                 "Your link code was posted in a chat other people can read, so I cancelled it: nobody can use "
                 "it now. If you still want to link your accounts, send /link here for a new code and type it "
-                "only in a private chat with me from your other account."))
+                "only in a private chat with me from your other account.")), "link-burnt-notice")
+
+    def _spawn(self, coro, name: str) -> None:
+        """Run `coro` beside the caller (close() waits for it)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _recent(self, key: str, window: float = 3600.0) -> list[float]:
         raw = await self.app.inbox.get(key)

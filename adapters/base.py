@@ -33,6 +33,9 @@ class InboundMessage(BaseModel):
     chat_id: str
     chat_type: ChatType
     thread_id: str | None = None
+    # a private thread (Discord): only its invited members read it, so its shared lane is
+    # the thread's own chat tenant, never the parent channel's
+    private_thread: bool = False
     user_id: str
     user_name: str = ""
     message_id: str

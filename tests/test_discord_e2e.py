@@ -255,3 +255,51 @@ def _recorded(app: GatewayApp, channel_id: str, message_id: str) -> bool:
     finally:
         con.close()
     return row is not None and row[0] == "done"
+
+
+async def test_private_thread_is_its_own_tenant(rig, fake, fake_llm):
+    from tenancy.keys import chat_tenant_id
+
+    from tests.fakes.llm import tool_call
+
+    private = fake.add_thread(fake.general, "hush", private=True)
+    r = await rig()
+    fake_llm.script(tool_call("memory", {"action": "add", "target": "memory", "content": SECRET}))
+    fake.push_thread_message(private, fake.alice, f"remember that {SECRET}", mention_bot=True)
+    await r.replies(private, 1)
+    data_dir = r.cfg.data_dir
+    own = tenant_dir(data_dir, chat_tenant_id("discord", private)) / "memories" / "MEMORY.md"
+    assert SECRET in own.read_text(), "the private thread keeps its own memory"
+    parent = tenant_dir(data_dir, chat_tenant_id("discord", fake.general))
+    assert not parent.exists() or not any(SECRET in p.read_text(errors="ignore")
+                                          for p in parent.rglob("*") if p.is_file())
+    # a public thread of the same channel (the parent channel's shared tenant) never sees it
+    n = len(fake_llm.requests)
+    fake.push_thread_message(fake.thread, fake.bob, "what do you remember?", mention_bot=True)
+    await r.replies(fake.thread, 1)
+    assert fake_llm.requests[n:] and SECRET not in json.dumps(fake_llm.requests[n:])
+    assert (tenant_dir(data_dir, chat_tenant_id("discord", fake.general)) / "tenant.json").exists()
+
+
+async def test_group_dm_is_a_group_never_a_dm(rig, fake, fake_llm):
+    r = await rig()
+    gdm = fake.add_group_dm(fake.alice, fake.bob)
+    # a message in a group DM reaches the gateway as a group message (per-member group lane)
+    fake.push_group_dm_message(gdm, fake.alice, f"<@{fake.bot_id}> /link")
+    (sent,) = await r.replies(gdm, 1)
+    assert "private chat" in sent["content"] and "code" not in sent["content"].lower()
+    routes_dir = tenant_dir(r.cfg.data_dir, f"discord-{fake.alice}")
+    import sqlite3
+
+    conn = sqlite3.connect(routes_dir / "state.db")
+    keys = [k for (k,) in conn.execute("SELECT session_key FROM sessions")]
+    conn.close()
+    assert keys == [] or all(":group:" in k for k in keys)
+    # a slash command used there (a user-installed app's private-channel context) is a group too
+    fake.push_interaction("link", user_id=fake.bob, channel_id=gdm)
+    sent = await r.replies(gdm, 2)
+    assert "private chat" in sent[-1]["content"]
+    # the bot's own DM is still a DM
+    fake.push_dm(fake.alice, "/link")
+    (dm_sent,) = await r.replies(fake.dm_channels[fake.alice], 1)
+    assert "Your link code is" in dm_sent["content"]

@@ -44,7 +44,7 @@ APP_FLAG_GATEWAY_MESSAGE_CONTENT_LIMITED = 1 << 19
 OP_DISPATCH, OP_HEARTBEAT, OP_IDENTIFY, OP_RESUME, OP_RECONNECT = 0, 1, 2, 6, 7
 OP_INVALID_SESSION, OP_HELLO, OP_HEARTBEAT_ACK = 9, 10, 11
 
-CH_TEXT, CH_DM, CH_PUBLIC_THREAD, CH_PRIVATE_THREAD = 0, 1, 11, 12
+CH_TEXT, CH_DM, CH_GROUP_DM, CH_PUBLIC_THREAD, CH_PRIVATE_THREAD = 0, 1, 3, 11, 12
 
 _MENTION_USER = re.compile(r"<@!?(\d+)>")
 _MENTION_ROLE = re.compile(r"<@&(\d+)>")
@@ -296,6 +296,29 @@ class FakeDiscord:
                 "flags": 0,
             }
         return cid
+
+    def add_group_dm(self, *user_ids: str, name: str | None = None) -> str:
+        """A group DM (channel type 3) of several users; the bot sees it only as a
+        user-installed app or when a message names no guild."""
+        cid = self.snowflake()
+        self.channels[cid] = {
+            "id": cid,
+            "type": CH_GROUP_DM,
+            "last_message_id": None,
+            "recipients": [self.users[u] for u in user_ids],
+            "owner_id": user_ids[0] if user_ids else self.owner_id,
+            "name": name,
+            "icon": None,
+            "flags": 0,
+        }
+        return cid
+
+    def push_group_dm_message(self, channel_id: str, user_id: str, text: str, **kw: Any) -> dict[str, Any]:
+        if self.channels[channel_id]["type"] != CH_GROUP_DM:
+            raise ValueError(f"{channel_id} is not a group DM")
+        msg = self._user_message(channel_id, user_id, text, **kw)
+        self.dispatch("MESSAGE_CREATE", msg)
+        return msg
 
     def _guild_create(self, gid: str) -> dict[str, Any]:
         g = self.guilds[gid]
@@ -573,7 +596,8 @@ class FakeDiscord:
             "app_permissions": str((1 << 10) | (1 << 11) | (1 << 16) | (1 << 38)),
             "entitlements": [],
             "authorizing_integration_owners": {"0": guild_id} if guild_id else {"1": user_id},
-            "context": 0 if guild_id else 1,
+            # 0 guild, 1 the bot's own DM, 2 any other private channel (a user-installed app)
+            "context": 0 if guild_id else (1 if channel["type"] == CH_DM else 2),
             "attachment_size_limit": 10 * 1024 * 1024,
         }
         if guild_id:

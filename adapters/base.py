@@ -15,6 +15,14 @@ ChatType = Literal["dm", "group", "thread", "channel"]
 OutboundKind = Literal["reply", "notice", "error"]
 
 
+def _is_valid_unicode(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Attachment(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -51,6 +59,22 @@ class InboundMessage(BaseModel):
     def principal(self) -> str:
         """The person as `<platform>:<user_id>`."""
         return f"{self.platform}:{self.user_id}"
+
+    def unreadable_fields(self) -> list[str]:
+        """Names of the fields that are not valid Unicode (lone surrogates, e.g. from a
+        platform's JSON escapes): such a message can't be stored, logged or sent to a
+        model, so the gateway refuses it instead of failing on it."""
+        bad = []
+        values: list[tuple[str, str | None]] = [
+            ("platform", self.platform), ("chat_id", self.chat_id), ("thread_id", self.thread_id),
+            ("user_id", self.user_id), ("user_name", self.user_name), ("message_id", self.message_id),
+            ("text", self.text), ("reply_to_message_id", self.reply_to_message_id)]
+        for a in self.attachments:
+            values += [("attachments", a.type), ("attachments", a.name), ("attachments", a.url)]
+        for name, value in values:
+            if value is not None and not _is_valid_unicode(value) and name not in bad:
+                bad.append(name)
+        return bad
 
 
 class OutboundMessage(BaseModel):

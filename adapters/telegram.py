@@ -116,16 +116,18 @@ def _register_secret(secret: str | None) -> None:
 
 
 def _utf16_slice(text: str, offset: int, length: int) -> str:
-    data = text.encode("utf-16-le")
-    return data[2 * offset : 2 * (offset + length)].decode("utf-16-le", errors="ignore")
+    # surrogatepass: a lone surrogate (broken text) counts as one unit, as Telegram counts
+    # it, so a bad message still reaches the gateway, which refuses it clearly
+    data = text.encode("utf-16-le", "surrogatepass")
+    return data[2 * offset : 2 * (offset + length)].decode("utf-16-le", errors="surrogatepass")
 
 
 def _utf16_cut(text: str, spans: list[tuple[int, int]]) -> str:
     """Remove the given (offset, length) UTF-16 spans from `text`."""
-    data = text.encode("utf-16-le")
+    data = text.encode("utf-16-le", "surrogatepass")
     for offset, length in sorted(spans, reverse=True):
         data = data[: 2 * offset] + data[2 * (offset + length) :]
-    return data.decode("utf-16-le", errors="ignore")
+    return data.decode("utf-16-le", errors="surrogatepass")
 
 
 def _tidy(text: str) -> str:

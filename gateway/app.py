@@ -207,6 +207,9 @@ class GatewayApp:
     # ----- inbound --------------------------------------------------------------------
     async def handle_inbound(self, msg: InboundMessage) -> None:
         """The adapters' sink: returns once `msg` is durably recorded (or known already)."""
+        if msg.unreadable_fields():
+            await self._refuse_unreadable(msg)
+            return
         if not await self.inbox.record(msg):
             self.metrics.inbound.inc(platform=msg.platform, outcome="duplicate")
             log.info("duplicate %s message ignored", msg.platform)
@@ -259,6 +262,27 @@ class GatewayApp:
         if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(msg, lane), force=replay):
             await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
                                             "Please wait for my answer, then send this again.")
+
+    async def _refuse_unreadable(self, msg: InboundMessage) -> None:
+        """A message with broken Unicode (lone surrogates) can't be stored or answered as
+        usual: it is not recorded, and when its ids are sound the sender gets a clear note."""
+        bad = msg.unreadable_fields()
+        ids_ok = not set(bad) & {"platform", "chat_id", "thread_id", "message_id"}
+        platform = msg.platform if "platform" not in bad else "unknown"
+        self.metrics.refused(platform, "bad_unicode")
+        log.warning("refused a %s message: invalid Unicode in %s", platform, ", ".join(bad))
+        if ids_ok and platform in self.adapters:
+            clean = msg.model_copy(update={"text": "", "user_name": "", "user_id": "?",
+                                           "reply_to_message_id": None, "attachments": ()})
+            self._in_background(self._send_quietly(clean, (
+                "Sorry, I can't read that message: it contains invalid characters (broken Unicode). "
+                "Please send it again as plain text.")))
+
+    async def _send_quietly(self, msg: InboundMessage, text: str) -> None:
+        try:
+            await self.send(msg, text, kind="error")
+        except Exception:
+            log.exception("could not send a refusal")
 
     def _in_background(self, coro) -> None:
         """Run a reply outside the adapter's sink, so a slow send (e.g. flood control)

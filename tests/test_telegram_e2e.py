@@ -327,3 +327,20 @@ async def test_webhook_with_wrong_secret(tg, fake_llm, config_for, monkeypatch):
         await asyncio.sleep(0.3)
         assert len(tg.sent_messages(111)) == 1
         assert not tg.calls_of("getUpdates")
+
+
+async def test_lone_surrogate_text_is_refused_clearly_and_acknowledged(tg, fake_llm, config_for):
+    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+        # "@hermes_test_bot hi \ud800": the mention entity makes the adapter slice UTF-16
+        text = f"@{BOT} hi \ud800 there"
+        tg.push_group(GROUP, 222, text, entities=[{"type": "mention", "offset": 0, "length": len(BOT) + 1}])
+        tg.push_private(111, "broken \udc00 text", entities=[])
+        [group_reply] = await answered(tg, app, 1, GROUP)
+        [dm_reply] = await answered(tg, app, 1, 111)
+        assert "invalid characters" in group_reply["text"] and "invalid characters" in dm_reply["text"]
+        assert not fake_llm.requests
+        # the updates were acknowledged (not redelivered forever), and the next message works
+        tg.push_private(111, "all good now")
+        sent = await answered(tg, app, 2, 111)
+        assert sent[-1]["text"] == "ok: all good now"
+        assert len([m for m in tg.sent_messages(111) if "invalid characters" in m["text"]]) == 1

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import unquote
 
+from agent.fileio import open_private, private_file, private_mkdir, tighten_tree, write_private
 from gateway.config import Config
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir
@@ -57,7 +58,7 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self, what: str = "the gateway") -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.path.parent)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -285,9 +286,9 @@ def copy_profile_files(src: Path, dst: Path) -> list[str]:
             if _skip(rel) or full.is_symlink() or not full.is_file():
                 continue
             target = dst / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
+            private_mkdir(target.parent)
             try:
-                shutil.copyfile(full, target)
+                shutil.copyfile(full, private_file(target))
             except FileNotFoundError:  # removed meanwhile (e.g. a temp file renamed)
                 continue
             copied.append(str(rel))
@@ -296,9 +297,10 @@ def copy_profile_files(src: Path, dst: Path) -> list[str]:
 
 def sqlite_backup(src: Path, dst: Path) -> None:
     """Online backup of `src` to `dst` (a consistent snapshot; writers are not blocked)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(dst.parent)
     if dst.exists():
         dst.unlink()
+    private_file(dst)
     source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)
     try:
         target = sqlite3.connect(dst)
@@ -346,6 +348,13 @@ def _safe_extract(archive: Path, dest: Path) -> None:
             if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
                 raise AdminError(f"{archive}: refusing unsafe archive member {member.name!r}")
         tar.extractall(dest, filter="data")
+    tighten_tree(dest)  # whatever modes the archive recorded, restored files are owner-only
+
+
+def _owner_only(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Archive members are recorded 0600 (files) / 0700 (directories)."""
+    info.mode = 0o700 if info.isdir() else 0o600
+    return info
 
 
 def _write_tar(src_dir: Path, out: Path) -> None:
@@ -353,7 +362,7 @@ def _write_tar(src_dir: Path, out: Path) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
         for entry in sorted(src_dir.iterdir()):
-            tar.add(entry, arcname=entry.name)
+            tar.add(entry, arcname=entry.name, filter=_owner_only)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, out)
@@ -443,7 +452,7 @@ def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str,
 
 def _kv_put(data_dir: Path, items: dict[str, str]) -> None:
     db = Path(data_dir) / "gateway.db"
-    conn = sqlite3.connect(db, timeout=30)
+    conn = sqlite3.connect(private_file(db), timeout=30)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
@@ -463,18 +472,17 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
     out = Path(out) if out else Path.cwd() / f"hermes-export-{info.dir_name}-{stamp}.tar.gz"
     if out.is_dir():
         out = out / f"hermes-export-{info.dir_name}-{stamp}.tar.gz"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(out.parent)
     links = load_links(cfg)
     link_name = next(iter(link_names_of(links, info.tenant_id)), None)
     principals = live_principals(links, info)
     with tempfile.TemporaryDirectory(prefix=".hermes-export-", dir=out.parent) as tmp:
-        stage = Path(tmp) / "profile"
-        stage.mkdir()
+        stage = private_mkdir(Path(tmp) / "profile")
         if (info.path / "state.db").exists():
             sqlite_backup(info.path / "state.db", stage / "state.db")  # database first, journals after
             conn = sqlite3.connect(stage / "state.db")
             try:
-                with open(stage / "state.sql", "w", encoding="utf-8") as fh:
+                with open_private(stage / "state.sql", "w") as fh:
                     for line in conn.iterdump():
                         fh.write(line + "\n")
             finally:
@@ -488,7 +496,7 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
             "paired": paired_principals(cfg.data_dir, principals),
             "files": sorted(files + (["state.db", "state.sql"] if (stage / "state.db").exists() else [])),
         }
-        (Path(tmp) / "EXPORT.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
+        write_private(Path(tmp) / "EXPORT.json", json.dumps(manifest, indent=1, ensure_ascii=False))
         _write_tar(Path(tmp), out)
     return out
 
@@ -535,7 +543,7 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
         raise AdminError(f"{archive}: no such archive")
     with RunLock(cfg.data_dir).acquire("`profiles restore`"):
         profiles_root = cfg.data_dir / "profiles"
-        profiles_root.mkdir(parents=True, exist_ok=True)
+        private_mkdir(profiles_root)
         with tempfile.TemporaryDirectory(prefix=".restore-", dir=profiles_root) as tmp:
             _safe_extract(archive, Path(tmp))
             try:
@@ -562,7 +570,7 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
             if (stage / "state.db").exists() and integrity_check(stage / "state.db") != "ok":
                 raise AdminError(f"{archive}: state.db fails PRAGMA integrity_check")
             for sub in ("memories", "sessions", "provider"):
-                (stage / sub).mkdir(exist_ok=True)
+                private_mkdir(stage / sub)
             _fsync_tree(stage)
             os.replace(stage, target)
         link = manifest.get("link") or None
@@ -646,7 +654,7 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
 def _lock_profile(path: Path) -> int:
     """Take the profile's SessionStore lock so nothing has it open while it is removed."""
     lock = path / "sessions" / ".lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(lock.parent)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -676,7 +684,7 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
     as_tar = dest.name.endswith((".tar.gz", ".tgz"))
     if dest.exists():
         raise AdminError(f"{dest} already exists")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(dest.parent)
     with tempfile.TemporaryDirectory(prefix=".hermes-backup-", dir=dest.parent) as tmp:
         stage = Path(tmp) / "data"
         stage.mkdir(mode=0o700)
@@ -691,16 +699,15 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
                 sqlite_backup(entry, stage / name)
                 report["databases"].append(name)
             else:
-                shutil.copyfile(entry, stage / name)
+                shutil.copyfile(entry, private_file(stage / name))
         for info in scan_profiles(data_dir):
-            target = stage / "profiles" / info.dir_name
-            target.mkdir(parents=True)
+            target = private_mkdir(stage / "profiles" / info.dir_name)
             if (info.path / "state.db").exists():
                 sqlite_backup(info.path / "state.db", target / "state.db")  # database first, journals after
                 report["databases"].append(f"profiles/{info.dir_name}/state.db")
             copy_profile_files(info.path, target)
             report["profiles"] += 1
-        (stage / "BACKUP.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+        write_private(stage / "BACKUP.json", json.dumps(report, indent=1))
         if as_tar:
             _write_tar(stage, dest)
         else:
@@ -719,12 +726,13 @@ def restore_data_dir(src: Path, data_dir: Path) -> dict[str, Any]:
     if data_dir.exists() and any(p.name != LOCK_NAME for p in data_dir.iterdir()):
         raise AdminError(f"{data_dir} is not empty; restore goes into an empty data directory "
                          "(move the old one aside first)")
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_mkdir(data_dir)
     with RunLock(data_dir).acquire("`restore`"):
         with tempfile.TemporaryDirectory(prefix=".hermes-restore-", dir=data_dir) as tmp:
             if src.is_dir():
                 stage = Path(tmp) / "data"
                 shutil.copytree(src, stage, symlinks=False)
+                tighten_tree(stage)
             elif src.is_file():
                 _safe_extract(src, Path(tmp))
                 stage = Path(tmp)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from adapters.base import Adapter, InboundMessage, OutboundMessage, SentMessage
+from agent.fileio import private_mkdir
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
 from agent.tokens import TokenCounter
@@ -121,7 +122,7 @@ class GatewayApp:
         """Open storage, replay what a previous run left unanswered, start the adapters."""
         from gateway.admin import RunLock
 
-        self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.cfg.data_dir)
         self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
         await self.inbox.open()
         self._started = True

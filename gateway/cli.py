@@ -87,6 +87,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.umask(0o077)  # belt and braces: every file the gateway creates is owner-only anyway
     parser = argparse.ArgumentParser(prog="hermes-gateway",
                                      description="One LLM agent on Discord and Telegram, one memory per person.")
     parser.add_argument("-c", "--config", default=os.environ.get("HERMES_GATEWAY_CONFIG", DEFAULT_CONFIG))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from adapters.base import InboundMessage
+from agent.fileio import private_mkdir, write_private
 from agent.compression import CompressionState, Compressor
 from agent.prompt import ChatPlace
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
@@ -170,9 +171,9 @@ async def cmd_export(ctx: CommandContext) -> str:
     if memory is not None:
         data["memory"] = {t: await memory.entries(t) for t in ("memory", "user")}
     out_dir = ctx.profile.path / "exports"
-    out_dir.mkdir(exist_ok=True)
+    private_mkdir(out_dir)
     path = out_dir / f"export-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    path.write_text(json.dumps(data, ensure_ascii=False, indent=1, default=str), encoding="utf-8")
+    write_private(path, json.dumps(data, ensure_ascii=False, indent=1, default=str))
     sessions = data.get("sessions", [])
     messages = sum(len(s.get("messages", [])) for s in sessions)
     return (f"Exported {len(sessions)} conversation(s) with {messages} message(s) and your memory "

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from adapters.base import InboundMessage
-from agent.fileio import atomic_write, fsync_dir
+from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
 from agent.sessions import SessionStore
 from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
@@ -537,7 +537,7 @@ class Linking:
 
 def _init_profile(path: Path, tenant_id: str) -> None:
     for sub in ("memories", "sessions", "provider"):
-        (path / sub).mkdir(parents=True, exist_ok=True)
+        private_mkdir(path / sub)
     write_manifest(path, {"tenant_id": tenant_id, "kind": "person", "principals": [],
                           "created_at": time.time(), "schema_version": SCHEMA_VERSION})
 
@@ -559,13 +559,13 @@ def _retire(path: Path, into: str) -> None:
     if not path.exists():
         return
     marker = {"tenant": into, "at": time.time()}
-    (path / RETIRED_MARKER).write_text(json.dumps(marker), encoding="utf-8")
+    write_private(path / RETIRED_MARKER, json.dumps(marker))
     shutil.rmtree(path)
 
 
 class _Flock:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(path.parent)
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
@@ -672,21 +672,21 @@ def _merge_files(src: Path, target: Path) -> None:
                     or (rel.parts[0] == "memories" and name in _MEMORY_FILES.values()):
                 continue
             dest = target / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            private_mkdir(dest.parent)
             data = full.read_bytes()
             if not dest.exists():
-                dest.write_bytes(data)
+                write_private(dest, data)
             elif name.endswith(".jsonl"):
                 have = dest.read_bytes()
                 if data and data not in have:
-                    with open(dest, "ab") as fh:
+                    with open_private(dest, "ab") as fh:
                         if have and not have.endswith(b"\n"):
                             fh.write(b"\n")
                         fh.write(data)
             elif dest.read_bytes() != data:
                 alt = dest.with_name(f"{dest.stem}.from-{src.name}{dest.suffix}")
                 if not alt.exists():
-                    alt.write_bytes(data)
+                    write_private(alt, data)
             _fsync_file(dest)
 
 
@@ -726,7 +726,7 @@ def combine_entries(lists: list[list[str]], limit: int, note_date: str) -> tuple
 
 def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> None:
     mem_dir = target / "memories"
-    mem_dir.mkdir(parents=True, exist_ok=True)
+    private_mkdir(mem_dir)
     today = time.strftime("%Y-%m-%d", time.gmtime())
     fd = os.open(mem_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -743,7 +743,7 @@ def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> N
             kept, dropped = combine_entries(lists, limits[target_name], today)
             atomic_write(mem_dir / fname, ENTRY_DELIMITER.join(kept))
             if dropped:
-                with open(mem_dir / OVERFLOW_FILE, "a", encoding="utf-8") as fh:
+                with open_private(mem_dir / OVERFLOW_FILE, "a") as fh:
                     fh.write(f"## {fname}, set aside when accounts were linked on {today}\n\n")
                     fh.write(ENTRY_DELIMITER.join(dropped) + "\n\n")
                     fh.flush()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from agent.fileio import atomic_write
+from agent.fileio import atomic_write, private_mkdir
 from agent.memory import MemoryStore
 from agent.providers import MemoryProvider, make_provider
 from agent.sessions import SessionStore
@@ -64,7 +64,7 @@ class Profile:
 
 def write_manifest(path: Path, manifest: dict) -> None:
     """Write tenant.json atomically."""
-    atomic_write(path / "tenant.json", json.dumps(manifest, ensure_ascii=False, indent=2), mode=0o644)
+    atomic_write(path / "tenant.json", json.dumps(manifest, ensure_ascii=False, indent=2))
 
 
 def remove_principal(path: Path, principal: str) -> None:
@@ -83,9 +83,8 @@ def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path,
     """Create the profile layout for `tenant_id` if missing; returns its directory and the
     principals its tenant.json lists (blocking: run it off the event loop)."""
     path = tenant_dir(data_dir, tenant_id)
-    (path / "memories").mkdir(parents=True, exist_ok=True)
-    (path / "sessions").mkdir(exist_ok=True)
-    (path / "provider").mkdir(exist_ok=True)
+    for sub in ("memories", "sessions", "provider"):
+        private_mkdir(path / sub)
     try:
         manifest = json.loads((path / "tenant.json").read_text(encoding="utf-8"))
     except FileNotFoundError:

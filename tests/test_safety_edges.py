@@ -4,10 +4,14 @@ shared-lane commands only a chat's admins may use."""
 from __future__ import annotations
 
 import json
+import os
+import tarfile
+
+import pytest
 
 from adapters.base import InboundMessage
 from gateway.app import GatewayApp
-from tests.conftest import RecordingAdapter, dm, say
+from tests.conftest import RecordingAdapter, dm, group, say
 
 
 async def test_lone_surrogates_get_a_clear_refusal_and_never_raise_in_the_sink(config_for, fake_llm):
@@ -42,3 +46,63 @@ async def test_lone_surrogates_get_a_clear_refusal_and_never_raise_in_the_sink(c
         assert json.dumps(fake_llm.requests).count("hello world") >= 1
     finally:
         await app.stop()
+
+
+def _loose_paths(root) -> list[str]:
+    """Everything under `root` that is not owner-only (files 0600, directories 0700)."""
+    loose = []
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode & 0o777
+        if (path.is_dir() and mode != 0o700) or (path.is_file() and mode != 0o600):
+            loose.append(f"{path.relative_to(root)} {oct(mode)}")
+    return loose
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+async def test_every_file_under_data_dir_is_owner_only_whatever_the_umask(config_for, fake_llm, tmp_path, umask):
+    """A full tour (DMs, groups, memory, provider notes, /export, /link merge, a burnt code,
+    profiles export/restore, backup/restore) under a permissive umask leaves no file
+    anyone but the owner can read, in the data directory, the exports or the backups."""
+    from gateway.admin import backup_data_dir, find_tenant, export_profile, restore_data_dir, restore_profile
+    from tests.fakes.llm import memory_saving_responder
+    from tests.test_linking import code_in, confirm
+
+    old = os.umask(umask)
+    try:
+        fake_llm.responder = memory_saving_responder
+        cfg = config_for(memory={"provider": "local"}, limits={"rate_limit_per_minute": 100})
+        tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+        app = GatewayApp(cfg, [tg, dc])
+        await app.start()
+        try:
+            await say(app, tg, dm("111", "remember that my pin is 4321", platform="telegram"))
+            await say(app, dc, dm("222", "remember that the cat is Pixel", platform="discord"))
+            await say(app, tg, group("g1", "111", "remember that the group meets on friday", platform="telegram"))
+            await say(app, tg, dm("111", "/export", platform="telegram"))
+            code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+            await say(app, dc, dm("222", f"/link {code}", platform="discord"))
+            await confirm(app, tg, dm("111", "/link confirm", platform="telegram"))
+            await say(app, dc, dm("222", "/export", platform="discord"))
+        finally:
+            await app.stop()
+        data = cfg.data_dir
+        assert (data / "links.json").exists() and list(data.glob("profiles/*/state.db"))
+        assert _loose_paths(data) == []
+        out = tmp_path / "out"
+        archive = export_profile(cfg, find_tenant(cfg, "telegram:111"), out)
+        backup = backup_data_dir(data, tmp_path / "backups" / "b.tar.gz")
+        backup_dir = backup_data_dir(data, tmp_path / "backup-dir")
+        assert _loose_paths(out) == [] and _loose_paths(tmp_path / "backups") == []
+        assert _loose_paths(backup_dir) == []
+        with tarfile.open(archive) as tar:
+            assert all((m.mode & 0o077) == 0 for m in tar.getmembers())
+        restored = tmp_path / "restored"
+        restore_data_dir(backup, restored)
+        assert _loose_paths(restored) == []
+        cfg2 = cfg.model_copy(update={"data_dir": tmp_path / "fresh"})
+        restore_profile(cfg2, archive)
+        assert _loose_paths(tmp_path / "fresh") == []
+    finally:
+        os.umask(old)

@@ -132,3 +132,11 @@ class Adapter(Protocol):
     async def typing(self, chat_id: str, thread_id: str | None) -> None:
         """Show the typing indicator once (the gateway repeats it while a turn runs)."""
         ...
+
+
+class ChatAdmins(Protocol):
+    """Optional adapter capability: whether a user moderates a chat on the platform
+    (Telegram chat administrators, Discord members with Manage Messages). Adapters
+    without it have no chat admins; only the gateway's own admins count there."""
+
+    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool: ...

@@ -780,6 +780,22 @@ class DiscordAdapter:
             log.warning("discord: edit failed in channel %s: %r", channel_id, exc)
             return False
 
+    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool:
+        """A guild member with Manage Messages in the channel; False when unsure."""
+        client = self._client
+        if client is None or not chat_id.isdigit() or not user_id.isdigit():
+            return False
+        try:
+            channel = client.get_channel(int(chat_id)) or await client.fetch_channel(int(chat_id))
+            guild = getattr(channel, "guild", None)
+            if guild is None:
+                return False
+            member = guild.get_member(int(user_id)) or await guild.fetch_member(int(user_id))
+            return channel.permissions_for(member).manage_messages  # type: ignore[union-attr]
+        except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("discord: could not look up a member of channel %s (%r)", chat_id, exc)
+            return False
+
     async def typing(self, chat_id: str, thread_id: str | None) -> None:
         client = self._client
         if client is None or client.is_closed():

@@ -922,6 +922,15 @@ class TelegramAdapter:
                 return False
         return False
 
+    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool:
+        """The chat's creator or an administrator (getChatMember); False when unsure."""
+        try:
+            member = await self.bot.get_chat_member(_chat_id_param(chat_id), int(user_id))
+        except (TelegramError, ValueError) as exc:
+            log.warning("telegram: could not look up a member of chat %s (%s)", chat_id, type(exc).__name__)
+            return False
+        return member.status in ("creator", "administrator")
+
     async def typing(self, chat_id: str, thread_id: str | None) -> None:
         if chat_id in self._forbidden:
             return

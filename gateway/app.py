@@ -21,7 +21,7 @@ from agent.prompt import ChatPlace
 from agent.tokens import TokenCounter
 from agent.turn import Agent, TurnResult, UserInput
 from gateway.access import Access
-from gateway.commands import HANDLERS, CommandContext, parse_command
+from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config
 from gateway.delivery import split_text
 from gateway.inbox import Inbox
@@ -348,8 +348,9 @@ class GatewayApp:
                 command = parse_command(first.msg.text)
                 if command is not None:
                     spec, args = command
-                    ctx = CommandContext(self, first.msg, lane, place, profile, args)
-                    text, kind = await HANDLERS[spec.name](ctx), "reply"
+                    ctx = CommandContext(self, first.msg, lane, place, profile, args,
+                                         chat_admin=self._chat_admin_check(first.msg))
+                    text, kind = await run_command(spec.name, ctx), "reply"
                 else:
                     inputs = [UserInput(uid=input_uid(j.msg), text=self._input_text(j.msg),
                                         user_name=j.msg.user_name,
@@ -380,6 +381,20 @@ class GatewayApp:
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
         tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
                   extra={"outcome": outcome, "duration_ms": round(seconds * 1000)})
+
+    def _chat_admin_check(self, msg: InboundMessage):
+        """The adapter's `is_chat_admin` for this message's sender, if the platform has one."""
+        check = getattr(self.adapters.get(msg.platform), "is_chat_admin", None)
+        if check is None:
+            return None
+
+        async def is_admin() -> bool:
+            try:
+                return bool(await check(msg.chat_id, msg.user_id))
+            except Exception:
+                log.exception("%s: chat admin check failed", msg.platform)
+                return False
+        return is_admin
 
     async def _move_jobs(self, jobs: list[Job], lane: Lane) -> None:
         """Queue jobs whose tenant changed (a /link or /unlink) on the lane they belong to now."""

@@ -39,6 +39,32 @@ class CommandContext:
     place: ChatPlace
     profile: "Profile"
     args: str
+    #: whether the sender moderates this chat on the platform (the adapter's capability)
+    chat_admin: Callable[[], Awaitable[bool]] | None = None
+
+
+#: commands that change a shared lane's conversation or memory for everyone in it
+SHARED_LANE_ADMIN_COMMANDS = frozenset({"new", "undo", "forget"})
+
+
+async def shared_lane_refusal(ctx: CommandContext, name: str) -> str | None:
+    """In a shared group lane or thread, /new, /undo and /forget are for the chat's admins
+    and the gateway's admins; everyone else gets this refusal."""
+    if name not in SHARED_LANE_ADMIN_COMMANDS or ctx.lane.kind != "chat":
+        return None
+    if ctx.app.access.is_admin(ctx.msg.principal):
+        return None
+    if ctx.chat_admin is not None and await ctx.chat_admin():
+        return None
+    return (f"This conversation is shared by everyone here, so only the chat's admins can use /{name}. "
+            "Ask one of them, or talk to me in a private chat.")
+
+
+async def run_command(name: str, ctx: CommandContext) -> str:
+    """Run the chat command `name` (after the shared-lane admin check)."""
+    if refusal := await shared_lane_refusal(ctx, name):
+        return refusal
+    return await HANDLERS[name](ctx)
 
 
 Handler = Callable[[CommandContext], Awaitable[str]]
@@ -145,8 +171,6 @@ async def cmd_memory(ctx: CommandContext) -> str:
 
 
 async def cmd_forget(ctx: CommandContext) -> str:
-    if ctx.lane.kind == "chat" and not ctx.app.access.is_admin(ctx.msg.principal):
-        return "Only an admin can erase this group's memory."
     if ctx.lane.personal_memory != "full":
         return "Memory can't be changed from this chat; send /forget in a private chat with me."
     target = ctx.args.lower() or "all"

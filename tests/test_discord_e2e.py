@@ -303,3 +303,26 @@ async def test_group_dm_is_a_group_never_a_dm(rig, fake, fake_llm):
     fake.push_dm(fake.alice, "/link")
     (dm_sent,) = await r.replies(fake.dm_channels[fake.alice], 1)
     assert "Your link code is" in dm_sent["content"]
+
+
+async def test_thread_new_undo_forget_need_manage_messages(rig, fake, fake_llm):
+    moderators = fake.add_role(fake.guild, "mods", permissions=1 << 13)  # Manage Messages
+    fake.give_role(fake.alice, moderators)
+    r = await rig()
+    fake.push_thread_message(fake.thread, fake.bob, "the plan is the blue door", mention_bot=True)
+    await r.replies(fake.thread, 1)
+    for i, command in enumerate(("/new", "/undo", "/forget"), start=2):
+        fake.push_thread_message(fake.thread, fake.bob, command)
+        sent = await r.replies(fake.thread, i)
+        assert "only the chat's admins" in sent[-1]["content"], sent[-1]
+    # the slash command form is refused the same way
+    fake.push_interaction("new", user_id=fake.bob, channel_id=fake.thread)
+    sent = await r.replies(fake.thread, 5)
+    assert "only the chat's admins" in sent[-1]["content"]
+    # a member with Manage Messages may
+    fake.push_thread_message(fake.thread, fake.alice, "/undo")
+    sent = await r.replies(fake.thread, 6)
+    assert sent[-1]["content"].startswith("Took back")
+    fake.push_interaction("new", user_id=fake.alice, channel_id=fake.thread)
+    sent = await r.replies(fake.thread, 7)
+    assert sent[-1]["content"].startswith("Started a new conversation")

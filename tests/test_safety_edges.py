@@ -106,3 +106,31 @@ async def test_every_file_under_data_dir_is_owner_only_whatever_the_umask(config
         assert _loose_paths(tmp_path / "fresh") == []
     finally:
         os.umask(old)
+
+
+async def test_shared_lane_new_undo_forget_are_for_chat_admins(config_for, fake_llm):
+    cfg = config_for(tenancy={"group_sessions_per_user": False}, access={"admins": ["testchat:boss"]},
+                     limits={"rate_limit_per_minute": 100})
+    adapter = RecordingAdapter("testchat")
+    adapter.chat_admins.add(("g1", "mod"))
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        await say(app, adapter, group("g1", "bob", "our plan is the blue door"))
+        for command in ("/new", "/undo", "/forget"):
+            out = await say(app, adapter, group("g1", "bob", command))
+            assert "only the chat's admins" in out[0] and command in out[0], out
+        # nothing happened: the shared conversation still has bob's turn
+        await say(app, adapter, group("g1", "bob", "what was the plan?"))
+        assert "blue door" in json.dumps(fake_llm.requests[-1])
+        # the chat's own admin (the platform says so) and the gateway's admin may
+        assert (await say(app, adapter, group("g1", "mod", "/undo")))[0].startswith("Took back")
+        assert (await say(app, adapter, group("g1", "boss", "/forget")))[0].startswith("Done")
+        assert (await say(app, adapter, group("g1", "mod", "/new")))[0].startswith("Started a new conversation")
+        # a chat admin of another chat is nobody special here
+        out = await say(app, adapter, group("g2", "mod", "/new"))
+        assert "only the chat's admins" in out[0]
+        # a person's own lanes are theirs: /new works in a DM
+        assert (await say(app, adapter, dm("bob", "/new")))[0].startswith("Started a new conversation")
+    finally:
+        await app.stop()

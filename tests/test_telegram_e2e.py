@@ -344,3 +344,24 @@ async def test_lone_surrogate_text_is_refused_clearly_and_acknowledged(tg, fake_
         sent = await answered(tg, app, 2, 111)
         assert sent[-1]["text"] == "ok: all good now"
         assert len([m for m in tg.sent_messages(111) if "invalid characters" in m["text"]]) == 1
+
+
+async def test_shared_group_new_undo_forget_need_a_telegram_chat_admin(tg, fake_llm, config_for):
+    cfg = tg_config(config_for, tg, {"tenancy": {"group_sessions_per_user": False},
+                                     "limits": {"rate_limit_per_minute": 100}})
+    tg.chat_admins[GROUP][9] = "administrator"
+    tg.chat_admins[GROUP][8] = "creator"
+    async with gateway(cfg) as (app, adapter):
+        tg.push_group(GROUP, 2, f"@{BOT} the plan is the blue door", username="bob")
+        await answered(tg, app, 1, GROUP)
+        for i, command in enumerate(("/new", "/undo", "/forget"), start=2):
+            tg.push_group(GROUP, 2, command, username="bob")
+            sent = await answered(tg, app, i, GROUP)
+            assert "only the chat's admins" in sent[-1]["text"], sent[-1]
+        assert any(c[0] == "getChatMember" and int(c[1]["user_id"]) == 2 for c in tg.calls)
+        tg.push_group(GROUP, 9, "/undo", username="mod")
+        sent = await answered(tg, app, 5, GROUP)
+        assert sent[-1]["text"].startswith("Took back")
+        tg.push_group(GROUP, 8, "/new", username="owner")
+        sent = await answered(tg, app, 6, GROUP)
+        assert sent[-1]["text"].startswith("Started a new conversation")

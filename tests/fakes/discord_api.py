@@ -95,6 +95,7 @@ class FakeDiscord:
             self.owner_id: self._user_obj(self.owner_id, "owner"),
         }
         self.guilds: dict[str, dict[str, Any]] = {}
+        self.member_roles: dict[str, list[str]] = {}  # user id -> role ids (in every guild)
         self.channels: dict[str, dict[str, Any]] = {}
         self.dm_channels: dict[str, str] = {}  # user id -> DM channel id
         self.messages: dict[str, dict[str, Any]] = {}
@@ -202,10 +203,13 @@ class FakeDiscord:
         self.add_channel(gid, "general")
         return gid
 
-    def add_role(self, guild_id: str, name: str) -> str:
+    def add_role(self, guild_id: str, name: str, *, permissions: int = 0) -> str:
         rid = self.snowflake()
-        self.guilds[guild_id]["roles"].append(self._role(rid, name))
+        self.guilds[guild_id]["roles"].append(self._role(rid, name, permissions=str(permissions)))
         return rid
+
+    def give_role(self, user_id: str, role_id: str) -> None:
+        self.member_roles.setdefault(user_id, []).append(role_id)
 
     @staticmethod
     def _role(rid: str, name: str, *, permissions: str = "0", managed: bool = False, bot_id: str | None = None) -> dict[str, Any]:
@@ -371,7 +375,7 @@ class FakeDiscord:
 
     def _member(self, user_id: str, roles: list[str] | None = None, with_user: bool = True) -> dict[str, Any]:
         m: dict[str, Any] = {
-            "roles": roles or [],
+            "roles": roles if roles is not None else list(self.member_roles.get(user_id, [])),
             "joined_at": _now_iso(),
             "deaf": False,
             "mute": False,
@@ -838,6 +842,11 @@ class FakeDiscord:
         if m and method == "GET":
             msg = self.messages.get(m.group(2))
             return self._json(msg) if msg else self._error(404, 10008, "Unknown Message")
+        m = re.match(r"^/guilds/(\d+)/members/(\d+)$", path)
+        if m and method == "GET":
+            if m.group(1) not in self.guilds or m.group(2) not in self.users:
+                return self._error(404, 10007, "Unknown Member")
+            return self._json(self._member(m.group(2)))
         m = re.match(r"^/users/@me/channels$", path)
         if m and method == "POST":
             return self._json(self.channels[self.dm_channel(str(body["recipient_id"]))])

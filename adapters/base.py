@@ -51,6 +51,9 @@ class InboundMessage(BaseModel):
     attachments: tuple[Attachment, ...] = ()
     reply_to_message_id: str | None = None
     mentions_bot: bool = False
+    # the platform shows the answer to the sender only (an ephemeral Discord slash-command
+    # reply), so it may say what the sender alone should see even in a group
+    private_reply: bool = False
     timestamp: float = Field(default_factory=time.time)
     # The platform's own payload: kept out of logs, reprs and prompts.
     raw: Any = Field(default=None, repr=False, exclude=True)

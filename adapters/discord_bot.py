@@ -43,7 +43,7 @@ from discord.gateway import DiscordWebSocket
 from discord.http import Route
 
 from adapters.base import Attachment, InboundMessage, InboundSink, OutboundMessage, SentMessage
-from gateway.command_specs import COMMAND_SPECS, CommandSpec
+from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from gateway.config import ConfigError, DiscordConfig
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,7 @@ class _PendingInteraction:
     chat_key: tuple[str, str | None]
     created: float = field(default_factory=time.monotonic)
     answered: bool = False
+    ephemeral: bool = False  # only the asker sees the answer; never falls back to the channel
 
     def usable(self) -> bool:
         return time.monotonic() - self.created < _INTERACTION_TTL_S - 30
@@ -509,13 +510,15 @@ class DiscordAdapter:
                 return
             if interaction.user.bot:
                 return
-            await interaction.response.defer(thinking=True)
             context = getattr(interaction, "context", None)
             chat_type, chat_id, thread_id, private = await self._place(
                 interaction.channel, interaction.channel_id, interaction.guild_id,
                 private_context=bool(context is not None and context.private_channel))
+            spec = find_command(name)
+            ephemeral = chat_type != "dm" and spec is not None and spec.ephemeral
+            await interaction.response.defer(thinking=True, ephemeral=ephemeral)
             message_id = f"interaction-{interaction.id}"
-            self._interactions[message_id] = _PendingInteraction(interaction, (chat_id, thread_id))
+            self._interactions[message_id] = _PendingInteraction(interaction, (chat_id, thread_id), ephemeral=ephemeral)
             text = f"/{name} {args.strip()}" if args and args.strip() else f"/{name}"
             inbound = InboundMessage(
                 platform="discord",
@@ -528,6 +531,7 @@ class DiscordAdapter:
                 message_id=message_id,
                 text=text,
                 mentions_bot=True,
+                private_reply=ephemeral,
                 timestamp=interaction.created_at.timestamp(),
                 raw=interaction,
             )
@@ -720,6 +724,13 @@ class DiscordAdapter:
             return None
         return pend
 
+    def _private_answer_lost(self, message: OutboundMessage) -> bool:
+        """True for an answer to an ephemeral slash command whose token has expired: it
+        must not be posted in the channel for everyone instead."""
+        reply_to = message.reply_to_message_id
+        pend = self._interactions.get(reply_to) if reply_to and reply_to.startswith("interaction-") else None
+        return pend is not None and pend.ephemeral and not pend.usable()
+
     async def send(self, message: OutboundMessage) -> SentMessage | None:
         """Send one chunk. Returns None when the channel is gone or the bot may not post
         there (logged once per channel). Other errors propagate; nothing is retried here
@@ -734,15 +745,21 @@ class DiscordAdapter:
             raise ValueError(f"chunk of {len(text)} chars exceeds Discord's {self.max_message_length}")
         channel_id = message.thread_id or message.chat_id
 
+        if self._private_answer_lost(message):
+            return None
         pend = self._interaction_for(message)
         if pend is not None:
             try:
-                sent = await pend.interaction.followup.send(content=text, wait=True, allowed_mentions=NO_PINGS)
+                sent = await pend.interaction.followup.send(content=text, wait=True, allowed_mentions=NO_PINGS,
+                                                            ephemeral=pend.ephemeral)
             except discord.NotFound:
+                if pend.ephemeral:
+                    return None  # a private answer is never posted in the channel instead
                 pend = None  # the interaction token expired: post in the channel instead
             else:
                 pend.answered = True
-                self._open_interaction[pend.chat_key] = pend
+                if not pend.ephemeral:  # later messages in the chat never go out privately
+                    self._open_interaction[pend.chat_key] = pend
                 self._own_messages.add(str(sent.id))
                 self._followup_messages.add(str(sent.id), pend)
                 return SentMessage(chat_id=message.chat_id, thread_id=message.thread_id, message_id=str(sent.id))

@@ -13,6 +13,9 @@ class CommandSpec:
     takes_args: bool = False
     admin_only: bool = False
     aliases: tuple[str, ...] = ()
+    #: answered only to the asker where the platform can (a Discord slash command used in
+    #: a server answers ephemerally), because the answer is about the asker
+    ephemeral: bool = False
 
 
 COMMAND_SPECS: tuple[CommandSpec, ...] = (
@@ -25,7 +28,7 @@ COMMAND_SPECS: tuple[CommandSpec, ...] = (
     CommandSpec("forget", "Erase what I remember about you (memory or user or all)", takes_args=True),
     CommandSpec("undo", "Take back your last message and my answer"),
     CommandSpec("export", "Get a copy of your conversations and memory"),
-    CommandSpec("whoami", "Your ids and which profile you're in"),
+    CommandSpec("whoami", "Your ids and which profile you're in", ephemeral=True),
     CommandSpec("link", "Join your accounts on two platforms into one memory", takes_args=True),
     CommandSpec("unlink", "Separate this (or another) account from your linked identity", takes_args=True),
     CommandSpec("start", "Say hello (or start pairing)", takes_args=True),

@@ -206,6 +206,11 @@ async def cmd_export(ctx: CommandContext) -> str:
 
 
 async def cmd_whoami(ctx: CommandContext) -> str:
+    if ctx.msg.chat_type != "dm" and not ctx.msg.private_reply:
+        # a group reads the answer: never show the person's other (linked) accounts here
+        who = ctx.msg.principal + (f" ({ctx.msg.user_name})" if ctx.msg.user_name else "")
+        return (f"You are {who}. Your profile and linked accounts are private: send /whoami in a "
+                "private chat with me to see them.")
     lines = [f"You are {ctx.msg.principal}" + (f" ({ctx.msg.user_name})" if ctx.msg.user_name else ""),
              f"Profile: {ctx.lane.tenant_id}",
              f"Conversation: {ctx.lane.session_key}"]

@@ -326,3 +326,41 @@ async def test_thread_new_undo_forget_need_manage_messages(rig, fake, fake_llm):
     fake.push_interaction("new", user_id=fake.alice, channel_id=fake.thread)
     sent = await r.replies(fake.thread, 7)
     assert sent[-1]["content"].startswith("Started a new conversation")
+
+
+async def test_whoami_in_a_server_answers_privately_and_typed_hides_links(rig, fake, fake_llm):
+    from tests.test_linking import CODE_RE
+
+    tg = RecordingAdapter("telegram")
+    r = await rig(tg)
+    await fake.wait_until(lambda: r.adapter.commands_synced)
+    dm_channel = fake.dm_channel(fake.alice)
+    # alice links her Discord account with her Telegram account (confirmed from Discord)
+    fake.push_dm(fake.alice, "/link")
+    (issued,) = await r.replies(dm_channel, 1)
+    code = CODE_RE.search(issued["content"]).group(1)
+    assert (await say(r.app, tg, dm("111", f"/link {code}", platform="telegram")))[0].startswith("Code accepted")
+    await r.replies(dm_channel, 2)  # the confirmation request
+    fake.push_dm(fake.alice, "/link confirm")
+    await r.replies(dm_channel, 3)
+    await r.app.linking.wait_idle(30)
+    assert r.app.links.name_for(f"discord:{fake.alice}") == r.app.links.name_for("telegram:111") is not None
+
+    # typed in the channel: everyone reads it, so no linked accounts and no profile
+    fake.push_guild_message(fake.general, fake.alice, "/whoami")
+    (typed,) = await r.replies(fake.general, 1)
+    assert fake.alice in typed["content"] and "private chat" in typed["content"]
+    assert "telegram:111" not in typed["content"] and "link-" not in typed["content"]
+    # as a slash command: answered ephemerally (only alice sees it), with the whole answer
+    inter = fake.push_interaction("whoami", user_id=fake.alice, channel_id=fake.general)
+    sent = await r.replies(fake.general, 2)
+    answer = sent[-1]
+    assert answer["interaction_id"] == inter["id"] and "telegram:111" in answer["content"]
+    state = next(s for s in fake.interactions.values() if s["id"] == inter["id"])
+    assert state["response"]["data"]["flags"] & 64, "the deferred response is ephemeral"
+    assert (answer["body"].get("flags") or 0) & 64
+    # other slash commands in the channel stay public
+    inter = fake.push_interaction("help", user_id=fake.bob, channel_id=fake.general)
+    sent = await r.replies(fake.general, 3)
+    state = next(s for s in fake.interactions.values() if s["id"] == inter["id"])
+    assert not ((state["response"].get("data") or {}).get("flags", 0) & 64)

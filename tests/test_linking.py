@@ -392,3 +392,22 @@ async def test_unlink_removes_principal_and_admin_resolves_live_link(config_for,
         pass
     else:
         raise AssertionError("a deleted link still resolves")
+
+
+async def test_whoami_in_a_group_never_shows_linked_accounts(config_for, fake_llm):
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = await started(cfg, tg, dc)
+    try:
+        await link(app, tg, dc)
+        tenant = app.links.tenant_for("telegram:111")
+        out = await say(app, tg, group("g1", "111", "/whoami", platform="telegram"))
+        assert "telegram:111" in out[0] and "private chat" in out[0]
+        assert "discord:222" not in out[0] and tenant not in out[0]
+        # a shared thread reads it too
+        out = await say(app, tg, group("g1", "111", "/whoami", platform="telegram", thread_id="7"))
+        assert "discord:222" not in out[0] and tenant not in out[0]
+        out = await say(app, tg, dm("111", "/whoami", platform="telegram"))
+        assert "discord:222" in out[0] and tenant in out[0]
+    finally:
+        await app.stop()

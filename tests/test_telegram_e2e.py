@@ -365,3 +365,15 @@ async def test_shared_group_new_undo_forget_need_a_telegram_chat_admin(tg, fake_
         tg.push_group(GROUP, 8, "/new", username="owner")
         sent = await answered(tg, app, 6, GROUP)
         assert sent[-1]["text"].startswith("Started a new conversation")
+
+
+async def test_whoami_in_a_group_points_to_a_private_chat(tg, fake_llm, config_for):
+    cfg = tg_config(config_for, tg, {"tenancy": {"identity_links": {"alice": ["telegram:1", "discord:77"]}}})
+    async with gateway(cfg) as (app, adapter):
+        tg.push_group(GROUP, 1, "/whoami", username="alice")
+        [sent] = await answered(tg, app, 1, GROUP)
+        assert "private chat" in sent["text"] and "discord:77" not in sent["text"]
+        assert "link-alice" not in sent["text"]
+        tg.push_private(1, "/whoami", username="alice")
+        [private] = await answered(tg, app, 1, 1)
+        assert "discord:77" in private["text"]

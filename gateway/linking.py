@@ -1,5 +1,13 @@
 """Identity linking from the chat: `/link` gives a code, `/link CODE` from the person's other
-account joins both into one tenant, `/unlink` separates an account again.
+account asks the issuer, `/link confirm` (or `/link deny`) from the issuer's private chat
+joins both into one tenant, `/unlink [account]` separates an account again.
+
+Safe by construction: a code is only ever typed in the redeemer's private chat. `screen()`
+looks at every inbound message outside private chats (code-shaped words only, hashed and
+looked up) and burns any live code it finds, telling the issuer privately. A redeemed code
+never links anything by itself: the issuer must confirm in their own private chat, where
+the request names the account asking to join (`link-request:<issuer>`, same lifetime as a
+code). Any account of a link can remove any other (non-config) account of it.
 
 Codes: 10 characters (shown `XXXXX-XXXXX`, about 50 bits), valid `CODE_TTL_S` (10 min),
 single use, stored in gateway.db's kv table only as a SHA-256 hash (`link-code:<hash>`),
@@ -27,10 +35,11 @@ Joining (A issued the code, B redeems it):
   and the gates opened. Jobs that were queued for an old tenant are moved to the lane of
   the new one (`LaneMoved`). Both chats get a confirmation.
 
-`/unlink` (runtime links only; config links are the operator's) removes this account from
-its link from now on: it starts over with a fresh personal profile, and everything from the
-linked time (memory, sessions of both accounts) stays with the link. The last account of a
-link cannot unlink (its data would be stranded).
+`/unlink` (runtime links only; config links are the operator's) removes this account, and
+`/unlink <principal>` another account of the same link, from now on: it leaves links.json
+and the link's tenant.json, starts over with a fresh personal profile, and everything from
+the linked time (memory, sessions of every account) stays with the link. The last account
+of a link cannot unlink (its data would be stranded).
 
 All state lives on the instance (one per GatewayApp); nothing is module-global.
 """

@@ -370,6 +370,19 @@ def _write_tar(src_dir: Path, out: Path) -> None:
 
 # ----- gateway.db traces ------------------------------------------------------------------------
 
+def _kv_principals(key: str, value: str) -> set[str]:
+    """Every principal a gateway.db kv row is about (a link request names two)."""
+    found = {_kv_principal(key, value)} - {None}
+    if key.startswith("link-request:"):
+        try:
+            data = json.loads(value)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("joiner"), str):
+            found.add(data["joiner"])
+    return found  # type: ignore[return-value]
+
+
 def _kv_principal(key: str, value: str) -> str | None:
     for prefix in _PRINCIPAL_KEYS:
         if key.startswith(prefix):
@@ -424,7 +437,7 @@ def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str,
         with conn:
             if "kv" in tables:
                 for key, value in conn.execute("SELECT key, value FROM kv").fetchall():
-                    if _kv_principal(key, value) in principals:
+                    if _kv_principals(key, value) & principals:
                         conn.execute("DELETE FROM kv WHERE key=?", (key,))
                         removed += 1
             if "inbound" in tables:
@@ -779,9 +792,7 @@ def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
     links = load_links(cfg)
     for info in scan_profiles(cfg.data_dir):
         stats = profile_stats(info.path)
-        principals = info.principals
-        for name in link_names_of(links, info.tenant_id):
-            principals = sorted(set(principals) | set(links.principals_of(name)))
+        principals = live_principals(links, info)
         rows.append({"tenant": info.tenant_id, "kind": info.kind, "principals": principals, **stats,
                      **({"merged_into": info.merged_into} if info.merged_into else {})})
     if args.json:
@@ -816,9 +827,10 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
         memory[target] = {"entries": len(entries), "chars": len(text)}
     provider_files = sorted(str(p.relative_to(info.path)) for p in (info.path / "provider").rglob("*")
                             if p.is_file()) if (info.path / "provider").is_dir() else []
-    linked = sorted({links.name_for(p) for p in info.principals} - {None})
+    principals = live_principals(links, info)
+    linked = sorted({links.name_for(p) for p in principals} - {None})
     data = {"tenant": info.tenant_id, "directory": str(info.path), "kind": info.kind,
-            "principals": info.principals, "created_at": info.created_at,
+            "principals": principals, "created_at": info.created_at,
             "links": {n: links.principals_of(n) for n in linked}, **stats, "memory": memory,
             "provider_files": provider_files, "sessions_detail": session_rows(info.path),
             **({"merged_into": info.merged_into} if info.merged_into else {})}
@@ -827,7 +839,7 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
         return 0
     print(f"tenant:        {info.tenant_id} ({info.kind})")
     print(f"directory:     {info.path}")
-    print(f"principals:    {', '.join(info.principals) or '-'}")
+    print(f"principals:    {', '.join(principals) or '-'}")
     if data["links"]:
         print(f"linked:        " + "; ".join(f"{n}: {', '.join(ps)}" for n, ps in data["links"].items()))
     if info.merged_into:
@@ -859,7 +871,8 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
     if gateway_running(cfg.data_dir):
         RunLock(cfg.data_dir).acquire("`profiles delete`")  # raises the explanation
     stats = profile_stats(info.path)
-    print(f"This permanently deletes {info.tenant_id} ({', '.join(info.principals) or 'no principals'}): "
+    members = live_principals(load_links(cfg), info)
+    print(f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
           f"{stats['sessions']} session(s), {stats['messages']} message(s), memory, provider data, "
           f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db.")
     if not args.yes:

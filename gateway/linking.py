@@ -298,8 +298,11 @@ class Linking:
 
     async def _prune(self, now: float) -> None:
         db = self.app.inbox.db
-        async with db.execute("SELECT key, value FROM kv WHERE key >= 'link-code:' AND key < 'link-code;'") as cur:
-            rows = await cur.fetchall()
+        rows = []
+        for prefix in ("link-code:", "link-request:"):  # expired codes and unanswered requests
+            async with db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ?",
+                                  (prefix, prefix[:-1] + ";")) as cur:
+                rows += await cur.fetchall()
         stale = []
         for key, value in rows:
             try:

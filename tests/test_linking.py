@@ -377,7 +377,11 @@ async def test_unlink_removes_principal_and_admin_resolves_live_link(config_for,
         await say(app, dc, dm("222", "remember that bob now owns this account", platform="discord"))
     finally:
         await app.stop()
-    # admin tools follow the live link: discord:222 is its own tenant now
+    # admin tools follow the live link: discord:222 is its own tenant now, even when the
+    # link's tenant.json still lists it (as an older version's /unlink left it)
+    manifest = json.loads((linked_dir / "tenant.json").read_text())
+    manifest["principals"].append("discord:222")
+    (linked_dir / "tenant.json").write_text(json.dumps(manifest))
     assert find_tenant(cfg, "discord:222").tenant_id == "discord-222"
     assert find_tenant(cfg, "testchat:777").tenant_id == tenant
     # deleting the link removes its current members' data only

@@ -364,3 +364,21 @@ async def test_whoami_in_a_server_answers_privately_and_typed_hides_links(rig, f
     sent = await r.replies(fake.general, 3)
     state = next(s for s in fake.interactions.values() if s["id"] == inter["id"])
     assert not ((state["response"].get("data") or {}).get("flags", 0) & 64)
+
+
+async def test_link_code_posted_in_a_discord_thread_is_burnt(rig, fake, fake_llm):
+    from tests.test_linking import CODE_RE
+
+    r = await rig()
+    dm_channel = fake.dm_channel(fake.alice)
+    fake.push_dm(fake.alice, "/link")
+    (issued,) = await r.replies(dm_channel, 1)
+    code = CODE_RE.search(issued["content"]).group(1)
+    fake.push_thread_message(fake.thread, fake.alice, f"here: {code.lower()}", mention_bot=True)
+    await r.replies(fake.thread, 1)
+    await r.app.linking.wait_idle(10)
+    sent = await r.replies(dm_channel, 2)
+    assert "cancelled" in sent[-1]["content"]
+    fake.push_dm(fake.bob, f"/link {code}")
+    (refused,) = await r.replies(fake.dm_channel(fake.bob), 1)
+    assert "unknown, expired or already used" in refused["content"]

@@ -377,3 +377,21 @@ async def test_whoami_in_a_group_points_to_a_private_chat(tg, fake_llm, config_f
         tg.push_private(1, "/whoami", username="alice")
         [private] = await answered(tg, app, 1, 1)
         assert "discord:77" in private["text"]
+
+
+async def test_link_code_pasted_in_a_telegram_group_is_burnt(tg, fake_llm, config_for):
+    code_re = re.compile(r"\b([A-Z2-9]{5}-[A-Z2-9]{5})\b")
+    async with gateway(tg_config(config_for, tg, {"limits": {"rate_limit_per_minute": 100}})) as (app, adapter):
+        tg.push_private(1, "/link", username="alice")
+        [issued] = await answered(tg, app, 1, 1)
+        code = code_re.search(issued["text"]).group(1)
+        tg.push_group(GROUP, 1, f"@{BOT} my code is {code}", username="alice")
+        await answered(tg, app, 1, GROUP)
+        await app.linking.wait_idle(10)
+        sent = tg.sent_messages(1)
+        assert len(sent) == 2 and "cancelled" in sent[-1]["text"] and code not in sent[-1]["text"]
+        assert not any("cancelled" in m["text"] for m in tg.sent_messages(GROUP))
+        tg.push_private(2, f"/link {code}", username="mallory")
+        [refused] = await answered(tg, app, 1, 2)
+        assert "unknown, expired or already used" in refused["text"]
+        assert app.links.as_dict() == {}

@@ -237,15 +237,18 @@ class Linking:
         Cheap: a regex finds code-shaped words; only those are hashed and looked up."""
         if msg.chat_type == "dm" or not msg.text:
             return
-        for code in code_candidates(msg.text):
-            key = f"link-code:{_hash(code)}"
-            raw = await self.app.inbox.get(key)
-            if not raw:
-                continue
+        keys = [f"link-code:{_hash(code)}" for code in code_candidates(msg.text)]
+        if not keys:
+            return
+        marks = ", ".join("?" for _ in keys)
+        async with self.app.inbox.db.execute(f"SELECT key, value FROM kv WHERE key IN ({marks})", keys) as cur:
+            live = await cur.fetchall()  # one indexed lookup for every code-shaped word
+        for key, raw in live:
             await self.app.inbox.put(key, None)
             record = json.loads(raw)
             issuer = record["principal"]
-            if await self.app.inbox.get(f"link-code-of:{issuer}") == _hash(code):
+            digest = key.partition(":")[2]
+            if await self.app.inbox.get(f"link-code-of:{issuer}") == digest:
                 await self.app.inbox.put(f"link-code-of:{issuer}", None)
             self.app.metrics.links.inc(kind="issue", outcome="burnt")
             log.warning("link: a live link code appeared in a %s %s chat; it was cancelled", msg.platform, msg.chat_type)

@@ -350,7 +350,7 @@ class Linking:
             return ("Both accounts already belong to different linked identities. Send /unlink from one "
                     "of them first, then link again.")
         request = {"joiner": principal, "platform": msg.platform, "chat_id": msg.chat_id, "user_id": msg.user_id,
-                   "user_name": msg.user_name, "issuer": record, "expires": self.clock() + self.ttl_s}
+                   "user_name": msg.user_name, "expires": self.clock() + self.ttl_s}
         await inbox.put(f"link-request:{issuer}", json.dumps(request))
         self.app.metrics.links.inc(kind="redeem", outcome="asked")
         who = f"{principal} ({msg.user_name})" if msg.user_name else principal
@@ -403,9 +403,7 @@ class Linking:
         self._busy |= {issuer, principal}
         tenants = [plan.target, *plan.sources]
         self._gate(tenants)  # before returning: no new turn may start in these profiles
-        task = asyncio.get_running_loop().create_task(self._run_merge(plan, tenants), name="link-merge")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._run_merge(plan, tenants), "link-merge")
         return f"Confirmed. Joining this account with {principal} now; I'll confirm here in a moment."
 
     async def _run_merge(self, plan: _Plan, tenants: list[str]) -> None:

@@ -272,7 +272,14 @@ class GatewayApp:
         platform = msg.platform if "platform" not in bad else "unknown"
         self.metrics.refused(platform, "bad_unicode")
         log.warning("refused a %s message: invalid Unicode in %s", platform, ", ".join(bad))
-        if ids_ok and platform in self.adapters:
+        allowed = False
+        if not set(bad) & {"platform", "user_id"}:
+            try:
+                allowed = await self.access.is_allowed(msg.principal)
+            except Exception:
+                log.exception("access check failed for a refused message")
+        # like any refusal: said in a private chat, or in a group only to someone the bot serves
+        if ids_ok and platform in self.adapters and (msg.chat_type == "dm" or allowed):
             clean = msg.model_copy(update={"text": "", "user_name": "", "user_id": "?",
                                            "reply_to_message_id": None, "attachments": ()})
             self._in_background(self._send_quietly(clean, (

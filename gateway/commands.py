@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from adapters.base import InboundMessage
-from agent.fileio import private_mkdir, write_private
 from agent.compression import CompressionState, Compressor
+from agent.fileio import private_mkdir, write_private
 from agent.prompt import ChatPlace
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from tenancy.keys import Lane

@@ -134,3 +134,18 @@ async def test_shared_lane_new_undo_forget_are_for_chat_admins(config_for, fake_
         assert (await say(app, adapter, dm("bob", "/new")))[0].startswith("Started a new conversation")
     finally:
         await app.stop()
+
+
+async def test_broken_unicode_from_a_stranger_in_a_group_gets_silence(config_for, fake_llm):
+    adapter = RecordingAdapter("testchat")
+    app = GatewayApp(config_for(access={"allowed_users": ["testchat:111"]}), [adapter])
+    await app.start()
+    try:
+        await adapter.sink(group("g1", "999", "hi \ud800"))
+        await adapter.sink(group("g1", "1\udc00", "hi"))
+        assert await app.drain(10)
+        assert adapter.texts("g1") == []
+        out = await say(app, adapter, group("g1", "111", "hi \ud800"))
+        assert "invalid characters" in out[0]
+    finally:
+        await app.stop()

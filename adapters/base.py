@@ -15,6 +15,14 @@ ChatType = Literal["dm", "group", "thread", "channel"]
 OutboundKind = Literal["reply", "notice", "error"]
 
 
+def _is_valid_unicode(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Attachment(BaseModel):
     """A file on a message. `type` is the platform's kind (`photo`, `voice`, `document`,
     `image`, `audio`, `file`, ...); `file_id` / `url` are what the adapter's `download`
@@ -48,6 +56,9 @@ class InboundMessage(BaseModel):
     chat_id: str
     chat_type: ChatType
     thread_id: str | None = None
+    # a private thread (Discord): only its invited members read it, so its shared lane is
+    # the thread's own chat tenant, never the parent channel's
+    private_thread: bool = False
     user_id: str
     user_name: str = ""
     message_id: str
@@ -59,6 +70,9 @@ class InboundMessage(BaseModel):
     reply_to_text: str | None = None
     reply_to_author: str = ""
     mentions_bot: bool = False
+    # the platform shows the answer to the sender only (an ephemeral Discord slash-command
+    # reply), so it may say what the sender alone should see even in a group
+    private_reply: bool = False
     timestamp: float = Field(default_factory=time.time)
     # The platform's own payload: kept out of logs, reprs and prompts.
     raw: Any = Field(default=None, repr=False, exclude=True)
@@ -67,6 +81,22 @@ class InboundMessage(BaseModel):
     def principal(self) -> str:
         """The person as `<platform>:<user_id>`."""
         return f"{self.platform}:{self.user_id}"
+
+    def unreadable_fields(self) -> list[str]:
+        """Names of the fields that are not valid Unicode (lone surrogates, e.g. from a
+        platform's JSON escapes): such a message can't be stored, logged or sent to a
+        model, so the gateway refuses it instead of failing on it."""
+        bad = []
+        values: list[tuple[str, str | None]] = [
+            ("platform", self.platform), ("chat_id", self.chat_id), ("thread_id", self.thread_id),
+            ("user_id", self.user_id), ("user_name", self.user_name), ("message_id", self.message_id),
+            ("text", self.text), ("reply_to_message_id", self.reply_to_message_id)]
+        for a in self.attachments:
+            values += [("attachments", a.type), ("attachments", a.name), ("attachments", a.url)]
+        for name, value in values:
+            if value is not None and not _is_valid_unicode(value) and name not in bad:
+                bad.append(name)
+        return bad
 
 
 class OutboundMessage(BaseModel):
@@ -128,3 +158,10 @@ class Adapter(Protocol):
     # Optional (platforms with files): `async def download(attachment, max_bytes) -> bytes`
     # fetches one attachment through the platform's client library, raising `DownloadError`
     # (too_big when over `max_bytes`). The gateway calls it; the inbound path never does.
+
+class ChatAdmins(Protocol):
+    """Optional adapter capability: whether a user moderates a chat on the platform
+    (Telegram chat administrators, Discord members with Manage Messages). Adapters
+    without it have no chat admins; only the gateway's own admins count there."""
+
+    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool: ...

@@ -7,7 +7,9 @@ What this adapter decides (and nothing more):
   its messages, a message in a `free_response_channels` channel (or a thread under one),
   or a text starting with `/` gets through; guilds outside `allowed_guilds` are dropped.
 - where a message belongs: DM -> `dm` (chat id = DM channel), guild channel -> `group`
-  (chat id = channel), thread -> `thread` (chat id = parent channel, thread id = thread).
+  (chat id = channel), thread -> `thread` (chat id = parent channel, thread id = thread;
+  `private_thread` for a private thread, which is its own chat tenant). A group DM, or any
+  non-DM context of a user-installed app, is a `group`, never a `dm`.
 - delivery details: the first chunk references the person's message, every send carries
   `allowed_mentions = {"parse": []}` so model output can never ping anyone, and 429s are
   retried by discord.py itself (each POST carries a nonce with `enforce_nonce`, so a
@@ -41,7 +43,7 @@ from discord.gateway import DiscordWebSocket
 from discord.http import Route
 
 from adapters.base import Attachment, DownloadError, InboundMessage, InboundSink, OutboundMessage, SentMessage
-from gateway.command_specs import COMMAND_SPECS, CommandSpec
+from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from gateway.config import ConfigError, DiscordConfig
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ NO_PINGS = discord.AllowedMentions.none()
 
 # Slash commands whose answer is about the person asking: in a server only they see it
 # (an ephemeral response); in a DM it is private anyway.
-EPHEMERAL_IN_SERVERS = frozenset({"whoami", "status", "memory", "usage"})
+EPHEMERAL_IN_SERVERS = frozenset(spec.name for spec in COMMAND_SPECS if spec.ephemeral)
 # Admin commands are registered with these default member permissions, so Discord shows them
 # only to server members who have them (server admins can widen that in the integration settings).
 ADMIN_DEFAULT_PERMISSIONS = discord.Permissions(administrator=True)
@@ -155,7 +157,7 @@ class _PendingInteraction:
     chat_key: tuple[str, str | None]
     created: float = field(default_factory=time.monotonic)
     answered: bool = False
-    ephemeral: bool = False  # every followup is then visible to the invoking user only
+    ephemeral: bool = False  # only the asker sees the answer; never falls back to the channel
 
     def usable(self) -> bool:
         return time.monotonic() - self.created < _INTERACTION_TTL_S - 30
@@ -239,7 +241,8 @@ class DiscordAdapter:
         self._api_base = resolve_api_base(cfg.api_base)
         self._gateway_url: str | None = cfg.gateway_url
         self._own_messages = _LRU(5000)  # ids of messages the bot sent (reply detection)
-        self._thread_parents: dict[str, str] = {}  # thread id -> parent channel id
+        self._thread_parents: dict[str, tuple[str, bool]] = {}  # thread id -> (parent channel id, private)
+        self._private_kinds = _LRU(4096)  # guildless channel id -> "dm" | "group" (learnt by fetching it)
         self._interactions: dict[str, _PendingInteraction] = {}  # "interaction-<id>" -> pending
         self._open_interaction: dict[tuple[str, str | None], _PendingInteraction] = {}
         self._followup_messages = _LRU(2000)  # message id -> pending interaction (for edits)
@@ -524,9 +527,13 @@ class DiscordAdapter:
                 return
             if interaction.user.bot:
                 return
-            ephemeral = interaction.guild_id is not None and name in EPHEMERAL_IN_SERVERS
+            context = getattr(interaction, "context", None)
+            chat_type, chat_id, thread_id, private = await self._place(
+                interaction.channel, interaction.channel_id, interaction.guild_id,
+                private_context=bool(context is not None and context.private_channel))
+            spec = find_command(name)
+            ephemeral = chat_type != "dm" and spec is not None and spec.ephemeral
             await interaction.response.defer(thinking=True, ephemeral=ephemeral)
-            chat_type, chat_id, thread_id = await self._place(interaction.channel, interaction.channel_id, interaction.guild_id)
             message_id = f"interaction-{interaction.id}"
             self._interactions[message_id] = _PendingInteraction(interaction, (chat_id, thread_id), ephemeral=ephemeral)
             text = f"/{name} {args.strip()}" if args and args.strip() else f"/{name}"
@@ -535,11 +542,13 @@ class DiscordAdapter:
                 chat_id=chat_id,
                 chat_type=chat_type,  # type: ignore[arg-type]
                 thread_id=thread_id,
+                private_thread=private,
                 user_id=str(interaction.user.id),
                 user_name=interaction.user.display_name,
                 message_id=message_id,
                 text=text,
                 mentions_bot=True,
+                private_reply=ephemeral,
                 timestamp=interaction.created_at.timestamp(),
                 raw=interaction,
             )
@@ -579,27 +588,51 @@ class DiscordAdapter:
             except Exception:  # noqa: BLE001 - one bad message must not stop the stream
                 log.exception("discord: failed to hand an inbound message to the gateway")
 
-    async def _place(self, channel: Any, channel_id: int | None, guild_id: int | None) -> tuple[str, str, str | None]:
-        """(chat_type, chat_id, thread_id) for a channel."""
-        if isinstance(channel, discord.Thread):
-            self._thread_parents[str(channel.id)] = str(channel.parent_id)
-            return "thread", str(channel.parent_id), str(channel.id)
-        if guild_id is None or isinstance(channel, (discord.DMChannel, discord.GroupChannel)):
-            return "dm", str(channel_id if channel_id is not None else channel.id), None
+    async def _place(self, channel: Any, channel_id: int | None, guild_id: int | None, *,
+                     private_context: bool = False) -> tuple[str, str, str | None, bool]:
+        """(chat_type, chat_id, thread_id, private thread) for a channel. Only a one-to-one
+        DM with the bot is `dm`: a group DM (channel type 3) or any other context a
+        user-installed app is used in (`private_context`) is a group."""
         cid = str(channel_id if channel_id is not None else channel.id)
+        if isinstance(channel, discord.Thread):
+            private = channel.type == discord.ChannelType.private_thread
+            self._thread_parents[str(channel.id)] = (str(channel.parent_id), private)
+            return "thread", str(channel.parent_id), str(channel.id), private
+        if private_context or isinstance(channel, discord.GroupChannel):
+            return "group", cid, None, False
+        if guild_id is None:
+            return await self._private_kind(channel, cid), cid, None, False
         if isinstance(channel, discord.PartialMessageable) or channel is None:
-            parent = self._thread_parents.get(cid)
-            if parent is None and self._client is not None:
+            known = self._thread_parents.get(cid)
+            if known is None and self._client is not None:
                 try:  # an uncached channel: is it a thread, and under which channel?
                     fetched = await self._client.fetch_channel(int(cid))
                 except discord.HTTPException:
                     fetched = None
                 if isinstance(fetched, discord.Thread):
-                    parent = str(fetched.parent_id)
-                    self._thread_parents[cid] = parent
-            if parent is not None:
-                return "thread", parent, cid
-        return "group", cid, None
+                    known = (str(fetched.parent_id), fetched.type == discord.ChannelType.private_thread)
+                    self._thread_parents[cid] = known
+            if known is not None:
+                return "thread", known[0], cid, known[1]
+        return "group", cid, None, False
+
+    async def _private_kind(self, channel: Any, cid: str) -> str:
+        """"dm" for a one-to-one DM with the bot, "group" for a group DM. discord.py builds
+        a DMChannel for every guildless message, so the channel is fetched once to see its
+        real type; if that fails the chat counts as a group (never wrongly private)."""
+        known = self._private_kinds.get(cid)
+        if known is not None:
+            return known
+        if self._client is None:
+            return "group"
+        try:
+            fetched = await self._client.fetch_channel(int(cid))
+        except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("discord: could not look up private channel %s (%r); treating it as a group", cid, exc)
+            return "group"
+        kind = "dm" if isinstance(fetched, discord.DMChannel) else "group"
+        self._private_kinds.add(cid, kind)
+        return kind
 
     def _guild_allowed(self, guild_id: int | None) -> bool:
         return guild_id is None or not self._allowed_guilds or str(guild_id) in self._allowed_guilds
@@ -652,7 +685,7 @@ class DiscordAdapter:
             text = re.sub(rf"[ \t]*{role_rx.pattern}[ \t]*", " ", text)
         text = self._readable_mentions(text, message).strip()
 
-        chat_type, chat_id, thread_id = await self._place(message.channel, message.channel.id, guild_id)
+        chat_type, chat_id, thread_id, private = await self._place(message.channel, message.channel.id, guild_id)
         if chat_type != "dm" and self.cfg.require_mention_in_guilds:
             free = chat_id in self._free or (thread_id is not None and thread_id in self._free)
             if not (mentioned or replied_to_bot or free or text.startswith("/")):
@@ -670,6 +703,7 @@ class DiscordAdapter:
             chat_id=chat_id,
             chat_type=chat_type,  # type: ignore[arg-type]
             thread_id=thread_id,
+            private_thread=private,
             user_id=str(author.id),
             user_name=author.display_name,
             message_id=str(message.id),
@@ -738,6 +772,13 @@ class DiscordAdapter:
             return None
         return pend
 
+    def _private_answer_lost(self, message: OutboundMessage) -> bool:
+        """True for an answer to an ephemeral slash command whose token has expired: it
+        must not be posted in the channel for everyone instead."""
+        reply_to = message.reply_to_message_id
+        pend = self._interactions.get(reply_to) if reply_to and reply_to.startswith("interaction-") else None
+        return pend is not None and pend.ephemeral and not pend.usable()
+
     async def send(self, message: OutboundMessage) -> SentMessage | None:
         """Send one chunk. Returns None when the channel is gone or the bot may not post
         there (logged once per channel). Other errors propagate; nothing is retried here
@@ -752,17 +793,21 @@ class DiscordAdapter:
             raise ValueError(f"chunk of {len(text)} chars exceeds Discord's {self.max_message_length}")
         channel_id = message.thread_id or message.chat_id
 
+        if self._private_answer_lost(message):
+            return None
         pend = self._interaction_for(message)
         if pend is not None:
             try:
-                sent = await pend.interaction.followup.send(
-                    content=text, wait=True, allowed_mentions=NO_PINGS, ephemeral=pend.ephemeral
-                )
+                sent = await pend.interaction.followup.send(content=text, wait=True, allowed_mentions=NO_PINGS,
+                                                            ephemeral=pend.ephemeral)
             except discord.NotFound:
+                if pend.ephemeral:
+                    return None  # a private answer is never posted in the channel instead
                 pend = None  # the interaction token expired: post in the channel instead
             else:
                 pend.answered = True
-                self._open_interaction[pend.chat_key] = pend
+                if not pend.ephemeral:  # later messages in the chat never go out privately
+                    self._open_interaction[pend.chat_key] = pend
                 self._own_messages.add(str(sent.id))
                 self._followup_messages.add(str(sent.id), pend)
                 return SentMessage(chat_id=message.chat_id, thread_id=message.thread_id, message_id=str(sent.id))
@@ -798,6 +843,22 @@ class DiscordAdapter:
             return False
         except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("discord: edit failed in channel %s: %r", channel_id, exc)
+            return False
+
+    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool:
+        """A guild member with Manage Messages in the channel; False when unsure."""
+        client = self._client
+        if client is None or not chat_id.isdigit() or not user_id.isdigit():
+            return False
+        try:
+            channel = client.get_channel(int(chat_id)) or await client.fetch_channel(int(chat_id))
+            guild = getattr(channel, "guild", None)
+            if guild is None:
+                return False
+            member = guild.get_member(int(user_id)) or await guild.fetch_member(int(user_id))
+            return channel.permissions_for(member).manage_messages  # type: ignore[union-attr]
+        except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("discord: could not look up a member of channel %s (%r)", chat_id, exc)
             return False
 
     async def typing(self, chat_id: str, thread_id: str | None) -> None:

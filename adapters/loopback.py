@@ -26,6 +26,8 @@ class LoopbackAdapter:
         self.sent: list[OutboundMessage] = []
         self.edits: list[tuple[SentMessage, str]] = []
         self.typing_calls = 0
+        #: (chat_id, user_id) pairs that are the chat's admins (`is_chat_admin`)
+        self.chat_admins: set[tuple[str, str]] = set()
         self.sink: InboundSink | None = None
         self._ids = itertools.count(1)
 
@@ -59,3 +61,6 @@ class LoopbackAdapter:
 
     async def typing(self, chat_id: str, thread_id: str | None) -> None:
         self.typing_calls += 1
+
+    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool:
+        return (chat_id, user_id) in self.chat_admins

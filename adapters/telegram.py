@@ -113,16 +113,18 @@ def _register_secret(secret: str | None) -> None:
 
 
 def _utf16_slice(text: str, offset: int, length: int) -> str:
-    data = text.encode("utf-16-le")
-    return data[2 * offset : 2 * (offset + length)].decode("utf-16-le", errors="ignore")
+    # surrogatepass: a lone surrogate (broken text) counts as one unit, as Telegram counts
+    # it, so a bad message still reaches the gateway, which refuses it clearly
+    data = text.encode("utf-16-le", "surrogatepass")
+    return data[2 * offset : 2 * (offset + length)].decode("utf-16-le", errors="surrogatepass")
 
 
 def _utf16_cut(text: str, spans: list[tuple[int, int]]) -> str:
     """Remove the given (offset, length) UTF-16 spans from `text`."""
-    data = text.encode("utf-16-le")
+    data = text.encode("utf-16-le", "surrogatepass")
     for offset, length in sorted(spans, reverse=True):
         data = data[: 2 * offset] + data[2 * (offset + length) :]
-    return data.decode("utf-16-le", errors="ignore")
+    return data.decode("utf-16-le", errors="surrogatepass")
 
 
 def _tidy(text: str) -> str:
@@ -983,6 +985,15 @@ class TelegramAdapter:
                 log.info("telegram: editMessageText in chat %s failed (%s)", sent.chat_id, type(exc).__name__)
                 return False
         return False
+
+    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool:
+        """The chat's creator or an administrator (getChatMember); False when unsure."""
+        try:
+            member = await self.bot.get_chat_member(_chat_id_param(chat_id), int(user_id))
+        except (TelegramError, ValueError) as exc:
+            log.warning("telegram: could not look up a member of chat %s (%s)", chat_id, type(exc).__name__)
+            return False
+        return member.status in ("creator", "administrator")
 
     async def typing(self, chat_id: str, thread_id: str | None) -> None:
         if chat_id in self._forbidden:

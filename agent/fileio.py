@@ -1,4 +1,5 @@
-"""Durable file writes shared by every store: one way to replace a file atomically."""
+"""Durable, owner-only file writes shared by every store: one way to replace a file
+atomically, and helpers that create files 0600 and directories 0700 whatever the umask."""
 
 from __future__ import annotations
 
@@ -43,3 +44,78 @@ def atomic_write(path: Path, data: bytes | str, *, mode: int = 0o600) -> None:
             pass
         raise
     fsync_dir(path.parent)
+
+
+# Owner-only files: everything under data_dir is created 0600 (files) / 0700 (dirs) with
+# explicit modes, whatever the process umask (which only ever removes bits).
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
+
+
+def private_mkdir(path: Path) -> Path:
+    """`mkdir -p` where every directory this call creates is 0700."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=PRIVATE_DIR)
+        except FileExistsError:
+            continue
+        os.chmod(d, PRIVATE_DIR)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Create `path` empty and 0600 if it does not exist (e.g. before SQLite opens it, so
+    the database and its -wal/-shm files, which copy its mode, are owner-only)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+    except FileExistsError:
+        return path
+    try:
+        os.fchmod(fd, PRIVATE_FILE)
+    finally:
+        os.close(fd)
+    return path
+
+
+def open_private(path: Path, mode: str = "a", encoding: str | None = "utf-8"):
+    """`open(path, mode)` ("w", "a", "wb", "ab") creating a missing file as 0600."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    fd = os.open(path, flags, PRIVATE_FILE)
+    return os.fdopen(fd, mode, encoding=None if "b" in mode else encoding)
+
+
+def write_private(path: Path, data: bytes | str) -> None:
+    """Write a whole (new or replaced) file, 0600."""
+    with open_private(path, "wb") as fh:
+        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+    os.chmod(path, PRIVATE_FILE)
+
+
+def tighten_tree(root: Path) -> None:
+    """Make every directory under `root` (itself included) 0700 and every file 0600, e.g.
+    after copying or unpacking files whose modes came from elsewhere. Symlinks untouched."""
+    root = Path(root)
+    if root.is_symlink():
+        return
+    if root.is_file():
+        os.chmod(root, PRIVATE_FILE)
+        return
+    os.chmod(root, PRIVATE_DIR)
+    for base, dirs, files in os.walk(root):
+        for d in dirs:
+            full = os.path.join(base, d)
+            if not os.path.islink(full):
+                os.chmod(full, PRIVATE_DIR)
+        for f in files:
+            full = os.path.join(base, f)
+            if not os.path.islink(full):
+                os.chmod(full, PRIVATE_FILE)

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from agent.fileio import open_private, private_mkdir
+
 
 class MemoryProvider:
     """The interface (all hooks are optional no-ops); subclasses override what they use."""
@@ -48,8 +50,8 @@ class LocalNotesProvider(MemoryProvider):
 
     def _append(self, record: dict[str, Any]) -> None:
         path = self._file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
+        private_mkdir(path.parent)
+        with open_private(path, "a") as fh:
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -28,6 +28,8 @@ from typing import Any, Literal, TypeVar
 
 import aiosqlite
 
+from agent.fileio import private_file, private_mkdir
+
 from agent.messages import StoredMessage
 
 log = logging.getLogger(__name__)
@@ -309,8 +311,9 @@ class SessionStore:
         """Open state.db (creating the schema) and reconcile it with the journals."""
         if self._db is not None:
             return self
-        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.sessions_dir)
         self._take_profile_lock()
+        private_file(self.db_path)  # SQLite gives -wal/-shm the database file's mode
         sync = "FULL" if self.fsync == "always" else "NORMAL"
         db: aiosqlite.Connection | None = None
         try:
@@ -821,7 +824,8 @@ class SessionStore:
     async def backup_to(self, dest_path: Path) -> None:
         """Copy state.db to `dest_path` with SQLite's online backup API."""
         dest_path = Path(dest_path)
-        dest_path.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(dest_path.parent)
+        private_file(dest_path)
 
         if self._rdb is None:
             raise SessionStoreError("session store is not open")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import unquote
 
+from agent.fileio import open_private, private_file, private_mkdir, tighten_tree, write_private
 from gateway.config import Config
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir
@@ -40,7 +41,7 @@ EXPORT_FORMAT = "hermes-gateway-profile-export"
 BACKUP_FORMAT = "hermes-gateway-backup"
 _STATE_FILES = {"state.db", "state.db-wal", "state.db-shm", "state.db-journal"}
 # kv keys of gateway.db that name a principal after the prefix
-_PRINCIPAL_KEYS = ("paired:", "pairing-of:", "link-code-of:", "link-issued:", "link-fail:")
+_PRINCIPAL_KEYS = ("paired:", "pairing-of:", "link-code-of:", "link-issued:", "link-fail:", "link-request:")
 
 
 class AdminError(Exception):
@@ -58,7 +59,7 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self, what: str = "the gateway") -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.path.parent)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -151,19 +152,38 @@ def link_names_of(links: IdentityLinks, tenant_id: str) -> list[str]:
     return [n for n in links.names() if link_tenant_id(n) == tenant_id]
 
 
+def live_principals(links: IdentityLinks, info: TenantInfo) -> list[str]:
+    """The principals whose lanes belong to this tenant today: a link tenant's live
+    members; otherwise the tenant.json principals no link has taken (a stale entry left by
+    an older version's /unlink never counts)."""
+    names = link_names_of(links, info.tenant_id)
+    if names:
+        return sorted({p for n in names for p in links.principals_of(n)})
+    if info.merged_into is not None:
+        return []
+    return sorted(p for p in info.principals if links.name_for(p) is None)
+
+
 def find_tenant(cfg: Config, ref: str) -> TenantInfo:
     """A tenant by id (`telegram-111`, `link-alice`), directory name, or principal
-    (`telegram:111`, following identity links)."""
+    (`telegram:111`, following live identity links only)."""
     profiles = scan_profiles(cfg.data_dir)
     for info in profiles:
         if ref in (info.tenant_id, info.dir_name):
             return info
-    linked = load_links(cfg).tenant_for(ref) if ":" in ref else None
-    if linked is not None:
+    links = load_links(cfg)
+    if ":" in ref:
+        linked = links.tenant_for(ref)
+        if linked is not None:
+            for info in profiles:
+                if info.tenant_id == linked:
+                    return info
+            raise AdminError(f"{ref} is linked to {linked}, which has no profile yet")
+        platform, _, uid = ref.partition(":")
         for info in profiles:
-            if info.tenant_id == linked:
+            if info.tenant_id == person_tenant_id(platform, uid) and info.merged_into is None:
                 return info
-    owners = [i for i in profiles if ref in i.principals and i.merged_into is None]
+    owners = [i for i in profiles if ref in live_principals(links, i)]
     if len(owners) == 1:
         return owners[0]
     if len(owners) > 1:
@@ -267,9 +287,9 @@ def copy_profile_files(src: Path, dst: Path) -> list[str]:
             if _skip(rel) or full.is_symlink() or not full.is_file():
                 continue
             target = dst / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
+            private_mkdir(target.parent)
             try:
-                shutil.copyfile(full, target)
+                shutil.copyfile(full, private_file(target))
             except FileNotFoundError:  # removed meanwhile (e.g. a temp file renamed)
                 continue
             copied.append(str(rel))
@@ -278,9 +298,10 @@ def copy_profile_files(src: Path, dst: Path) -> list[str]:
 
 def sqlite_backup(src: Path, dst: Path) -> None:
     """Online backup of `src` to `dst` (a consistent snapshot; writers are not blocked)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(dst.parent)
     if dst.exists():
         dst.unlink()
+    private_file(dst)
     source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)
     try:
         target = sqlite3.connect(dst)
@@ -328,6 +349,13 @@ def _safe_extract(archive: Path, dest: Path) -> None:
             if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
                 raise AdminError(f"{archive}: refusing unsafe archive member {member.name!r}")
         tar.extractall(dest, filter="data")
+    tighten_tree(dest)  # whatever modes the archive recorded, restored files are owner-only
+
+
+def _owner_only(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Archive members are recorded 0600 (files) / 0700 (directories)."""
+    info.mode = 0o700 if info.isdir() else 0o600
+    return info
 
 
 def _write_tar(src_dir: Path, out: Path) -> None:
@@ -335,13 +363,26 @@ def _write_tar(src_dir: Path, out: Path) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
         for entry in sorted(src_dir.iterdir()):
-            tar.add(entry, arcname=entry.name)
+            tar.add(entry, arcname=entry.name, filter=_owner_only)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, out)
 
 
 # ----- gateway.db traces ------------------------------------------------------------------------
+
+def _kv_principals(key: str, value: str) -> set[str]:
+    """Every principal a gateway.db kv row is about (a link request names two)."""
+    found = {_kv_principal(key, value)} - {None}
+    if key.startswith("link-request:"):
+        try:
+            data = json.loads(value)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("joiner"), str):
+            found.add(data["joiner"])
+    return found  # type: ignore[return-value]
+
 
 def _kv_principal(key: str, value: str) -> str | None:
     for prefix in _PRINCIPAL_KEYS:
@@ -397,7 +438,7 @@ def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str,
         with conn:
             if "kv" in tables:
                 for key, value in conn.execute("SELECT key, value FROM kv").fetchall():
-                    if _kv_principal(key, value) in principals:
+                    if _kv_principals(key, value) & principals:
                         conn.execute("DELETE FROM kv WHERE key=?", (key,))
                         removed += 1
             if "inbound" in tables:
@@ -425,7 +466,7 @@ def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str,
 
 def _kv_put(data_dir: Path, items: dict[str, str]) -> None:
     db = Path(data_dir) / "gateway.db"
-    conn = sqlite3.connect(db, timeout=30)
+    conn = sqlite3.connect(private_file(db), timeout=30)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
@@ -445,18 +486,17 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
     out = Path(out) if out else Path.cwd() / f"hermes-export-{info.dir_name}-{stamp}.tar.gz"
     if out.is_dir():
         out = out / f"hermes-export-{info.dir_name}-{stamp}.tar.gz"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(out.parent)
     links = load_links(cfg)
     link_name = next(iter(link_names_of(links, info.tenant_id)), None)
-    principals = sorted(set(info.principals) | set(links.principals_of(link_name) if link_name else []))
+    principals = live_principals(links, info)
     with tempfile.TemporaryDirectory(prefix=".hermes-export-", dir=out.parent) as tmp:
-        stage = Path(tmp) / "profile"
-        stage.mkdir()
+        stage = private_mkdir(Path(tmp) / "profile")
         if (info.path / "state.db").exists():
             sqlite_backup(info.path / "state.db", stage / "state.db")  # database first, journals after
             conn = sqlite3.connect(stage / "state.db")
             try:
-                with open(stage / "state.sql", "w", encoding="utf-8") as fh:
+                with open_private(stage / "state.sql", "w") as fh:
                     for line in conn.iterdump():
                         fh.write(line + "\n")
             finally:
@@ -470,9 +510,43 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
             "paired": paired_principals(cfg.data_dir, principals),
             "files": sorted(files + (["state.db", "state.sql"] if (stage / "state.db").exists() else [])),
         }
-        (Path(tmp) / "EXPORT.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
+        write_private(Path(tmp) / "EXPORT.json", json.dumps(manifest, indent=1, ensure_ascii=False))
         _write_tar(Path(tmp), out)
     return out
+
+
+def archive_problems(cfg: Config, manifest: dict[str, Any], tenant_json: dict[str, Any], target: Path) -> list[str]:
+    """Why an export archive must not be restored as it is: it may only link and pair
+    principals its own tenant.json lists, that belong to its tenant, and that no other
+    tenant owns (an edited archive must not join someone else's account to it)."""
+    tid = manifest.get("tenant_id")
+    problems = []
+    if tenant_json.get("tenant_id") not in (None, tid):
+        problems.append(f"its tenant.json is for {tenant_json.get('tenant_id')!r}, not {tid!r}")
+    listed = {p for p in tenant_json.get("principals", []) if isinstance(p, str)}
+    link = manifest.get("link") or {}
+    name = link.get("name")
+    if name is not None and link_tenant_id(str(name)) != tid:
+        problems.append(f"its link {name!r} is not tenant {tid!r}")
+    wanted = {p for p in link.get("principals", []) if isinstance(p, str)} if name else set()
+    wanted |= {p for p in manifest.get("paired") or [] if isinstance(p, str)}
+    links = load_links(cfg)
+    others = [i for i in scan_profiles(cfg.data_dir) if i.path != target]
+    for p in sorted(wanted):
+        if p not in listed:
+            problems.append(f"{p} is not one of the principals its tenant.json lists")
+            continue
+        platform, _, uid = p.partition(":")
+        if not name and person_tenant_id(platform, uid) != tid:
+            problems.append(f"{p} is not the account of tenant {tid!r}")
+        current = links.name_for(p)
+        if current is not None and current != name:
+            problems.append(f"{p} belongs to the identity link {current!r}")
+            continue
+        owner = next((i.tenant_id for i in others if p in live_principals(links, i)), None)
+        if owner is not None:
+            problems.append(f"{p} belongs to tenant {owner}")
+    return problems
 
 
 def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> TenantInfo:
@@ -483,7 +557,7 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
         raise AdminError(f"{archive}: no such archive")
     with RunLock(cfg.data_dir).acquire("`profiles restore`"):
         profiles_root = cfg.data_dir / "profiles"
-        profiles_root.mkdir(parents=True, exist_ok=True)
+        private_mkdir(profiles_root)
         with tempfile.TemporaryDirectory(prefix=".restore-", dir=profiles_root) as tmp:
             _safe_extract(archive, Path(tmp))
             try:
@@ -497,16 +571,20 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
             if manifest.get("dir_name") not in (None, target.name):
                 raise AdminError(f"{archive}: tenant {tid!r} belongs in {target.name}, the archive says "
                                  f"{manifest.get('dir_name')}")
+            stage = Path(tmp) / "profile"
+            problems = archive_problems(cfg, manifest, read_manifest(stage), target)
+            if problems and not force:
+                raise AdminError(f"{archive}: refusing to restore: " + "; ".join(problems)
+                                 + ". Use --force to restore anyway.")
             if target.exists() and any(target.iterdir()):
                 if not force:
                     raise AdminError(f"{tid} already has a profile at {target}; use --force to replace it")
                 shutil.rmtree(target)
-            stage = Path(tmp) / "profile"
             (stage / "state.sql").unlink(missing_ok=True)  # the dump is for people; state.db is the copy
             if (stage / "state.db").exists() and integrity_check(stage / "state.db") != "ok":
                 raise AdminError(f"{archive}: state.db fails PRAGMA integrity_check")
             for sub in ("memories", "sessions", "provider"):
-                (stage / sub).mkdir(exist_ok=True)
+                private_mkdir(stage / sub)
             _fsync_tree(stage)
             os.replace(stage, target)
         link = manifest.get("link") or None
@@ -547,11 +625,8 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
         lock_fd = _lock_profile(info.path)
         try:
             links = load_links(cfg)
-            principals = set(info.principals)
-            link_names = {links.name_for(p) for p in principals} - {None}
-            link_names |= set(link_names_of(links, info.tenant_id))
-            for name in link_names:
-                principals |= set(links.principals_of(name))
+            principals = set(live_principals(links, info))  # never an account that left the link
+            link_names = set(link_names_of(links, info.tenant_id))
             chats = dm_chats(info.path)
             dirs = [info.path]
             for other in scan_profiles(data_dir):
@@ -568,6 +643,9 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
                         dirs.append(stale)
             for extra in dirs[1:]:
                 chats |= dm_chats(extra)
+            for other in scan_profiles(data_dir):  # a DM chat that lives on elsewhere keeps its rows
+                if other.path not in dirs:
+                    chats -= dm_chats(other.path)
             for path in dirs:
                 shutil.rmtree(path)
         finally:
@@ -590,7 +668,7 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
 def _lock_profile(path: Path) -> int:
     """Take the profile's SessionStore lock so nothing has it open while it is removed."""
     lock = path / "sessions" / ".lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(lock.parent)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -633,7 +711,7 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
                          f"(e.g. {directory.parent}), not an archive name")
     if directory.exists() and not directory.is_dir():
         raise AdminError(f"{directory} is a file; backup needs a directory to put the archive in")
-    directory.mkdir(parents=True, exist_ok=True)
+    private_mkdir(directory)
     dest = _backup_name(directory)
     with tempfile.TemporaryDirectory(prefix=".hermes-backup-", dir=dest.parent) as tmp:
         stage = Path(tmp) / "data"
@@ -649,16 +727,15 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
                 sqlite_backup(entry, stage / name)
                 report["databases"].append(name)
             else:
-                shutil.copyfile(entry, stage / name)
+                shutil.copyfile(entry, private_file(stage / name))
         for info in scan_profiles(data_dir):
-            target = stage / "profiles" / info.dir_name
-            target.mkdir(parents=True)
+            target = private_mkdir(stage / "profiles" / info.dir_name)
             if (info.path / "state.db").exists():
                 sqlite_backup(info.path / "state.db", target / "state.db")  # database first, journals after
                 report["databases"].append(f"profiles/{info.dir_name}/state.db")
             copy_profile_files(info.path, target)
             report["profiles"] += 1
-        (stage / "BACKUP.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+        write_private(stage / "BACKUP.json", json.dumps(report, indent=1))
         _write_tar(stage, dest)
     if keep:
         for path in sorted(directory.glob(BACKUP_GLOB))[:-keep]:
@@ -672,12 +749,13 @@ def restore_data_dir(src: Path, data_dir: Path) -> dict[str, Any]:
     if data_dir.exists() and any(p.name != LOCK_NAME for p in data_dir.iterdir()):
         raise AdminError(f"{data_dir} is not empty; restore goes into an empty data directory "
                          "(move the old one aside first)")
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_mkdir(data_dir)
     with RunLock(data_dir).acquire("`restore`"):
         with tempfile.TemporaryDirectory(prefix=".hermes-restore-", dir=data_dir) as tmp:
             if src.is_dir():
                 stage = Path(tmp) / "data"
                 shutil.copytree(src, stage, symlinks=False)
+                tighten_tree(stage)
             elif src.is_file():
                 _safe_extract(src, Path(tmp))
                 stage = Path(tmp)
@@ -728,9 +806,7 @@ def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
     links = load_links(cfg)
     for info in scan_profiles(cfg.data_dir):
         stats = profile_stats(info.path)
-        principals = info.principals
-        for name in link_names_of(links, info.tenant_id):
-            principals = sorted(set(principals) | set(links.principals_of(name)))
+        principals = live_principals(links, info)
         rows.append({"tenant": info.tenant_id, "kind": info.kind, "principals": principals, **stats,
                      **({"merged_into": info.merged_into} if info.merged_into else {})})
     if args.json:
@@ -765,9 +841,10 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
         memory[target] = {"entries": len(entries), "chars": len(text)}
     provider_files = sorted(str(p.relative_to(info.path)) for p in (info.path / "provider").rglob("*")
                             if p.is_file()) if (info.path / "provider").is_dir() else []
-    linked = sorted({links.name_for(p) for p in info.principals} - {None})
+    principals = live_principals(links, info)
+    linked = sorted({links.name_for(p) for p in principals} - {None})
     data = {"tenant": info.tenant_id, "directory": str(info.path), "kind": info.kind,
-            "principals": info.principals, "created_at": info.created_at,
+            "principals": principals, "created_at": info.created_at,
             "links": {n: links.principals_of(n) for n in linked}, **stats, "memory": memory,
             "provider_files": provider_files, "sessions_detail": session_rows(info.path),
             **({"merged_into": info.merged_into} if info.merged_into else {})}
@@ -776,7 +853,7 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
         return 0
     print(f"tenant:        {info.tenant_id} ({info.kind})")
     print(f"directory:     {info.path}")
-    print(f"principals:    {', '.join(info.principals) or '-'}")
+    print(f"principals:    {', '.join(principals) or '-'}")
     if data["links"]:
         print(f"linked:        " + "; ".join(f"{n}: {', '.join(ps)}" for n, ps in data["links"].items()))
     if info.merged_into:
@@ -825,7 +902,8 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
     if gateway_running(cfg.data_dir):
         RunLock(cfg.data_dir).acquire("`profiles delete`")  # raises the explanation
     stats = profile_stats(info.path)
-    print(f"This permanently deletes {info.tenant_id} ({', '.join(info.principals) or 'no principals'}): "
+    members = live_principals(load_links(cfg), info)
+    print(f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
           f"{_count(stats['sessions'], 'session', 'sessions')}, {_count(stats['messages'], 'message', 'messages')}, "
           f"memory, provider data, "
           f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db.")
@@ -921,7 +999,9 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=_guard(cmd_profiles_delete))
     p = psub.add_parser("restore", help="put back a profile from a `profiles export` archive (gateway stopped)")
     p.add_argument("archive", help="a .tar.gz written by `profiles export`")
-    p.add_argument("--force", action="store_true", help="replace an existing profile of the same tenant")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing profile of the same tenant, and restore links and pairings the "
+                        "archive's own tenant.json does not vouch for")
     p.set_defaults(handler=_guard(cmd_profiles_restore))
     for p in psub.choices.values():
         p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from adapters.base import Adapter, InboundMessage, OutboundMessage, SentMessage
+from agent.fileio import private_mkdir
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
 from agent.tokens import TokenCounter
 from agent.turn import Agent, TurnResult, UserInput
 from gateway.access import Access
-from gateway.commands import HANDLERS, CommandContext, parse_command
+from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config
 from gateway.delivery import split_text
 from gateway.inbox import Inbox
@@ -127,7 +128,7 @@ class GatewayApp:
         """Open storage, replay what a previous run left unanswered, start the adapters."""
         from gateway.admin import RunLock
 
-        self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.cfg.data_dir)
         self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
         await self.inbox.open()
         self._started = True
@@ -218,6 +219,9 @@ class GatewayApp:
     # ----- inbound --------------------------------------------------------------------
     async def handle_inbound(self, msg: InboundMessage) -> None:
         """The adapters' sink: returns once `msg` is durably recorded (or known already)."""
+        if msg.unreadable_fields():
+            await self._refuse_unreadable(msg)
+            return
         if not await self.inbox.record(msg):
             self.metrics.inbound.inc(platform=msg.platform, outcome="duplicate")
             log.info("duplicate %s message ignored", msg.platform)
@@ -238,6 +242,10 @@ class GatewayApp:
             raise
 
     async def _admit(self, msg: InboundMessage, *, replay: bool = False) -> None:
+        try:  # a link code typed where others can read it is burnt, whoever sent it
+            await self.linking.screen(msg)
+        except Exception:
+            log.exception("could not screen a %s message for link codes", msg.platform)
         if not await self.access.is_allowed(msg.principal):
             await self._refuse_stranger(msg)
             return
@@ -266,6 +274,34 @@ class GatewayApp:
         if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(msg, lane), force=replay):
             await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
                                             "Please wait for my answer, then send this again.")
+
+    async def _refuse_unreadable(self, msg: InboundMessage) -> None:
+        """A message with broken Unicode (lone surrogates) can't be stored or answered as
+        usual: it is not recorded, and when its ids are sound the sender gets a clear note."""
+        bad = msg.unreadable_fields()
+        ids_ok = not set(bad) & {"platform", "chat_id", "thread_id", "message_id"}
+        platform = msg.platform if "platform" not in bad else "unknown"
+        self.metrics.refused(platform, "bad_unicode")
+        log.warning("refused a %s message: invalid Unicode in %s", platform, ", ".join(bad))
+        allowed = False
+        if not set(bad) & {"platform", "user_id"}:
+            try:
+                allowed = await self.access.is_allowed(msg.principal)
+            except Exception:
+                log.exception("access check failed for a refused message")
+        # like any refusal: said in a private chat, or in a group only to someone the bot serves
+        if ids_ok and platform in self.adapters and (msg.chat_type == "dm" or allowed):
+            clean = msg.model_copy(update={"text": "", "user_name": "", "user_id": "?",
+                                           "reply_to_message_id": None, "attachments": ()})
+            self._in_background(self._send_quietly(clean, (
+                "Sorry, I can't read that message: it contains invalid characters (broken Unicode). "
+                "Please send it again as plain text.")))
+
+    async def _send_quietly(self, msg: InboundMessage, text: str) -> None:
+        try:
+            await self.send(msg, text, kind="error")
+        except Exception:
+            log.exception("could not send a refusal")
 
     def _in_background(self, coro) -> None:
         """Run a reply outside the adapter's sink, so a slow send (e.g. flood control)
@@ -331,8 +367,9 @@ class GatewayApp:
                 command = parse_command(first.msg.text)
                 if command is not None:
                     spec, args = command
-                    ctx = CommandContext(self, first.msg, lane, place, profile, args)
-                    text, kind = await HANDLERS[spec.name](ctx), "reply"
+                    ctx = CommandContext(self, first.msg, lane, place, profile, args,
+                                         chat_admin=self._chat_admin_check(first.msg))
+                    text, kind = await run_command(spec.name, ctx), "reply"
                 else:
                     # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
                     prepared = [await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path,
@@ -412,6 +449,19 @@ class GatewayApp:
                 continue
             except Exception:
                 log.exception("memory flush at shutdown failed")
+    def _chat_admin_check(self, msg: InboundMessage):
+        """The adapter's `is_chat_admin` for this message's sender, if the platform has one."""
+        check = getattr(self.adapters.get(msg.platform), "is_chat_admin", None)
+        if check is None:
+            return None
+
+        async def is_admin() -> bool:
+            try:
+                return bool(await check(msg.chat_id, msg.user_id))
+            except Exception:
+                log.exception("%s: chat admin check failed", msg.platform)
+                return False
+        return is_admin
 
     async def _move_jobs(self, jobs: list[Job], lane: Lane) -> None:
         """Queue jobs whose tenant changed (a /link or /unlink) on the lane they belong to now."""
@@ -469,5 +519,5 @@ class GatewayApp:
     async def link_command(self, msg: InboundMessage, args: str) -> str:
         return await self.linking.link_command(msg, args)
 
-    async def unlink_command(self, msg: InboundMessage) -> str:
-        return await self.linking.unlink_command(msg)
+    async def unlink_command(self, msg: InboundMessage, args: str = "") -> str:
+        return await self.linking.unlink_command(msg, args)

@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The command line; every failure a person can cause ends in one message and a
     non-zero exit: 2 for a config problem, 1 for a refusal, 130 after Ctrl-C."""
+    os.umask(0o077)  # belt and braces: every file the gateway creates is owner-only anyway
     try:
         code = _dispatch(build_parser().parse_args(argv))
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit

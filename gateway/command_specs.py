@@ -13,21 +13,25 @@ class CommandSpec:
     takes_args: bool = False
     admin_only: bool = False
     aliases: tuple[str, ...] = ()
+    #: answered only to the asker where the platform can (a Discord slash command used in
+    #: a server answers ephemerally), because the answer is about the asker
+    ephemeral: bool = False
 
 
 COMMAND_SPECS: tuple[CommandSpec, ...] = (
     CommandSpec("help", "What I can do and the commands"),
     CommandSpec("new", "Start a fresh conversation (memory is kept)", aliases=("reset",)),
-    CommandSpec("status", "This conversation: session, messages, model"),
-    CommandSpec("usage", "Tokens used and how full the context is"),
+    CommandSpec("status", "This conversation: session, messages, model", ephemeral=True),
+    CommandSpec("usage", "Tokens used and how full the context is", ephemeral=True),
     CommandSpec("compress", "Summarise this conversation now (optional: focus <topic>)", takes_args=True),
-    CommandSpec("memory", "Show what I remember about you (or: pending, approve N, reject N)", takes_args=True),
+    CommandSpec("memory", "Show what I remember about you (or: pending, approve N, reject N)", takes_args=True,
+                ephemeral=True),
     CommandSpec("forget", "Erase what I remember about you (memory or user or all)", takes_args=True),
     CommandSpec("undo", "Take back your last message and my answer"),
     CommandSpec("export", "Get a copy of your conversations and memory"),
-    CommandSpec("whoami", "Your ids and which profile you're in"),
+    CommandSpec("whoami", "Your ids and which profile you're in", ephemeral=True),
     CommandSpec("link", "Join your accounts on two platforms into one memory", takes_args=True),
-    CommandSpec("unlink", "Separate this account from a linked identity"),
+    CommandSpec("unlink", "Separate this (or another) account from your linked identity", takes_args=True),
     CommandSpec("start", "Say hello (or start pairing)", takes_args=True),
     CommandSpec("pair", "Admin: approve a pairing code", takes_args=True, admin_only=True),
 )

@@ -12,6 +12,7 @@ from adapters.base import InboundMessage
 from agent.compression import CompressionState, Compressor
 from agent.memory import MemoryStore
 from agent.memory_approval import PendingWrites
+from agent.fileio import private_mkdir, write_private
 from agent.prompt import ChatPlace
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from tenancy.keys import Lane
@@ -40,6 +41,32 @@ class CommandContext:
     place: ChatPlace
     profile: "Profile"
     args: str
+    #: whether the sender moderates this chat on the platform (the adapter's capability)
+    chat_admin: Callable[[], Awaitable[bool]] | None = None
+
+
+#: commands that change a shared lane's conversation or memory for everyone in it
+SHARED_LANE_ADMIN_COMMANDS = frozenset({"new", "undo", "forget"})
+
+
+async def shared_lane_refusal(ctx: CommandContext, name: str) -> str | None:
+    """In a shared group lane or thread, /new, /undo and /forget are for the chat's admins
+    and the gateway's admins; everyone else gets this refusal."""
+    if name not in SHARED_LANE_ADMIN_COMMANDS or ctx.lane.kind != "chat":
+        return None
+    if ctx.app.access.is_admin(ctx.msg.principal):
+        return None
+    if ctx.chat_admin is not None and await ctx.chat_admin():
+        return None
+    return (f"This conversation is shared by everyone here, so only the chat's admins can use /{name}. "
+            "Ask one of them, or talk to me in a private chat.")
+
+
+async def run_command(name: str, ctx: CommandContext) -> str:
+    """Run the chat command `name` (after the shared-lane admin check)."""
+    if refusal := await shared_lane_refusal(ctx, name):
+        return refusal
+    return await HANDLERS[name](ctx)
 
 
 Handler = Callable[[CommandContext], Awaitable[str]]
@@ -222,8 +249,6 @@ MEMORY_USAGE = "/memory, /memory pending, /memory approve N, /memory reject N"
 
 
 async def cmd_forget(ctx: CommandContext) -> str:
-    if ctx.lane.kind == "chat" and not ctx.app.access.is_admin(ctx.msg.principal):
-        return "Only an admin can erase this group's memory."
     if ctx.lane.personal_memory != "full":
         return "Memory can't be changed from this chat; send /forget in a private chat with me."
     target = ctx.args.lower() or "all"
@@ -253,9 +278,9 @@ async def cmd_export(ctx: CommandContext) -> str:
                            "content": (await skills.view(info.name, shared_only=False)).get("content")}
                           for info in await skills.index(shared_only=False)]
     out_dir = ctx.profile.path / "exports"
-    out_dir.mkdir(exist_ok=True)
+    private_mkdir(out_dir)
     path = out_dir / f"export-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    path.write_text(json.dumps(data, ensure_ascii=False, indent=1, default=str), encoding="utf-8")
+    write_private(path, json.dumps(data, ensure_ascii=False, indent=1, default=str))
     sessions = data.get("sessions", [])
     messages = sum(len(s.get("messages", [])) for s in sessions)
     return (f"Exported {len(sessions)} conversation(s) with {messages} message(s) and your memory "
@@ -264,6 +289,11 @@ async def cmd_export(ctx: CommandContext) -> str:
 
 
 async def cmd_whoami(ctx: CommandContext) -> str:
+    if ctx.msg.chat_type != "dm" and not ctx.msg.private_reply:
+        # a group reads the answer: never show the person's other (linked) accounts here
+        who = ctx.msg.principal + (f" ({ctx.msg.user_name})" if ctx.msg.user_name else "")
+        return (f"You are {who}. Your profile and linked accounts are private: send /whoami in a "
+                "private chat with me to see them.")
     lines = [f"You are {ctx.msg.principal}" + (f" ({ctx.msg.user_name})" if ctx.msg.user_name else ""),
              f"Profile: {ctx.lane.tenant_id}",
              f"Conversation: {ctx.lane.session_key}"]
@@ -280,7 +310,7 @@ async def cmd_link(ctx: CommandContext) -> str:
 
 
 async def cmd_unlink(ctx: CommandContext) -> str:
-    return await ctx.app.unlink_command(ctx.msg)
+    return await ctx.app.unlink_command(ctx.msg, ctx.args)
 
 
 async def cmd_pair(ctx: CommandContext) -> str:

@@ -7,6 +7,7 @@ import tempfile
 
 import httpx
 
+from agent.fileio import private_mkdir
 from gateway.config import Config
 
 
@@ -16,7 +17,7 @@ def _line(ok: bool | None, what: str, detail: str) -> str:
 
 def check_data_dir(cfg: Config) -> tuple[bool, str]:
     try:
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        private_mkdir(cfg.data_dir)
         with tempfile.NamedTemporaryFile(dir=cfg.data_dir, prefix=".doctor-", delete=True) as fh:
             fh.write(b"ok")
             fh.flush()

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiosqlite
 
 from adapters.base import InboundMessage
+from agent.fileio import private_file, private_mkdir
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inbound (
@@ -40,7 +41,8 @@ class Inbox:
         self._db: aiosqlite.Connection | None = None
 
     async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.path.parent)
+        private_file(self.path)  # SQLite gives -wal/-shm the database file's mode
         # autocommit: each statement is its own durable transaction, one thread hop each
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         await self._db.execute("PRAGMA journal_mode=WAL")

@@ -1,5 +1,13 @@
 """Identity linking from the chat: `/link` gives a code, `/link CODE` from the person's other
-account joins both into one tenant, `/unlink` separates an account again.
+account asks the issuer, `/link confirm` (or `/link deny`) from the issuer's private chat
+joins both into one tenant, `/unlink [account]` separates an account again.
+
+Safe by construction: a code is only ever typed in the redeemer's private chat. `screen()`
+looks at every inbound message outside private chats (code-shaped words only, hashed and
+looked up) and burns any live code it finds, telling the issuer privately. A redeemed code
+never links anything by itself: the issuer must confirm in their own private chat, where
+the request names the account asking to join (`link-request:<issuer>`, same lifetime as a
+code). Any account of a link can remove any other (non-config) account of it.
 
 Codes: 10 characters (shown `XXXXX-XXXXX`, about 50 bits), valid `CODE_TTL_S` (10 min),
 single use, stored in gateway.db's kv table only as a SHA-256 hash (`link-code:<hash>`),
@@ -27,10 +35,11 @@ Joining (A issued the code, B redeems it):
   and the gates opened. Jobs that were queued for an old tenant are moved to the lane of
   the new one (`LaneMoved`). Both chats get a confirmation.
 
-`/unlink` (runtime links only; config links are the operator's) removes this account from
-its link from now on: it starts over with a fresh personal profile, and everything from the
-linked time (memory, sessions of both accounts) stays with the link. The last account of a
-link cannot unlink (its data would be stranded).
+`/unlink` (runtime links only; config links are the operator's) removes this account, and
+`/unlink <principal>` another account of the same link, from now on: it leaves links.json
+and the link's tenant.json, starts over with a fresh personal profile, and everything from
+the linked time (memory, sessions of every account) stays with the link. The last account
+of a link cannot unlink (its data would be stranded).
 
 All state lives on the instance (one per GatewayApp); nothing is module-global.
 """
@@ -43,6 +52,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import sqlite3
@@ -53,7 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from adapters.base import InboundMessage
-from agent.fileio import atomic_write, fsync_dir
+from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
 from agent.sessions import SessionStore
 from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
@@ -91,6 +101,30 @@ def _hash(code: str) -> str:
 
 def normalize_code(text: str) -> str:
     return "".join(ch for ch in text.upper() if ch.isalnum())
+
+
+_CANDIDATE_RE = re.compile(r"(?<![A-Za-z0-9])([A-Za-z2-9]{5})[-\s]?([A-Za-z2-9]{5})(?![A-Za-z0-9])")
+_MAX_CANDIDATES = 32
+
+
+def code_candidates(text: str) -> list[str]:
+    """Normalized code-shaped words of `text` (`XXXXX-XXXXX`, any case, dash or space
+    optional), at most `_MAX_CANDIDATES`; only code alphabet letters count."""
+    out: list[str] = []
+    for m in _CANDIDATE_RE.finditer(text):
+        code = (m.group(1) + m.group(2)).upper()
+        if all(ch in _ALPHABET for ch in code) and code not in out:
+            out.append(code)
+            if len(out) >= _MAX_CANDIDATES:
+                break
+    return out
+
+
+def _issuer_chat(record: dict) -> InboundMessage:
+    """A notice target: the private chat a code was issued in."""
+    return InboundMessage(platform=record["platform"], chat_id=record["chat_id"], chat_type="dm",
+                          user_id=record["user_id"], user_name=record.get("user_name") or "",
+                          message_id=f"link-{secrets.token_hex(4)}")
 
 
 def _platform_name(principal: str) -> str:
@@ -188,10 +222,46 @@ class Linking:
     async def link_command(self, msg: InboundMessage, args: str) -> str:
         if msg.chat_type != "dm":
             return "For your privacy, send /link in a private chat with me, not here."
+        word = args.strip().lower()
+        if word in ("confirm", "deny"):
+            return await self._answer(msg, word == "confirm")
         code = normalize_code(args)
         if not code:
             return await self._issue(msg)
         return await self._redeem(msg, code)
+
+    # ----- codes seen where they don't belong ------------------------------------------
+    async def screen(self, msg: InboundMessage) -> None:
+        """Burn every live link code that appears in `msg` unless `msg` is a private chat
+        (the only place a code may be typed), and tell each code's issuer privately.
+        Cheap: a regex finds code-shaped words; only those are hashed and looked up."""
+        if msg.chat_type == "dm" or not msg.text:
+            return
+        keys = [f"link-code:{_hash(code)}" for code in code_candidates(msg.text)]
+        if not keys:
+            return
+        marks = ", ".join("?" for _ in keys)
+        async with self.app.inbox.db.execute(f"SELECT key, value FROM kv WHERE key IN ({marks})", keys) as cur:
+            live = await cur.fetchall()  # one indexed lookup for every code-shaped word
+        for key, raw in live:
+            await self.app.inbox.put(key, None)
+            record = json.loads(raw)
+            issuer = record["principal"]
+            digest = key.partition(":")[2]
+            if await self.app.inbox.get(f"link-code-of:{issuer}") == digest:
+                await self.app.inbox.put(f"link-code-of:{issuer}", None)
+            self.app.metrics.links.inc(kind="issue", outcome="burnt")
+            log.warning("link: a live link code appeared in a %s %s chat; it was cancelled", msg.platform, msg.chat_type)
+            self._spawn(self._tell(_issuer_chat(record), (
+                "Your link code was posted in a chat other people can read, so I cancelled it: nobody can use "
+                "it now. If you still want to link your accounts, send /link here for a new code and type it "
+                "only in a private chat with me from your other account.")), "link-burnt-notice")
+
+    def _spawn(self, coro, name: str) -> None:
+        """Run `coro` beside the caller (close() waits for it)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _recent(self, key: str, window: float = 3600.0) -> list[float]:
         raw = await self.app.inbox.get(key)
@@ -231,8 +301,11 @@ class Linking:
 
     async def _prune(self, now: float) -> None:
         db = self.app.inbox.db
-        async with db.execute("SELECT key, value FROM kv WHERE key >= 'link-code:' AND key < 'link-code;'") as cur:
-            rows = await cur.fetchall()
+        rows = []
+        for prefix in ("link-code:", "link-request:"):  # expired codes and unanswered requests
+            async with db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ?",
+                                  (prefix, prefix[:-1] + ";")) as cur:
+                rows += await cur.fetchall()
         stale = []
         for key, value in rows:
             try:
@@ -276,9 +349,48 @@ class Linking:
         if name_a is not None and name_b is not None:
             return ("Both accounts already belong to different linked identities. Send /unlink from one "
                     "of them first, then link again.")
+        request = {"joiner": principal, "platform": msg.platform, "chat_id": msg.chat_id, "user_id": msg.user_id,
+                   "user_name": msg.user_name, "expires": self.clock() + self.ttl_s}
+        await inbox.put(f"link-request:{issuer}", json.dumps(request))
+        self.app.metrics.links.inc(kind="redeem", outcome="asked")
+        who = f"{principal} ({msg.user_name})" if msg.user_name else principal
+        await self._tell(_issuer_chat(record), (
+            f"{who} wants to join your identity: reply /link confirm or /link deny.\n\n"
+            "If you confirm, that account will share your memory and conversations. If this wasn't you, "
+            "reply /link deny."))
+        return (f"Code accepted. To finish, confirm from your {_platform_name(issuer)} account: I've asked it "
+                "in its private chat with me. Nothing is linked until it confirms.")
+
+    async def _answer(self, msg: InboundMessage, confirm: bool) -> str:
+        """`/link confirm` or `/link deny` from the issuer, in the issuer's private chat."""
+        inbox, issuer, links = self.app.inbox, msg.principal, self.app.links
+        raw = await inbox.get(f"link-request:{issuer}")
+        request = json.loads(raw) if raw else None
+        if request is None or request["expires"] <= self.clock():
+            if request is not None:
+                await inbox.put(f"link-request:{issuer}", None)
+            return "No account is waiting to link with this one (requests expire after 10 minutes)."
+        principal = request["joiner"]
+        joiner_chat = InboundMessage(platform=request["platform"], chat_id=request["chat_id"], chat_type="dm",
+                                     user_id=request["user_id"], user_name=request.get("user_name") or "",
+                                     message_id=f"link-{secrets.token_hex(4)}")
+        if not confirm:
+            await inbox.put(f"link-request:{issuer}", None)
+            self.app.metrics.links.inc(kind="redeem", outcome="denied")
+            await self._tell(joiner_chat, f"Your {_platform_name(issuer)} account declined the link; nothing was linked.")
+            return f"Declined: {principal} was not linked with this account."
+        name_a, name_b = links.name_for(issuer), links.name_for(principal)
+        if name_a is not None and name_a == name_b:
+            await inbox.put(f"link-request:{issuer}", None)
+            return f"These accounts are already linked ({', '.join(links.principals_of(name_a))})."
+        if name_a is not None and name_b is not None:
+            await inbox.put(f"link-request:{issuer}", None)
+            return ("Both accounts already belong to different linked identities. Send /unlink from one "
+                    "of them first, then link again.")
         name = name_a or name_b or secrets.token_hex(5)
         if {issuer, principal} & self._busy or link_tenant_id(name) in self._gates:
             return "A link for these accounts is already in progress; please wait a minute and try again."
+        await inbox.put(f"link-request:{issuer}", None)
 
         joiners = [p for p, n in ((issuer, name_a), (principal, name_b)) if n is None]
         sources = []
@@ -287,17 +399,12 @@ class Linking:
             sources.append(person_tenant_id(platform, uid))
         plan = _Plan(name=name, target=link_tenant_id(name), joiners=joiners, sources=sources,
                      principals=[issuer, principal])
-        plan.notify = [msg, InboundMessage(platform=record["platform"], chat_id=record["chat_id"], chat_type="dm",
-                                           user_id=record["user_id"], user_name=record.get("user_name") or "",
-                                           message_id=f"link-{secrets.token_hex(4)}")]
+        plan.notify = [msg, joiner_chat]
         self._busy |= {issuer, principal}
         tenants = [plan.target, *plan.sources]
         self._gate(tenants)  # before returning: no new turn may start in these profiles
-        task = asyncio.get_running_loop().create_task(self._run_merge(plan, tenants), name="link-merge")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return (f"Code accepted. Joining this account with your {_platform_name(issuer)} account now; "
-                "I'll confirm here in a moment.")
+        self._spawn(self._run_merge(plan, tenants), "link-merge")
+        return f"Confirmed. Joining this account with {principal} now; I'll confirm here in a moment."
 
     async def _run_merge(self, plan: _Plan, tenants: list[str]) -> None:
         links = self.app.links
@@ -305,7 +412,7 @@ class Linking:
         try:
             redeem = plan.notify[0]
             deadline = time.monotonic() + self.idle_timeout_s
-            # let the /link CODE reply go out first (the inbox marks it done after sending)
+            # let the /link confirm reply go out first (the inbox marks it done after sending)
             while await self.app.inbox.status(redeem.platform, redeem.chat_id, redeem.message_id) == "pending":
                 if time.monotonic() > deadline:
                     raise TimeoutError("the accounts stayed busy")
@@ -394,25 +501,35 @@ class Linking:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
             raise
 
-    async def unlink_command(self, msg: InboundMessage) -> str:
+    async def unlink_command(self, msg: InboundMessage, args: str = "") -> str:
+        """`/unlink` separates this account; `/unlink <principal>` separates another account
+        of the same link (so a person can remove an account that should not be there)."""
+        if msg.chat_type != "dm":
+            return "For your privacy, send /unlink in a private chat with me, not here."
         links, principal = self.app.links, msg.principal
         name = links.name_for(principal)
         if name is None:
             return "This account isn't linked to another one."
-        if links.is_pinned(principal):
-            return ("This account is linked in the gateway's configuration (tenancy.identity_links); "
+        target = args.strip() or principal
+        members = links.principals_of(name)
+        if target not in members:
+            return (f"{target} isn't one of this link's accounts ({', '.join(members)}). "
+                    "Usage: /unlink, or /unlink <account> with an account listed by /whoami.")
+        if links.is_pinned(target):
+            return ("That account is linked in the gateway's configuration (tenancy.identity_links); "
                     "ask the operator to change it there.")
-        others = [p for p in links.principals_of(name) if p != principal]
+        others = [p for p in members if p != target]
         if not others:
             return "This is the only account left in its link, so there is nothing to separate."
-        if principal in self._busy:
+        if target in self._busy or principal in self._busy:
             return "A link for this account is in progress; please wait a minute."
-        platform, _, uid = principal.partition(":")
-        personal = person_tenant_id(platform, uid)
+        platform, _, uid = target.partition(":")
+        personal, link_tenant = person_tenant_id(platform, uid), link_tenant_id(name)
         self._gate([personal])
         try:
-            links.unlink(principal)
+            links.unlink(target)
             await asyncio.to_thread(links.save)
+            await self.app.profiles.discard_principal(link_tenant, target)
             # a personal profile left from before the link is never used again: start fresh
             path = tenant_dir(self.app.cfg.data_dir, personal)
             if path.exists() and self._active.get(personal, 0) == 0 and await self.app.profiles.evict(personal):
@@ -420,16 +537,20 @@ class Linking:
         finally:
             self._ungate([personal])
         self.app.metrics.links.inc(kind="unlink", outcome="ok")
-        log.info("unlink: one account left %s", link_tenant_id(name))
-        return (f"Done: this account is separate again from now on, with a fresh memory. Everything from the "
-                f"linked time stays with {', '.join(others)}.")
+        log.info("unlink: one account left %s", link_tenant)
+        if target == principal:
+            return (f"Done: this account is separate again from now on, with a fresh memory. Everything from the "
+                    f"linked time stays with {', '.join(others)}.")
+        return (f"Done: {target} is no longer part of this identity. From now on it starts over with a fresh "
+                "memory; it can no longer see this identity's memory or conversations. What it said while "
+                "linked stays here.")
 
 
 # ----- file-level merge (runs in a thread, on closed profiles) ------------------------------
 
 def _init_profile(path: Path, tenant_id: str) -> None:
     for sub in ("memories", "sessions", "provider"):
-        (path / sub).mkdir(parents=True, exist_ok=True)
+        private_mkdir(path / sub)
     write_manifest(path, {"tenant_id": tenant_id, "kind": "person", "principals": [],
                           "created_at": time.time(), "schema_version": SCHEMA_VERSION})
 
@@ -451,13 +572,13 @@ def _retire(path: Path, into: str) -> None:
     if not path.exists():
         return
     marker = {"tenant": into, "at": time.time()}
-    (path / RETIRED_MARKER).write_text(json.dumps(marker), encoding="utf-8")
+    write_private(path / RETIRED_MARKER, json.dumps(marker))
     shutil.rmtree(path)
 
 
 class _Flock:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(path.parent)
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
@@ -564,21 +685,21 @@ def _merge_files(src: Path, target: Path) -> None:
                     or (rel.parts[0] == "memories" and name in _MEMORY_FILES.values()):
                 continue
             dest = target / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            private_mkdir(dest.parent)
             data = full.read_bytes()
             if not dest.exists():
-                dest.write_bytes(data)
+                write_private(dest, data)
             elif name.endswith(".jsonl"):
                 have = dest.read_bytes()
                 if data and data not in have:
-                    with open(dest, "ab") as fh:
+                    with open_private(dest, "ab") as fh:
                         if have and not have.endswith(b"\n"):
                             fh.write(b"\n")
                         fh.write(data)
             elif dest.read_bytes() != data:
                 alt = dest.with_name(f"{dest.stem}.from-{src.name}{dest.suffix}")
                 if not alt.exists():
-                    alt.write_bytes(data)
+                    write_private(alt, data)
             _fsync_file(dest)
 
 
@@ -618,7 +739,7 @@ def combine_entries(lists: list[list[str]], limit: int, note_date: str) -> tuple
 
 def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> None:
     mem_dir = target / "memories"
-    mem_dir.mkdir(parents=True, exist_ok=True)
+    private_mkdir(mem_dir)
     today = time.strftime("%Y-%m-%d", time.gmtime())
     fd = os.open(mem_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -635,7 +756,7 @@ def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> N
             kept, dropped = combine_entries(lists, limits[target_name], today)
             atomic_write(mem_dir / fname, ENTRY_DELIMITER.join(kept))
             if dropped:
-                with open(mem_dir / OVERFLOW_FILE, "a", encoding="utf-8") as fh:
+                with open_private(mem_dir / OVERFLOW_FILE, "a") as fh:
                     fh.write(f"## {fname}, set aside when accounts were linked on {today}\n\n")
                     fh.write(ENTRY_DELIMITER.join(dropped) + "\n\n")
                     fh.flush()

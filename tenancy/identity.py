@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.fileio import atomic_write
+from agent.fileio import atomic_write, private_mkdir
 from tenancy.keys import link_tenant_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -223,7 +223,7 @@ class IdentityLinks:
             }
             payload = {"version": _FILE_VERSION, "links": {n: ps for n, ps in runtime.items() if ps}}
             data = json.dumps(payload, ensure_ascii=False, indent=2, sort_keys=True) + "\n"
-            target.parent.mkdir(parents=True, exist_ok=True)
+            private_mkdir(target.parent)
             atomic_write(target, data)
 
     # --- internals ------------------------------------------------------------------

@@ -27,7 +27,9 @@ tenants (the person vs. the chat), so a lane is identified by the pair
 across tenants (queues, locks, routes) should key on that pair, not on the key alone.
 
 Tenant ids: a person `<platform>-<user_id>` (`telegram-111`), a linked identity
-`link-<name>`, a shared chat `<platform>-chat-<chat_id>` (`telegram-chat--100123`). The
+`link-<name>`, a shared chat `<platform>-chat-<chat_id>` (`telegram-chat--100123`); a
+private thread (`InboundMessage.private_thread`) is its own shared chat,
+`<platform>-chat-<thread_id>`, never its parent channel's. The
 builders escape just enough that different inputs never give the same tenant id (plain
 platform names and numeric ids are unchanged):
 - every component has `%`, `:` and non-printable characters percent-encoded;
@@ -220,9 +222,12 @@ def resolve_lane(msg: InboundMessage, cfg: TenancyConfig, links: IdentityLinks) 
     key = session_key(msg, cfg)
     principal = msg.principal
     if is_shared_lane(msg, cfg):
+        thread = _thread_of(msg)
+        # a private thread is its own shared chat, never the parent channel's tenant
+        chat = thread if thread is not None and msg.private_thread else msg.chat_id
         return Lane(
             session_key=key,
-            tenant_id=chat_tenant_id(msg.platform, msg.chat_id),
+            tenant_id=chat_tenant_id(msg.platform, chat),
             kind="chat",
             principal=principal,
             personal_memory="full",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from agent.fileio import atomic_write
+from agent.fileio import atomic_write, private_mkdir
 from agent.memory import MemoryStore
 from agent.providers import MemoryProvider, make_provider
 from agent.sessions import SessionStore
@@ -64,16 +64,27 @@ class Profile:
 
 def write_manifest(path: Path, manifest: dict) -> None:
     """Write tenant.json atomically."""
-    atomic_write(path / "tenant.json", json.dumps(manifest, ensure_ascii=False, indent=2), mode=0o644)
+    atomic_write(path / "tenant.json", json.dumps(manifest, ensure_ascii=False, indent=2))
+
+
+def remove_principal(path: Path, principal: str) -> None:
+    """Drop `principal` from the tenant.json at `path` (no-op if absent)."""
+    try:
+        manifest = json.loads((path / "tenant.json").read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return
+    principals = manifest.get("principals", [])
+    if principal in principals:
+        manifest["principals"] = [p for p in principals if p != principal]
+        write_manifest(path, manifest)
 
 
 def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path, set[str]]:
     """Create the profile layout for `tenant_id` if missing; returns its directory and the
     principals its tenant.json lists (blocking: run it off the event loop)."""
     path = tenant_dir(data_dir, tenant_id)
-    (path / "memories").mkdir(parents=True, exist_ok=True)
-    (path / "sessions").mkdir(exist_ok=True)
-    (path / "provider").mkdir(exist_ok=True)
+    for sub in ("memories", "sessions", "provider"):
+        private_mkdir(path / sub)
     try:
         manifest = json.loads((path / "tenant.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -202,6 +213,16 @@ class ProfileManager:
             del self._open[tenant_id]
         await profile.close()
         return True
+
+    async def discard_principal(self, tenant_id: str, principal: str) -> None:
+        """Remove `principal` from a tenant's tenant.json (and from its open profile), e.g.
+        after /unlink, so tools never resolve the principal to this tenant again."""
+        async with self._lock:
+            profile = self._open.get(tenant_id)
+            if profile is not None:
+                profile.principals.discard(principal)
+        path = tenant_dir(self.data_dir, tenant_id)
+        await asyncio.to_thread(remove_principal, path, principal)
 
     async def close_all(self) -> None:
         async with self._lock:

@@ -255,3 +255,130 @@ def _recorded(app: GatewayApp, channel_id: str, message_id: str) -> bool:
     finally:
         con.close()
     return row is not None and row[0] == "done"
+
+
+async def test_private_thread_is_its_own_tenant(rig, fake, fake_llm):
+    from tenancy.keys import chat_tenant_id
+
+    from tests.fakes.llm import tool_call
+
+    private = fake.add_thread(fake.general, "hush", private=True)
+    r = await rig()
+    fake_llm.script(tool_call("memory", {"action": "add", "target": "memory", "content": SECRET}))
+    fake.push_thread_message(private, fake.alice, f"remember that {SECRET}", mention_bot=True)
+    await r.replies(private, 1)
+    data_dir = r.cfg.data_dir
+    own = tenant_dir(data_dir, chat_tenant_id("discord", private)) / "memories" / "MEMORY.md"
+    assert SECRET in own.read_text(), "the private thread keeps its own memory"
+    parent = tenant_dir(data_dir, chat_tenant_id("discord", fake.general))
+    assert not parent.exists() or not any(SECRET in p.read_text(errors="ignore")
+                                          for p in parent.rglob("*") if p.is_file())
+    # a public thread of the same channel (the parent channel's shared tenant) never sees it
+    n = len(fake_llm.requests)
+    fake.push_thread_message(fake.thread, fake.bob, "what do you remember?", mention_bot=True)
+    await r.replies(fake.thread, 1)
+    assert fake_llm.requests[n:] and SECRET not in json.dumps(fake_llm.requests[n:])
+    assert (tenant_dir(data_dir, chat_tenant_id("discord", fake.general)) / "tenant.json").exists()
+
+
+async def test_group_dm_is_a_group_never_a_dm(rig, fake, fake_llm):
+    r = await rig()
+    gdm = fake.add_group_dm(fake.alice, fake.bob)
+    # a message in a group DM reaches the gateway as a group message (per-member group lane)
+    fake.push_group_dm_message(gdm, fake.alice, f"<@{fake.bot_id}> /link")
+    (sent,) = await r.replies(gdm, 1)
+    assert "private chat" in sent["content"] and "code" not in sent["content"].lower()
+    routes_dir = tenant_dir(r.cfg.data_dir, f"discord-{fake.alice}")
+    import sqlite3
+
+    conn = sqlite3.connect(routes_dir / "state.db")
+    keys = [k for (k,) in conn.execute("SELECT session_key FROM sessions")]
+    conn.close()
+    assert keys == [] or all(":group:" in k for k in keys)
+    # a slash command used there (a user-installed app's private-channel context) is a group too
+    fake.push_interaction("link", user_id=fake.bob, channel_id=gdm)
+    sent = await r.replies(gdm, 2)
+    assert "private chat" in sent[-1]["content"]
+    # the bot's own DM is still a DM
+    fake.push_dm(fake.alice, "/link")
+    (dm_sent,) = await r.replies(fake.dm_channels[fake.alice], 1)
+    assert "Your link code is" in dm_sent["content"]
+
+
+async def test_thread_new_undo_forget_need_manage_messages(rig, fake, fake_llm):
+    moderators = fake.add_role(fake.guild, "mods", permissions=1 << 13)  # Manage Messages
+    fake.give_role(fake.alice, moderators)
+    r = await rig()
+    fake.push_thread_message(fake.thread, fake.bob, "the plan is the blue door", mention_bot=True)
+    await r.replies(fake.thread, 1)
+    for i, command in enumerate(("/new", "/undo", "/forget"), start=2):
+        fake.push_thread_message(fake.thread, fake.bob, command)
+        sent = await r.replies(fake.thread, i)
+        assert "only the chat's admins" in sent[-1]["content"], sent[-1]
+    # the slash command form is refused the same way
+    fake.push_interaction("new", user_id=fake.bob, channel_id=fake.thread)
+    sent = await r.replies(fake.thread, 5)
+    assert "only the chat's admins" in sent[-1]["content"]
+    # a member with Manage Messages may
+    fake.push_thread_message(fake.thread, fake.alice, "/undo")
+    sent = await r.replies(fake.thread, 6)
+    assert sent[-1]["content"].startswith("Took back")
+    fake.push_interaction("new", user_id=fake.alice, channel_id=fake.thread)
+    sent = await r.replies(fake.thread, 7)
+    assert sent[-1]["content"].startswith("Started a new conversation")
+
+
+async def test_whoami_in_a_server_answers_privately_and_typed_hides_links(rig, fake, fake_llm):
+    from tests.test_linking import CODE_RE
+
+    tg = RecordingAdapter("telegram")
+    r = await rig(tg)
+    await fake.wait_until(lambda: r.adapter.commands_synced)
+    dm_channel = fake.dm_channel(fake.alice)
+    # alice links her Discord account with her Telegram account (confirmed from Discord)
+    fake.push_dm(fake.alice, "/link")
+    (issued,) = await r.replies(dm_channel, 1)
+    code = CODE_RE.search(issued["content"]).group(1)
+    assert (await say(r.app, tg, dm("111", f"/link {code}", platform="telegram")))[0].startswith("Code accepted")
+    await r.replies(dm_channel, 2)  # the confirmation request
+    fake.push_dm(fake.alice, "/link confirm")
+    await r.replies(dm_channel, 3)
+    await r.app.linking.wait_idle(30)
+    assert r.app.links.name_for(f"discord:{fake.alice}") == r.app.links.name_for("telegram:111") is not None
+
+    # typed in the channel: everyone reads it, so no linked accounts and no profile
+    fake.push_guild_message(fake.general, fake.alice, "/whoami")
+    (typed,) = await r.replies(fake.general, 1)
+    assert fake.alice in typed["content"] and "private chat" in typed["content"]
+    assert "telegram:111" not in typed["content"] and "link-" not in typed["content"]
+    # as a slash command: answered ephemerally (only alice sees it), with the whole answer
+    inter = fake.push_interaction("whoami", user_id=fake.alice, channel_id=fake.general)
+    sent = await r.replies(fake.general, 2)
+    answer = sent[-1]
+    assert answer["interaction_id"] == inter["id"] and "telegram:111" in answer["content"]
+    state = next(s for s in fake.interactions.values() if s["id"] == inter["id"])
+    assert state["response"]["data"]["flags"] & 64, "the deferred response is ephemeral"
+    assert (answer["body"].get("flags") or 0) & 64
+    # other slash commands in the channel stay public
+    inter = fake.push_interaction("help", user_id=fake.bob, channel_id=fake.general)
+    sent = await r.replies(fake.general, 3)
+    state = next(s for s in fake.interactions.values() if s["id"] == inter["id"])
+    assert not ((state["response"].get("data") or {}).get("flags", 0) & 64)
+
+
+async def test_link_code_posted_in_a_discord_thread_is_burnt(rig, fake, fake_llm):
+    from tests.test_linking import CODE_RE
+
+    r = await rig()
+    dm_channel = fake.dm_channel(fake.alice)
+    fake.push_dm(fake.alice, "/link")
+    (issued,) = await r.replies(dm_channel, 1)
+    code = CODE_RE.search(issued["content"]).group(1)
+    fake.push_thread_message(fake.thread, fake.alice, f"here: {code.lower()}", mention_bot=True)
+    await r.replies(fake.thread, 1)
+    await r.app.linking.wait_idle(10)
+    sent = await r.replies(dm_channel, 2)
+    assert "cancelled" in sent[-1]["content"]
+    fake.push_dm(fake.bob, f"/link {code}")
+    (refused,) = await r.replies(fake.dm_channel(fake.bob), 1)
+    assert "unknown, expired or already used" in refused["content"]

@@ -46,8 +46,16 @@ async def link(app, tg, dc, tg_user="111", dc_user="222") -> None:
     code = code_in(await say(app, tg, dm(tg_user, "/link", platform="telegram")))
     out = await say(app, dc, dm(dc_user, f"/link {code}", platform="discord"))
     assert out and out[0].startswith("Code accepted"), out
+    await confirm(app, tg, dm(tg_user, "/link confirm", platform="telegram"))
+
+
+async def confirm(app, adapter, msg) -> list[str]:
+    """The issuer confirms in its private chat; returns the reply after the merge ran."""
+    out = await say(app, adapter, msg)
+    assert out and out[0].startswith("Confirmed"), out
     await app.linking.wait_idle(30)
     assert await app.drain(30)
+    return out
 
 
 async def test_linking_joins_memory_and_sessions_and_nobody_elses(config_for, fake_llm):
@@ -66,6 +74,7 @@ async def test_linking_joins_memory_and_sessions_and_nobody_elses(config_for, fa
         code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
         out = await say(app, dc, dm("222", f"/link {code}", platform="discord"))
         assert out[0].startswith("Code accepted")
+        assert await say(app, tg, dm("111", "/link confirm", platform="telegram"))
         # a message sent while the merge runs waits, then lands in the linked profile
         await tg.sink(dm("111", "sent while linking", platform="telegram"))
         await app.linking.wait_idle(30)
@@ -144,7 +153,7 @@ async def test_expired_reused_and_wrong_codes_are_refused(config_for, fake_llm):
         code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
         out = await say(app, dc, dm("222", f"/link {code.lower()}", platform="discord"))
         assert out[0].startswith("Code accepted")
-        await app.linking.wait_idle(30)
+        await confirm(app, tg, dm("111", "/link confirm", platform="telegram"))
         out = await say(app, dc, dm("999", f"/link {code}", platform="discord"))
         assert "unknown, expired or already used" in out[0]
         assert app.links.name_for("discord:999") is None
@@ -197,7 +206,7 @@ async def test_third_account_joins_existing_link_and_unlink_splits_going_forward
         # a third account joins the existing link (the link profile is merged into in place)
         code = code_in(await say(app, dc, dm("222", "/link", platform="discord")))
         assert (await say(app, tc, dm("777", f"/link {code}")))[0].startswith("Code accepted")
-        await app.linking.wait_idle(30)
+        await confirm(app, dc, dm("222", "/link confirm", platform="discord"))
         assert app.links.name_for("testchat:777") == name
         assert not tenant_dir(data, "testchat-777").exists()
         mem = await say(app, tc, dm("777", "/memory"))
@@ -234,3 +243,175 @@ def test_memory_merge_sets_aside_oldest_entries_of_the_larger_side():
     assert kept.count(a[-1]) == 1
     kept, dropped = combine_entries([["one"], ["two", "one"]], 100, "x")
     assert kept == ["one", "two"] and dropped == []
+
+
+async def test_link_code_posted_in_group_is_burnt(config_for, fake_llm):
+    cfg = config_for(limits={"rate_limit_per_minute": 100}, access={"allowed_users": ["telegram:111", "discord:666"]})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = await started(cfg, tg, dc)
+    try:
+        # alice pastes her code into a group (lower case, no dash, inside a sentence) ...
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        await say(app, tg, group("g1", "111", f"oops here is my code {code.lower().replace('-', '')} sorry",
+                                 platform="telegram"))
+        await app.linking.wait_idle(10)
+        # ... the code is dead at once and alice is told in her private chat, not in the group
+        notices = [t for t in tg.texts("dm-111") if "cancelled" in t]
+        assert len(notices) == 1 and code not in notices[0]
+        assert not any("cancelled" in t for t in tg.texts("g1"))
+        out = await say(app, dc, dm("666", f"/link {code}", platform="discord"))
+        assert "unknown, expired or already used" in out[0]
+        assert app.links.name_for("discord:666") is None
+
+        # a code seen in a group is burnt whoever posts it, even someone the bot ignores
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        await say(app, dc, group("chan", "999", f"look: {code}", platform="discord"))
+        await app.linking.wait_idle(10)
+        assert dc.texts("chan") == []  # the stranger gets no answer ...
+        assert sum("cancelled" in t for t in tg.texts("dm-111")) == 2  # ... but the code died
+        out = await say(app, dc, dm("666", f"/link {code}", platform="discord"))
+        assert "unknown, expired or already used" in out[0]
+        # /link CODE sent in a group (a slash command in a channel) is burnt too
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        out = await say(app, dc, group("chan", "666", f"/link {code}", platform="discord"))
+        assert "private chat" in out[0]
+        out = await say(app, dc, dm("666", f"/link {code}", platform="discord"))
+        assert "unknown, expired or already used" in out[0]
+        # ordinary group text that merely looks like a code burns nothing
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        await say(app, tg, group("g1", "111", "STRENGTHEN the WALLS-TWICE please", platform="telegram"))
+        await app.linking.wait_idle(10)
+        assert sum("cancelled" in t for t in tg.texts("dm-111")) == 3
+        out = await say(app, dc, dm("666", f"/link {code}", platform="discord"))
+        assert out[0].startswith("Code accepted")
+    finally:
+        await app.stop()
+
+
+async def test_link_needs_issuer_confirmation(config_for, fake_llm):
+    fake_llm.responder = memory_saving_responder
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = await started(cfg, tg, dc)
+    data = cfg.data_dir
+    try:
+        await say(app, tg, dm("111", f"remember that {SECRET_TG}", platform="telegram"))
+        # mallory got hold of alice's code and redeems it: nothing is linked yet
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        out = await say(app, dc, dm("666", f"/link {code}", platform="discord", name="mallory"))
+        assert out[0].startswith("Code accepted") and "confirm" in out[0]
+        await app.linking.wait_idle(30)
+        assert app.links.name_for("discord:666") is None and app.links.name_for("telegram:111") is None
+        # alice is asked in her private chat, naming the account that wants in
+        ask = tg.texts("dm-111")[-1]
+        assert "discord:666 (mallory) wants to join your identity" in ask and "/link confirm" in ask
+        # mallory cannot confirm for alice, and alice cannot confirm from a group
+        assert "No account is waiting" in (await say(app, dc, dm("666", "/link confirm", platform="discord")))[0]
+        assert "private chat" in (await say(app, tg, group("g1", "111", "/link confirm", platform="telegram")))[0]
+        assert app.links.name_for("discord:666") is None
+        # alice denies: mallory is told, nothing is linked, and the request is gone
+        out = await say(app, tg, dm("111", "/link deny", platform="telegram"))
+        assert out[0].startswith("Declined")
+        assert any("declined" in t for t in dc.texts("dm-666"))
+        assert "No account is waiting" in (await say(app, tg, dm("111", "/link confirm", platform="telegram")))[0]
+        await say(app, dc, dm("666", "what do you know about me?", platform="discord"))
+        assert SECRET_TG not in json.dumps(fake_llm.requests[-1])
+        assert app.links.as_dict() == {}
+        assert tenant_dir(data, "telegram-111").is_dir()
+
+        # a request expires with the code's lifetime
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        await say(app, dc, dm("222", f"/link {code}", platform="discord"))
+        real = time.time
+        app.linking.clock = lambda: real() + 11 * 60
+        assert "No account is waiting" in (await say(app, tg, dm("111", "/link confirm", platform="telegram")))[0]
+        app.linking.clock = real
+
+        # alice's own second account, confirmed by alice: linked
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        await say(app, dc, dm("222", f"/link {code}", platform="discord"))
+        await confirm(app, tg, dm("111", "/link confirm", platform="telegram"))
+        assert app.links.name_for("discord:222") == app.links.name_for("telegram:111") is not None
+        assert any(t.startswith("Linked:") for t in dc.texts("dm-222"))
+    finally:
+        await app.stop()
+
+
+async def test_unlink_removes_principal_and_admin_resolves_live_link(config_for, fake_llm, tmp_path):
+    from gateway.admin import AdminError, delete_tenant, find_tenant
+
+    fake_llm.responder = memory_saving_responder
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
+    app = await started(cfg, tg, dc, tc)
+    data = cfg.data_dir
+    try:
+        await say(app, tg, dm("111", f"remember that {SECRET_TG}", platform="telegram"))
+        await link(app, tg, dc)
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        await say(app, tc, dm("777", f"/link {code}"))
+        await confirm(app, tg, dm("111", "/link confirm", platform="telegram"))
+        name = app.links.name_for("telegram:111")
+        tenant = link_tenant_id(name)
+        linked_dir = tenant_dir(data, tenant)
+        assert set(json.loads((linked_dir / "tenant.json").read_text())["principals"]) == {
+            "telegram:111", "discord:222", "testchat:777"}
+        # /unlink is private, and only names accounts of the caller's own link
+        assert "private chat" in (await say(app, tg, group("g1", "111", "/unlink discord:222",
+                                                            platform="telegram")))[0]
+        assert "isn't one of this link's accounts" in (await say(app, tg, dm("111", "/unlink telegram:999",
+                                                                               platform="telegram")))[0]
+        # alice removes an account from her link, from another account of it
+        out = await say(app, tg, dm("111", "/unlink discord:222", platform="telegram"))
+        assert out[0].startswith("Done: discord:222 is no longer part")
+        assert app.links.name_for("discord:222") is None
+        assert sorted(json.loads((data / "links.json").read_text())["links"][name]) == ["telegram:111", "testchat:777"]
+        assert set(json.loads((linked_dir / "tenant.json").read_text())["principals"]) == {
+            "telegram:111", "testchat:777"}
+        # the removed account sees nothing of the link any more
+        n = len(fake_llm.requests)
+        await say(app, dc, dm("222", "what do you know about me?", platform="discord"))
+        assert SECRET_TG not in json.dumps(fake_llm.requests[n:])
+        mem = await say(app, dc, dm("222", "/memory", platform="discord"))
+        assert SECRET_TG not in mem[0]
+        await say(app, dc, dm("222", "remember that bob now owns this account", platform="discord"))
+    finally:
+        await app.stop()
+    # admin tools follow the live link: discord:222 is its own tenant now, even when the
+    # link's tenant.json still lists it (as an older version's /unlink left it)
+    manifest = json.loads((linked_dir / "tenant.json").read_text())
+    manifest["principals"].append("discord:222")
+    (linked_dir / "tenant.json").write_text(json.dumps(manifest))
+    assert find_tenant(cfg, "discord:222").tenant_id == "discord-222"
+    assert find_tenant(cfg, "testchat:777").tenant_id == tenant
+    # deleting the link removes its current members' data only
+    report = delete_tenant(cfg, find_tenant(cfg, "telegram:111"))
+    assert set(report.principals) == {"telegram:111", "testchat:777"}
+    assert not linked_dir.exists()
+    assert "bob now owns this account" in (tenant_dir(data, "discord-222") / "memories" / "MEMORY.md").read_text()
+    assert find_tenant(cfg, "discord:222").tenant_id == "discord-222"
+    try:
+        find_tenant(cfg, "telegram:111")
+    except AdminError:
+        pass
+    else:
+        raise AssertionError("a deleted link still resolves")
+
+
+async def test_whoami_in_a_group_never_shows_linked_accounts(config_for, fake_llm):
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = await started(cfg, tg, dc)
+    try:
+        await link(app, tg, dc)
+        tenant = app.links.tenant_for("telegram:111")
+        out = await say(app, tg, group("g1", "111", "/whoami", platform="telegram"))
+        assert "telegram:111" in out[0] and "private chat" in out[0]
+        assert "discord:222" not in out[0] and tenant not in out[0]
+        # a shared thread reads it too
+        out = await say(app, tg, group("g1", "111", "/whoami", platform="telegram", thread_id="7"))
+        assert "discord:222" not in out[0] and tenant not in out[0]
+        out = await say(app, tg, dm("111", "/whoami", platform="telegram"))
+        assert "discord:222" in out[0] and tenant in out[0]
+    finally:
+        await app.stop()

@@ -281,3 +281,78 @@ async def test_deleting_a_linked_tenant_removes_every_account_trace(config_for, 
     assert [sorted(v) for v in links.values()] == [["discord:dc-90521", "telegram:tg-80417"]]
     memory = (tenant_dir(cfg.data_dir, tenant) / "memories" / "MEMORY.md").read_text()
     assert SECRET in memory and "Rex" in memory
+
+
+def _edit_archive(src: Path, dst: Path, edit) -> Path:
+    """Rewrite an export archive with `edit(export_json, tenant_json)` applied."""
+    import io
+
+    with tarfile.open(src) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
+    export = json.loads(next(d for m, d in members if m.name == "EXPORT.json"))
+    tenant = json.loads(next(d for m, d in members if m.name == "profile/tenant.json"))
+    edit(export, tenant)
+    with tarfile.open(dst, "w:gz") as tar:
+        for m, data in members:
+            if m.name == "EXPORT.json":
+                data = json.dumps(export).encode()
+            elif m.name == "profile/tenant.json":
+                data = json.dumps(tenant).encode()
+            if data is not None:
+                m.size = len(data)
+                tar.addfile(m, io.BytesIO(data))
+            else:
+                tar.addfile(m)
+    return dst
+
+
+async def test_restore_refuses_foreign_links(config_for, fake_llm, tmp_path, capsys):
+    from tests.test_linking import link
+
+    fake_llm.responder = memory_saving_responder
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    conf = write_config(tmp_path / "hermes.yaml", cfg)
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = GatewayApp(cfg, [tg, dc])
+    await app.start()
+    try:
+        await say(app, tg, dm("victim", f"remember that {SECRET}", platform="telegram"))
+        await link(app, tg, dc, tg_user="m-tg", dc_user="m-dc")  # mallory's own two accounts
+        tenant = app.links.tenant_for("telegram:m-tg")
+    finally:
+        await app.stop()
+    archive = tmp_path / "mallory.tar.gz"
+    assert cli("profiles", "export", tenant, "-o", str(archive), "-c", str(conf)) == 0
+    assert cli("profiles", "delete", tenant, "--yes", "-c", str(conf)) == 0
+
+    def add_victim_to_link(export, _tenant):
+        export["link"]["principals"].append("telegram:victim")
+        export["paired"] = ["telegram:victim"]
+
+    def add_victim_everywhere(export, tenant_json):
+        add_victim_to_link(export, tenant_json)
+        tenant_json["principals"].append("telegram:victim")
+
+    def rename_link(export, _tenant):
+        export["link"]["name"] = "someone-else"
+
+    for edit, why in ((add_victim_to_link, "not one of the principals its tenant.json lists"),
+                      (add_victim_everywhere, "telegram:victim belongs to tenant telegram-victim"),
+                      (rename_link, "is not tenant")):
+        edited = _edit_archive(archive, tmp_path / f"{edit.__name__}.tar.gz", edit)
+        capsys.readouterr()
+        assert cli("profiles", "restore", str(edited), "-c", str(conf)) == 1
+        err = capsys.readouterr().err
+        assert "refusing to restore" in err and why in err and "--force" in err
+        assert not tenant_dir(cfg.data_dir, tenant).exists()
+        links_file = cfg.data_dir / "links.json"
+        assert not links_file.exists() or "victim" not in links_file.read_text()
+
+    # the untouched archive restores; the victim stays alone in her own profile
+    assert cli("profiles", "restore", str(archive), "-c", str(conf)) == 0
+    links = json.loads((cfg.data_dir / "links.json").read_text())["links"]
+    assert [sorted(v) for v in links.values()] == [["discord:m-dc", "telegram:m-tg"]]
+    # --force overrides the check (the operator vouches for the archive)
+    edited = _edit_archive(archive, tmp_path / "forced.tar.gz", add_victim_everywhere)
+    assert cli("profiles", "restore", str(edited), "--force", "-c", str(conf)) == 0
+    assert "telegram:victim" in (cfg.data_dir / "links.json").read_text()

@@ -332,3 +332,71 @@ async def test_webhook_with_wrong_secret(tg, fake_llm, config_for, monkeypatch):
         await asyncio.sleep(0.3)
         assert len(tg.sent_messages(111)) == 1
         assert not tg.calls_of("getUpdates")
+
+
+async def test_lone_surrogate_text_is_refused_clearly_and_acknowledged(tg, fake_llm, config_for):
+    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+        # "@hermes_test_bot hi \ud800": the mention entity makes the adapter slice UTF-16
+        text = f"@{BOT} hi \ud800 there"
+        tg.push_group(GROUP, 222, text, entities=[{"type": "mention", "offset": 0, "length": len(BOT) + 1}])
+        tg.push_private(111, "broken \udc00 text", entities=[])
+        [group_reply] = await answered(tg, app, 1, GROUP)
+        [dm_reply] = await answered(tg, app, 1, 111)
+        assert "invalid characters" in group_reply["text"] and "invalid characters" in dm_reply["text"]
+        assert not fake_llm.requests
+        # the updates were acknowledged (not redelivered forever), and the next message works
+        tg.push_private(111, "all good now")
+        sent = await answered(tg, app, 2, 111)
+        assert sent[-1]["text"] == "ok: all good now"
+        assert len([m for m in tg.sent_messages(111) if "invalid characters" in m["text"]]) == 1
+
+
+async def test_shared_group_new_undo_forget_need_a_telegram_chat_admin(tg, fake_llm, config_for):
+    cfg = tg_config(config_for, tg, {"tenancy": {"group_sessions_per_user": False},
+                                     "limits": {"rate_limit_per_minute": 100}})
+    tg.chat_admins[GROUP][9] = "administrator"
+    tg.chat_admins[GROUP][8] = "creator"
+    async with gateway(cfg) as (app, adapter):
+        tg.push_group(GROUP, 2, f"@{BOT} the plan is the blue door", username="bob")
+        await answered(tg, app, 1, GROUP)
+        for i, command in enumerate(("/new", "/undo", "/forget"), start=2):
+            tg.push_group(GROUP, 2, command, username="bob")
+            sent = await answered(tg, app, i, GROUP)
+            assert "only the chat's admins" in sent[-1]["text"], sent[-1]
+        assert any(c[0] == "getChatMember" and int(c[1]["user_id"]) == 2 for c in tg.calls)
+        tg.push_group(GROUP, 9, "/undo", username="mod")
+        sent = await answered(tg, app, 5, GROUP)
+        assert sent[-1]["text"].startswith("Took back")
+        tg.push_group(GROUP, 8, "/new", username="owner")
+        sent = await answered(tg, app, 6, GROUP)
+        assert sent[-1]["text"].startswith("Started a new conversation")
+
+
+async def test_whoami_in_a_group_points_to_a_private_chat(tg, fake_llm, config_for):
+    cfg = tg_config(config_for, tg, {"tenancy": {"identity_links": {"alice": ["telegram:1", "discord:77"]}}})
+    async with gateway(cfg) as (app, adapter):
+        tg.push_group(GROUP, 1, "/whoami", username="alice")
+        [sent] = await answered(tg, app, 1, GROUP)
+        assert "private chat" in sent["text"] and "discord:77" not in sent["text"]
+        assert "link-alice" not in sent["text"]
+        tg.push_private(1, "/whoami", username="alice")
+        [private] = await answered(tg, app, 1, 1)
+        assert "discord:77" in private["text"]
+
+
+async def test_link_code_pasted_in_a_telegram_group_is_burnt(tg, fake_llm, config_for):
+    code_re = re.compile(r"\b([A-Z2-9]{5}-[A-Z2-9]{5})\b")
+    async with gateway(tg_config(config_for, tg, {"limits": {"rate_limit_per_minute": 100}})) as (app, adapter):
+        tg.push_private(1, "/link", username="alice")
+        [issued] = await answered(tg, app, 1, 1)
+        code = code_re.search(issued["text"]).group(1)
+        tg.push_group(GROUP, 1, f"@{BOT} my code is {code}", username="alice")
+        await answered(tg, app, 1, GROUP)
+        await app.linking.wait_idle(10)
+        sent = tg.sent_messages(1)
+        assert len(sent) == 2 and "cancelled" in sent[-1]["text"] and code not in sent[-1]["text"]
+        assert not any("cancelled" in m["text"] for m in tg.sent_messages(GROUP))
+        tg.push_private(2, f"/link {code}", username="mallory")
+        [refused] = await answered(tg, app, 1, 2)
+        assert "unknown, expired or already used" in refused["text"]
+        assert app.links.as_dict() == {}

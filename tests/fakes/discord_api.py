@@ -44,7 +44,7 @@ APP_FLAG_GATEWAY_MESSAGE_CONTENT_LIMITED = 1 << 19
 OP_DISPATCH, OP_HEARTBEAT, OP_IDENTIFY, OP_RESUME, OP_RECONNECT = 0, 1, 2, 6, 7
 OP_INVALID_SESSION, OP_HELLO, OP_HEARTBEAT_ACK = 9, 10, 11
 
-CH_TEXT, CH_DM, CH_PUBLIC_THREAD, CH_PRIVATE_THREAD = 0, 1, 11, 12
+CH_TEXT, CH_DM, CH_GROUP_DM, CH_PUBLIC_THREAD, CH_PRIVATE_THREAD = 0, 1, 3, 11, 12
 
 _MENTION_USER = re.compile(r"<@!?(\d+)>")
 _MENTION_ROLE = re.compile(r"<@&(\d+)>")
@@ -95,6 +95,7 @@ class FakeDiscord:
             self.owner_id: self._user_obj(self.owner_id, "owner"),
         }
         self.guilds: dict[str, dict[str, Any]] = {}
+        self.member_roles: dict[str, list[str]] = {}  # user id -> role ids (in every guild)
         self.channels: dict[str, dict[str, Any]] = {}
         self.dm_channels: dict[str, str] = {}  # user id -> DM channel id
         self.messages: dict[str, dict[str, Any]] = {}
@@ -205,10 +206,13 @@ class FakeDiscord:
         self.add_channel(gid, "general")
         return gid
 
-    def add_role(self, guild_id: str, name: str) -> str:
+    def add_role(self, guild_id: str, name: str, *, permissions: int = 0) -> str:
         rid = self.snowflake()
-        self.guilds[guild_id]["roles"].append(self._role(rid, name))
+        self.guilds[guild_id]["roles"].append(self._role(rid, name, permissions=str(permissions)))
         return rid
+
+    def give_role(self, user_id: str, role_id: str) -> None:
+        self.member_roles.setdefault(user_id, []).append(role_id)
 
     @staticmethod
     def _role(rid: str, name: str, *, permissions: str = "0", managed: bool = False, bot_id: str | None = None) -> dict[str, Any]:
@@ -300,6 +304,29 @@ class FakeDiscord:
             }
         return cid
 
+    def add_group_dm(self, *user_ids: str, name: str | None = None) -> str:
+        """A group DM (channel type 3) of several users; the bot sees it only as a
+        user-installed app or when a message names no guild."""
+        cid = self.snowflake()
+        self.channels[cid] = {
+            "id": cid,
+            "type": CH_GROUP_DM,
+            "last_message_id": None,
+            "recipients": [self.users[u] for u in user_ids],
+            "owner_id": user_ids[0] if user_ids else self.owner_id,
+            "name": name,
+            "icon": None,
+            "flags": 0,
+        }
+        return cid
+
+    def push_group_dm_message(self, channel_id: str, user_id: str, text: str, **kw: Any) -> dict[str, Any]:
+        if self.channels[channel_id]["type"] != CH_GROUP_DM:
+            raise ValueError(f"{channel_id} is not a group DM")
+        msg = self._user_message(channel_id, user_id, text, **kw)
+        self.dispatch("MESSAGE_CREATE", msg)
+        return msg
+
     def _guild_create(self, gid: str) -> dict[str, Any]:
         g = self.guilds[gid]
         channels = [self.channels[c] for c in g["channel_ids"]]
@@ -351,7 +378,7 @@ class FakeDiscord:
 
     def _member(self, user_id: str, roles: list[str] | None = None, with_user: bool = True) -> dict[str, Any]:
         m: dict[str, Any] = {
-            "roles": roles or [],
+            "roles": roles if roles is not None else list(self.member_roles.get(user_id, [])),
             "joined_at": _now_iso(),
             "deaf": False,
             "mute": False,
@@ -598,7 +625,8 @@ class FakeDiscord:
             "app_permissions": str((1 << 10) | (1 << 11) | (1 << 16) | (1 << 38)),
             "entitlements": [],
             "authorizing_integration_owners": {"0": guild_id} if guild_id else {"1": user_id},
-            "context": 0 if guild_id else 1,
+            # 0 guild, 1 the bot's own DM, 2 any other private channel (a user-installed app)
+            "context": 0 if guild_id else (1 if channel["type"] == CH_DM else 2),
             "attachment_size_limit": 10 * 1024 * 1024,
         }
         if guild_id:
@@ -839,6 +867,11 @@ class FakeDiscord:
         if m and method == "GET":
             msg = self.messages.get(m.group(2))
             return self._json(msg) if msg else self._error(404, 10008, "Unknown Message")
+        m = re.match(r"^/guilds/(\d+)/members/(\d+)$", path)
+        if m and method == "GET":
+            if m.group(1) not in self.guilds or m.group(2) not in self.users:
+                return self._error(404, 10007, "Unknown Member")
+            return self._json(self._member(m.group(2)))
         m = re.match(r"^/users/@me/channels$", path)
         if m and method == "POST":
             return self._json(self.channels[self.dm_channel(str(body["recipient_id"]))])

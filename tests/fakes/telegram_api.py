@@ -207,6 +207,8 @@ class FakeTelegram:
         self.commands: list[dict[str, Any]] = []
         self.webhook: dict[str, Any] = {"url": "", "secret_token": None, "allowed_updates": None}
         self.chats: dict[int, dict[str, Any]] = {}
+        #: chat id -> {user id: "creator" | "administrator"}; everyone else is a "member"
+        self.chat_admins: dict[int, dict[int, str]] = defaultdict(dict)
         self.messages: dict[tuple[int, int], dict[str, Any]] = {}
         self.sent: list[dict[str, Any]] = []
         self.edits: list[dict[str, Any]] = []
@@ -832,6 +834,26 @@ class FakeTelegram:
             return self._error("sendChatAction", 400, "Bad Request: wrong parameter action in request")
         self.chat_actions.append(dict(params))
         return self._ok("sendChatAction", True)
+
+    async def _api_getchatmember(self, params: dict[str, Any]) -> web.Response:
+        chat = self._chat_or_error("getChatMember", params.get("chat_id"))
+        if isinstance(chat, web.Response):
+            return chat
+        try:
+            user_id = int(params.get("user_id"))
+        except (TypeError, ValueError):
+            return self._error("getChatMember", 400, "Bad Request: invalid user_id specified")
+        user = self._user(user_id)
+        status = self.chat_admins[chat["id"]].get(user_id, "member")
+        member: dict[str, Any] = {"status": status, "user": user}
+        if status == "creator":
+            member["is_anonymous"] = False
+        elif status == "administrator":
+            member.update({k: True for k in (
+                "can_be_edited", "can_manage_chat", "can_delete_messages", "can_manage_video_chats",
+                "can_restrict_members", "can_change_info", "can_invite_users", "can_post_stories",
+                "can_edit_stories", "can_delete_stories")}, is_anonymous=False, can_promote_members=False)
+        return self._ok("getChatMember", member)
 
     async def _api_setmycommands(self, params: dict[str, Any]) -> web.Response:
         commands = params.get("commands")

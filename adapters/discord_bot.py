@@ -806,8 +806,9 @@ class DiscordAdapter:
                 pend = None  # the interaction token expired: post in the channel instead
             else:
                 pend.answered = True
-                if not pend.ephemeral:  # later messages in the chat never go out privately
-                    self._open_interaction[pend.chat_key] = pend
+                # the chunks after the first carry no reply id: they follow the same interaction,
+                # so a private answer stays private to its last chunk
+                self._open_interaction[pend.chat_key] = pend
                 self._own_messages.add(str(sent.id))
                 self._followup_messages.add(str(sent.id), pend)
                 return SentMessage(chat_id=message.chat_id, thread_id=message.thread_id, message_id=str(sent.id))

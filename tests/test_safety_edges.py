@@ -92,10 +92,10 @@ async def test_every_file_under_data_dir_is_owner_only_whatever_the_umask(config
         assert _loose_paths(data) == []
         out = tmp_path / "out"
         archive = export_profile(cfg, find_tenant(cfg, "telegram:111"), out)
-        backup = backup_data_dir(data, tmp_path / "backups" / "b.tar.gz")
-        backup_dir = backup_data_dir(data, tmp_path / "backup-dir")
+        backup = backup_data_dir(data, tmp_path / "backups")
         assert _loose_paths(out) == [] and _loose_paths(tmp_path / "backups") == []
-        assert _loose_paths(backup_dir) == []
+        with tarfile.open(backup) as tar:
+            assert all((m.mode & 0o077) == 0 for m in tar.getmembers())
         with tarfile.open(archive) as tar:
             assert all((m.mode & 0o077) == 0 for m in tar.getmembers())
         restored = tmp_path / "restored"

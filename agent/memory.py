@@ -19,8 +19,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from agent import visibility
 from agent.fileio import atomic_write
 from agent.threats import first_threat
+from agent.visibility import PRIVATE_CHAT, Scope
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class MemorySnapshot:
 
     memory: tuple[str, ...] = ()
     user: tuple[str, ...] = ()
+    keys: frozenset[str] = frozenset()  # visibility.entry_key of every entry included
 
     @property
     def is_empty(self) -> bool:
@@ -119,12 +122,14 @@ class MemoryStore:
         user_char_limit: int = 1375,
         *,
         read_only: bool = False,
+        scope: Scope = PRIVATE_CHAT,
     ) -> None:
         self.profile_dir = Path(profile_dir)
         self.memory_dir = self.profile_dir / "memories"
         self.memory_char_limit = memory_char_limit
         self.user_char_limit = user_char_limit
         self.read_only = read_only
+        self.scope = scope  # which entries this view sees and how its writes are marked
         self._lock = asyncio.Lock()
 
     # -- paths and limits ------------------------------------------------------
@@ -151,18 +156,30 @@ class MemoryStore:
     # -- reads -------------------------------------------------------------------
 
     async def load_snapshot(self) -> MemorySnapshot:
-        """Frozen, threat-scanned copy of both stores for the system prompt."""
-        mem, user = await asyncio.to_thread(
-            lambda: (self._read_entries("memory"), self._read_entries("user"))
-        )
+        """Frozen, threat-scanned copy of both stores (the entries this scope sees)."""
+        mem, user = await asyncio.to_thread(lambda: (self._visible("memory"), self._visible("user")))
+        keys = frozenset(visibility.entry_key(t, e) for t, es in (("memory", mem), ("user", user)) for e in es)
         return MemorySnapshot(
-            memory=tuple(_withheld(e) for e in mem), user=tuple(_withheld(e) for e in user)
+            memory=tuple(_withheld(e) for e in mem), user=tuple(_withheld(e) for e in user), keys=keys
         )
 
     async def entries(self, target: str) -> list[str]:
-        """Live entries of `target`, read from disk (unscanned, as the person wrote them)."""
+        """Live entries of `target` this scope sees, read from disk (unscanned)."""
         self._check_target(target)
-        return await asyncio.to_thread(self._read_entries, target)
+        return await asyncio.to_thread(self._visible, target)
+
+    async def set_visibility(self, target: str, entry: str, value: visibility.Visibility) -> bool:
+        """Mark one entry private or shared (/memory share|unshare); False when it is gone."""
+        self._check_target(target)
+        async with self._lock:
+            return await asyncio.to_thread(
+                visibility.set_mark, self.memory_dir, target, entry, value, self._read_entries)
+
+    def _visible(self, target: str) -> list[str]:
+        entries = self._read_entries(target)
+        if self.scope.sees_private:
+            return entries
+        return visibility.visible(self.scope, target, entries, visibility.Marks(self.memory_dir).load())
 
     def _dir_ok(self) -> bool:
         """False when the memories dir is a symlink (it could point outside the profile)."""
@@ -368,9 +385,12 @@ class MemoryStore:
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            new, result = mutate(self._read_entries(target))
+            view = visibility.WriteView.open(self.memory_dir, target, self._read_entries(target), self.scope)
+            new, result = mutate(view.visible)
             if new is not None:
+                new = view.merge(new)
                 atomic_write(self.path_for(target), ENTRY_DELIMITER.join(new))
+                view.commit(new)
             return result
         finally:
             os.close(fd)  # closing releases the flock

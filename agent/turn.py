@@ -3,6 +3,7 @@ every message (user, assistant, tool) through the session store's dual write."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from agent.messages import StoredMessage
 from agent.prompt import ChatPlace, build_system_prompt
 from agent.tokens import TokenCounter
 from agent.tools import ToolBox
+from agent.visibility import RULES_VERSION, lane_scope
 from gateway.config import Config
 from tenancy.keys import Lane
 from tenancy.profiles import Profile
@@ -75,15 +77,28 @@ class Agent:
 
     # ----- sessions -------------------------------------------------------------------
     def lane_memory(self, profile: Profile, lane: Lane) -> MemoryStore | None:
-        """The memory store this lane may use: the profile's, a read-only view, or none."""
+        """The memory store this lane may use: the profile's, a view limited to the entries
+        the lane's audience may see (read-only under `read`), or none."""
         mem_cfg = self.cfg.memory
         if not (mem_cfg.memory_enabled or mem_cfg.user_profile_enabled):
             return None
         if lane.personal_memory == "off":
             return None
-        if lane.personal_memory == "read":
-            return MemoryStore(profile.path, mem_cfg.memory_char_limit, mem_cfg.user_char_limit, read_only=True)
+        scope = lane_scope(lane.kind, lane.private)
+        if lane.personal_memory == "read" or scope is not profile.memory.scope:
+            return MemoryStore(profile.path, mem_cfg.memory_char_limit, mem_cfg.user_char_limit,
+                               read_only=lane.personal_memory == "read", scope=scope)
         return profile.memory
+
+    def _prompt_rule(self, place: ChatPlace, memory: MemoryStore | None) -> str:
+        """Everything besides the entries that decides what a snapshot holds: when it
+        changes (memory mode, visibility rule, audience) the session's prompt is rebuilt."""
+        mode = "off" if memory is None else "read" if memory.read_only else "full"
+        scope = memory.scope.name if memory is not None else "-"
+        mem = self.cfg.memory
+        place_hash = hashlib.sha256(place.describe().encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        return (f"v{RULES_VERSION}|{mode}|{scope}|m{int(mem.memory_enabled)}u{int(mem.user_profile_enabled)}"
+                f"|{place_hash}")
 
     async def system_message(self, session_id: str, place: ChatPlace, memory: MemoryStore | None) -> StoredMessage:
         """A fresh system prompt with a frozen snapshot of the memory files as they are now."""
@@ -92,6 +107,7 @@ class Agent:
             snapshot = type(snapshot)(
                 memory=snapshot.memory if self.cfg.memory.memory_enabled else (),
                 user=snapshot.user if self.cfg.memory.user_profile_enabled else (),
+                keys=snapshot.keys,
             )
         text = build_system_prompt(
             agent_name=self.cfg.agent_name, place=place, snapshot=snapshot,
@@ -99,7 +115,9 @@ class Agent:
             user_char_limit=self.cfg.memory.user_char_limit,
             memory_writable=memory is not None and not memory.read_only,
         )
-        msg = StoredMessage(session_id=session_id, role="system", content=text)
+        stamp = {"rule": self._prompt_rule(place, memory),
+                 "keys": sorted(snapshot.keys) if snapshot is not None else []}
+        msg = StoredMessage(session_id=session_id, role="system", content=text, meta={"memory_stamp": stamp})
         self.tokens.count_message(msg)
         return msg
 
@@ -109,7 +127,32 @@ class Agent:
             lane.session_key, source=place.platform, user_id=lane.principal, model=self.cfg.llm.model)
         if created:
             await profile.sessions.append(await self.system_message(session_id, place, self.lane_memory(profile, lane)))
+        else:
+            await self._refresh_prompt(profile, lane, place, session_id)
         return session_id
+
+    async def _refresh_prompt(self, profile: Profile, lane: Lane, place: ChatPlace, session_id: str) -> None:
+        """Rebuild the session's system prompt when its snapshot was taken under another
+        memory mode or visibility rule, or holds an entry since forgotten or unshared.
+        The new prompt is appended and the old one flagged (nothing rewritten in place);
+        new entries alone do not rebuild it, so the prompt prefix stays stable."""
+        history = await profile.sessions.history(session_id)
+        system = next((m for m in history if m.role == "system"), None)
+        memory = self.lane_memory(profile, lane)
+        stamp = system.meta.get("memory_stamp") if system is not None else None
+        if isinstance(stamp, dict) and stamp.get("rule") == self._prompt_rule(place, memory):
+            keys = set(stamp.get("keys") or [])
+            if not keys:
+                return
+            live = await memory.load_snapshot() if memory is not None else None
+            if live is not None and keys <= live.keys:
+                return
+        fresh = await self.system_message(session_id, place, memory)
+        if system is not None:
+            fresh.meta["replaces"] = system.uid
+        await profile.sessions.compact(session_id, [system.uid] if system is not None else [], [fresh],
+                                       reason="prompt_rebuild")
+        log.info("system prompt rebuilt (memory mode, visibility or forgotten entry)")
 
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:
         """End the lane's session (if any) and route the lane to a fresh one (/new)."""

@@ -175,6 +175,15 @@ class MemoryStore:
             return await asyncio.to_thread(
                 visibility.set_mark, self.memory_dir, target, entry, value, self._read_entries)
 
+    async def forget_entry(self, target: str, entry: str) -> bool:
+        """Remove the entry exactly equal to `entry` (/forget N); False when it is gone."""
+        if self.read_only:
+            return False
+        result = await self._write(self._check_target(target), lambda entries: (
+            ([e for e in entries if e != entry], {"success": True}) if entry in entries
+            else (None, {"success": False})))
+        return bool(result.get("success"))
+
     def _visible(self, target: str) -> list[str]:
         entries = self._read_entries(target)
         if self.scope.sees_private:

@@ -14,6 +14,7 @@ from agent.llm import ContextLengthExceeded, LLMClient, LLMError
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.prompt import ChatPlace, build_system_prompt
+from agent.providers import NO_ACCESS, ProviderAccess, provider_access
 from agent.tokens import TokenCounter
 from agent.tools import ToolBox
 from agent.visibility import RULES_VERSION, lane_scope
@@ -64,6 +65,8 @@ class TurnContext:
     notify: Notify
     compression_state: Any = None  # the session's CompressionState, loaded once per turn
     compressions: int = 0  # automatic compressions run in this turn (<= compression.max_attempts)
+    provider_access: ProviderAccess = NO_ACCESS  # what this lane may do with the memory provider
+    recall: str = ""  # the provider's prefetch for this turn: sent with the request, never stored
 
 
 class Agent:
@@ -176,7 +179,8 @@ class Agent:
         if session_id is None:
             return "There's no conversation to compress yet."
         ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=_no_notice)
+                          memory=self.lane_memory(profile, lane), notify=_no_notice,
+                          provider_access=self.provider_access(lane))
         history = await profile.sessions.history(session_id)
         outcome = await self.compression.compress_guarded(ctx, history, trigger="manual", focus=focus)
         return outcome.feedback()
@@ -204,19 +208,46 @@ class Agent:
             await store.append_many(new_msgs)
             history.extend(new_msgs)
         ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=notify)
+                          memory=self.lane_memory(profile, lane), notify=notify,
+                          provider_access=self.provider_access(lane))
+        ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
         try:
             text = await self._tool_loop(ctx, history)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
             return TurnResult(err.user_message, "error", ctx.session_id)
-        if profile.provider is not None and lane.personal_memory == "full":
+        if profile.provider is not None and ctx.provider_access.write:
             user_text = "\n".join(i.text for i in inputs)
             try:
-                await profile.provider.sync_turn(user_text, text)
+                await profile.provider.sync_turn(user_text, text, visibility=ctx.provider_access.mark)
             except Exception:  # a provider must never break a turn
                 log.exception("memory provider sync_turn failed")
         return TurnResult(text, "reply", ctx.session_id)
+
+    def provider_access(self, lane: Lane) -> ProviderAccess:
+        """What `lane` may do with its tenant's memory provider (mode and audience)."""
+        return provider_access(lane.personal_memory, lane_scope(lane.kind, lane.private))
+
+    async def _prefetch(self, ctx: TurnContext, query: str) -> str:
+        """The provider's recall for this turn's input, limited to what the lane may see."""
+        provider, access = ctx.profile.provider, ctx.provider_access
+        if provider is None or not access.read or not query.strip():
+            return ""
+        try:
+            return (await provider.prefetch(query, shared_only=access.shared_only) or "").strip()
+        except Exception:  # a provider must never break a turn
+            log.exception("memory provider prefetch failed")
+            return ""
+
+    def _wire(self, ctx: TurnContext, history: list[StoredMessage]) -> list[dict[str, Any]]:
+        """The request messages; the turn's recall rides on the last user message (never stored)."""
+        wire = self.compression.wire(history)
+        if ctx.recall:
+            for i in range(len(wire) - 1, -1, -1):
+                if wire[i].get("role") == "user" and isinstance(wire[i].get("content"), str):
+                    wire[i] = {**wire[i], "content": f"{wire[i]['content']}\n\n[Recalled from memory:\n{ctx.recall}]"}
+                    break
+        return wire
 
     @staticmethod
     def _answer_after(history: list[StoredMessage], uid: str) -> str | None:
@@ -269,12 +300,16 @@ class Agent:
 
     async def _provider_memory_write(self, ctx: TurnContext, args: Any, result: str) -> None:
         """Mirror a successful built-in memory write to the external provider."""
+        if not ctx.provider_access.write:
+            return
         try:
             if not json.loads(result).get("success"):
                 return
             data = json.loads(args) if isinstance(args, str) else dict(args or {})
+            action = str(data.get("action", ""))
+            text = data.get("old_text") if action == "remove" else data.get("content")
             await ctx.profile.provider.on_memory_write(
-                str(data.get("action", "")), str(data.get("target", "")), str(data.get("content", "")))
+                action, str(data.get("target", "")), str(text or ""), visibility=ctx.provider_access.mark)
         except Exception:
             log.exception("memory provider on_memory_write failed")
 
@@ -288,13 +323,13 @@ class Agent:
         comp = self.compression
         max_attempts = self.cfg.compression.max_attempts
         while True:
-            wire = comp.wire(history)
+            wire = self._wire(ctx, history)
             if ctx.compressions < max_attempts:
                 outcome = await comp.before_request(ctx, history, wire)
                 if outcome is not None and outcome.compressed:
                     ctx.compressions += 1
                     history[:] = outcome.history or []
-                    wire = comp.wire(history)
+                    wire = self._wire(ctx, history)
             try:
                 result = await self.llm.chat(wire, tools=tools, max_tokens=self.cfg.llm.max_tokens)
             except ContextLengthExceeded as err:

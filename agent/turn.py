@@ -130,32 +130,32 @@ class Agent:
             lane.session_key, source=place.platform, user_id=lane.principal, model=self.cfg.llm.model)
         if created:
             await profile.sessions.append(await self.system_message(session_id, place, self.lane_memory(profile, lane)))
-        else:
-            await self._refresh_prompt(profile, lane, place, session_id)
         return session_id
 
-    async def _refresh_prompt(self, profile: Profile, lane: Lane, place: ChatPlace, session_id: str) -> None:
+    async def _refresh_prompt(self, profile: Profile, lane: Lane, place: ChatPlace, session_id: str,
+                              history: list[StoredMessage]) -> bool:
         """Rebuild the session's system prompt when its snapshot was taken under another
         memory mode or visibility rule, or holds an entry since forgotten or unshared.
         The new prompt is appended and the old one flagged (nothing rewritten in place);
-        new entries alone do not rebuild it, so the prompt prefix stays stable."""
-        history = await profile.sessions.history(session_id)
+        new entries alone do not rebuild it, so the prompt prefix stays stable.
+        True when it was rebuilt (the caller reloads the history)."""
         system = next((m for m in history if m.role == "system"), None)
         memory = self.lane_memory(profile, lane)
         stamp = system.meta.get("memory_stamp") if system is not None else None
         if isinstance(stamp, dict) and stamp.get("rule") == self._prompt_rule(place, memory):
             keys = set(stamp.get("keys") or [])
             if not keys:
-                return
+                return False
             live = await memory.load_snapshot() if memory is not None else None
             if live is not None and keys <= live.keys:
-                return
+                return False
         fresh = await self.system_message(session_id, place, memory)
         if system is not None:
             fresh.meta["replaces"] = system.uid
         await profile.sessions.compact(session_id, [system.uid] if system is not None else [], [fresh],
                                        reason="prompt_rebuild")
         log.info("system prompt rebuilt (memory mode, visibility or forgotten entry)")
+        return True
 
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:
         """End the lane's session (if any) and route the lane to a fresh one (/new)."""
@@ -191,6 +191,8 @@ class Agent:
         session_id = await self.open_session(profile, lane, place)
         store = profile.sessions
         history = await store.history(session_id)
+        if await self._refresh_prompt(profile, lane, place, session_id, history):
+            history = await store.history(session_id)
         known = {m.uid for m in history} | {m.meta.get("copied_from") for m in history}
         fresh = [i for i in inputs if i.uid not in known]
         if not fresh:

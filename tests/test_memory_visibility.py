@@ -316,3 +316,25 @@ async def test_local_provider_filters_by_visibility_and_forgets(tmp_path):
     with open(tmp_path / "provider" / "notes.jsonl", "a") as fh:
         fh.write(json.dumps({"kind": "turn", "user": "alpha legacy CANARY-old1", "assistant": "x"}) + "\n")
     assert "CANARY-old1" not in await provider.prefetch("alpha", shared_only=True)
+
+
+async def test_pre_compress_stores_nothing_from_a_group_lane_under_read(config_for, fake_llm):
+    adapter = RecordingAdapter()
+    filler = " ".join(f"word{i}" for i in range(300))
+    # chat requests offer tools; the summary request does not and gets a short summary
+    fake_llm.responder = lambda request: "ok" if request.get("tools") else "the summary"
+    for mode, expected in (("read", set()), ("full", {"shared"})):
+        cfg = config_for(memory={"provider": "local"}, tenancy={"personal_memory_in_groups": mode})
+        app = await started(cfg, adapter)
+        try:
+            chat_id = f"room-{mode}"
+            for i in range(8):
+                await say(app, adapter, group(chat_id, "alice", f"part {i} CANARY-c{mode}{i} {filler}"))
+            out = await say(app, adapter, group(chat_id, "alice", "/compress"))
+            assert out[0].startswith("Compressed"), out
+        finally:
+            await app.stop()
+        notes = profile_dir(cfg, "alice") / "provider" / "notes.jsonl"
+        records = [json.loads(line) for line in notes.read_text().splitlines()] if notes.exists() else []
+        pre = [r for r in records if r["kind"] == "pre_compress" and f"CANARY-c{mode}" in r["content"]]
+        assert {r["visibility"] for r in pre} == expected

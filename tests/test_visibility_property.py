@@ -245,7 +245,7 @@ async def _play(actions: list) -> None:
                 await world.stop()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(st.one_of([a.strategy() for a in ACTIONS]), min_size=1, max_size=18))
 def test_no_canary_ever_crosses_its_audience(actions):
     asyncio.run(_play(actions))

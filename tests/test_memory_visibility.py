@@ -338,3 +338,27 @@ async def test_pre_compress_stores_nothing_from_a_group_lane_under_read(config_f
         records = [json.loads(line) for line in notes.read_text().splitlines()] if notes.exists() else []
         pre = [r for r in records if r["kind"] == "pre_compress" and f"CANARY-c{mode}" in r["content"]]
         assert {r["visibility"] for r in pre} == expected
+
+
+async def test_rebuilt_system_prompt_leads_the_history_and_keeps_summary_anchors(tmp_path):
+    from agent.messages import StoredMessage
+
+    profile = tmp_path / "profiles" / "t"
+    async with SessionStore(profile) as s:
+        sid = await s.start_session("lane")
+        msgs = await s.append_many([StoredMessage(sid, "system", "old prompt")] + [
+            StoredMessage(sid, role, f"{role[0]}{i}") for i in range(4) for role in ("user", "assistant")])
+        # an in-place compression anchored right after the system prompt
+        summary = StoredMessage(sid, "user", "the summary", meta={"compressed_summary": True,
+                                                                 "after_uid": msgs[0].uid})
+        await s.compact(sid, [m.uid for m in msgs[1:5]], [summary])
+        fresh = StoredMessage(sid, "system", "new prompt", meta={"replaces": msgs[0].uid})
+        await s.compact(sid, [msgs[0].uid], [fresh], reason="prompt_rebuild")
+        expected = ["new prompt", "the summary", "u2", "a2", "u3", "a3"]
+        assert [m.content for m in await s.history(sid)] == expected
+    drop = [profile / n for n in ("state.db", "state.db-wal", "state.db-shm")]
+    for path in drop:
+        path.unlink(missing_ok=True)
+    async with SessionStore(profile) as s:  # rebuilt from the journal alone
+        assert [m.content for m in await s.history(sid)] == expected
+        assert await s.search("prompt") == []

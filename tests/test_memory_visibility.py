@@ -362,3 +362,27 @@ async def test_rebuilt_system_prompt_leads_the_history_and_keeps_summary_anchors
     async with SessionStore(profile) as s:  # rebuilt from the journal alone
         assert [m.content for m in await s.history(sid)] == expected
         assert await s.search("prompt") == []
+
+
+async def test_group_view_writes_keep_hidden_entries_in_place(tmp_path):
+    from agent.memory import MemoryStore
+    from agent.visibility import GROUP_LANE, Marks
+
+    private = MemoryStore(tmp_path)
+    in_group = MemoryStore(tmp_path, scope=GROUP_LANE)
+    await private.add("memory", "private one")
+    await in_group.add("memory", "shared two")
+    await private.add("memory", "private three")
+    assert await in_group.entries("memory") == ["shared two"]
+    assert (await in_group.replace("memory", "two", "shared TWO"))["success"]
+    assert (await in_group.replace("memory", "private", "leak"))["success"] is False
+    assert await private.entries("memory") == ["private one", "shared TWO", "private three"]
+    # a replace in a private chat makes the entry private (it may fold private facts in)
+    assert (await private.replace("memory", "TWO", "shared 2 plus private detail"))["success"]
+    assert await in_group.entries("memory") == []
+    assert await private.set_visibility("memory", "shared 2 plus private detail", "shared")
+    await in_group.clear()
+    assert await private.entries("memory") == ["private one", "private three"]
+    marks = Marks(tmp_path / "memories")
+    assert marks.of("memory", await private.entries("memory")) == ["private", "private"]
+    assert (tmp_path / "memories" / "MEMORY.md").read_text() == "private one\n§\nprivate three"

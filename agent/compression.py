@@ -644,10 +644,12 @@ class Compressor:
 
     async def _pre_compress(self, ctx: Any, middle: list[Item]) -> None:
         provider = getattr(ctx.profile, "provider", None)
-        if provider is None:
+        access = getattr(ctx, "provider_access", None)  # nothing from a read/off group lane is stored
+        if provider is None or access is None or not access.write:
             return
         try:
-            await provider.on_pre_compress([strip_private(it) for it in middle if not it.get("_summary")])
+            await provider.on_pre_compress([strip_private(it) for it in middle if not it.get("_summary")],
+                                           visibility=access.mark)
         except Exception:  # a provider must never break compression
             log.exception("memory provider on_pre_compress failed")
 

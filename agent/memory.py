@@ -18,9 +18,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from agent import visibility
 from agent.fileio import atomic_write
 from agent.memory_files import Baselines, UndecodableFile, backup, decode, digest, read_bytes
 from agent.threats import first_threat
+from agent.visibility import PRIVATE_CHAT, Scope
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class MemorySnapshot:
 
     memory: tuple[str, ...] = ()
     user: tuple[str, ...] = ()
+    keys: frozenset[str] = frozenset()  # visibility.entry_key of every entry included
 
     @property
     def is_empty(self) -> bool:
@@ -122,12 +125,14 @@ class MemoryStore:
         user_char_limit: int = 1375,
         *,
         read_only: bool = False,
+        scope: Scope = PRIVATE_CHAT,
     ) -> None:
         self.profile_dir = Path(profile_dir)
         self.memory_dir = self.profile_dir / "memories"
         self.memory_char_limit = memory_char_limit
         self.user_char_limit = user_char_limit
         self.read_only = read_only
+        self.scope = scope  # which entries this view sees and how its writes are marked
         self._lock = asyncio.Lock()
 
     # -- paths and limits ------------------------------------------------------
@@ -154,18 +159,39 @@ class MemoryStore:
     # -- reads -------------------------------------------------------------------
 
     async def load_snapshot(self) -> MemorySnapshot:
-        """Frozen, threat-scanned copy of both stores for the system prompt."""
-        mem, user = await asyncio.to_thread(
-            lambda: (self._read_entries("memory"), self._read_entries("user"))
-        )
+        """Frozen, threat-scanned copy of both stores (the entries this scope sees)."""
+        mem, user = await asyncio.to_thread(lambda: (self._visible("memory"), self._visible("user")))
+        keys = frozenset(visibility.entry_key(t, e) for t, es in (("memory", mem), ("user", user)) for e in es)
         return MemorySnapshot(
-            memory=tuple(_withheld(e) for e in mem), user=tuple(_withheld(e) for e in user)
+            memory=tuple(_withheld(e) for e in mem), user=tuple(_withheld(e) for e in user), keys=keys
         )
 
     async def entries(self, target: str) -> list[str]:
-        """Live entries of `target`, read from disk (unscanned, as the person wrote them)."""
+        """Live entries of `target` this scope sees, read from disk (unscanned)."""
         self._check_target(target)
-        return await asyncio.to_thread(self._read_entries, target)
+        return await asyncio.to_thread(self._visible, target)
+
+    async def set_visibility(self, target: str, entry: str, value: visibility.Visibility) -> bool:
+        """Mark one entry private or shared (/memory share|unshare); False when it is gone."""
+        self._check_target(target)
+        async with self._lock:
+            return await asyncio.to_thread(
+                visibility.set_mark, self.memory_dir, target, entry, value, self._read_entries)
+
+    async def forget_entry(self, target: str, entry: str) -> bool:
+        """Remove the entry exactly equal to `entry` (/forget N); False when it is gone."""
+        if self.read_only:
+            return False
+        result = await self._write(self._check_target(target), lambda entries: (
+            ([e for e in entries if e != entry], {"success": True}) if entry in entries
+            else (None, {"success": False})))
+        return bool(result.get("success"))
+
+    def _visible(self, target: str) -> list[str]:
+        entries = self._read_entries(target)
+        if self.scope.sees_private:
+            return entries
+        return visibility.visible(self.scope, target, entries, visibility.Marks(self.memory_dir).load())
 
     def _dir_ok(self) -> bool:
         """False when the memories dir is a symlink (it could point outside the profile)."""
@@ -408,6 +434,8 @@ class MemoryStore:
                          "and nothing was saved. Ask the person to re-save it as UTF-8.")
         # compared as parsed entries: cosmetic edits (line endings, blank lines around the
         # separator, a BOM) are not drift, any change of an entry is
+        # a group lane sees (and may change) only the entries its audience may read
+        view = visibility.WriteView.open(self.memory_dir, target, entries, self.scope)
         baselines, seen = Baselines(self.memory_dir), digest(ENTRY_DELIMITER.join(entries).encode("utf-8"))
         base = baselines.get(name)
         if base is not None and base != seen:
@@ -420,13 +448,16 @@ class MemoryStore:
                     f"hand?). Nothing was saved and the file was left exactly as it is"
                     f"{f' (backup: {kept.name})' if kept else ''}. Its current entries are listed "
                     "below: apply your change again against them.",
-                    entries=[_preview(_withheld(e)) for e in entries], usage=self._usage(target, entries),
+                    entries=[_preview(_withheld(e)) for e in view.visible],
+                    usage=self._usage(target, view.visible),
                 )
-        new, result = mutate(entries)
+        new, result = mutate(view.visible)
         if new is not None:
+            new = view.merge(new)
             data = ENTRY_DELIMITER.join(new).encode("utf-8")
             atomic_write(path, data)
             baselines.set(name, digest(data))
+            view.commit(new)
         elif base is None:
             baselines.set(name, seen)
         return result

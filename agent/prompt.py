@@ -34,7 +34,9 @@ class ChatPlace:
             text += (" Several people talk to you here; each user message is prefixed with the "
                      "sender's name. The memory below belongs to this group, not to any one person.")
         elif self.chat_type != "dm":
-            text += " This conversation lane is private to one member of the group."
+            text += (" You are talking with one member of the group, but your replies are posted "
+                     "in the group and seen by everyone in it. Of this person's memory only what they "
+                     "shared with groups is given to you here, and anything saved here is shared too.")
         if self.user_name and not self.shared:
             text += f" The person's display name is {self.user_name}."
         return text

@@ -3,6 +3,11 @@
 A provider lives beside the built-in MEMORY.md/USER.md files. Its namespace is the tenant
 id and its files go under the tenant's `provider/` directory, so an instance never serves
 two tenants. `memory.provider` names the kind; "" turns providers off.
+
+Visibility (see agent/visibility.py): the hooks are told the visibility of what they store
+(`private` from a private chat, `shared` from a group lane) and `prefetch` whether only shared
+records may come back; `ProviderAccess` says what a lane may do at all (nothing from a group
+lane is stored under `read`/`off`, nothing at all happens under `off`).
 """
 
 from __future__ import annotations
@@ -10,10 +15,33 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from agent.fileio import open_private, private_mkdir
+from agent.visibility import Scope, Visibility
+
+
+@dataclass(frozen=True)
+class ProviderAccess:
+    """What one lane may do with its tenant's provider."""
+
+    read: bool  # prefetch
+    write: bool  # sync_turn, on_pre_compress, on_memory_write
+    shared_only: bool  # prefetch returns only what was stored as shared
+    mark: Visibility  # the visibility of what this lane stores
+
+
+NO_ACCESS = ProviderAccess(read=False, write=False, shared_only=True, mark="shared")
+
+
+def provider_access(personal_memory: str, scope: Scope) -> ProviderAccess:
+    """A lane's access from its memory mode (`full`/`read`/`off`) and visibility scope."""
+    if personal_memory == "off":
+        return NO_ACCESS
+    return ProviderAccess(read=True, write=personal_memory == "full",
+                          shared_only=not scope.sees_private, mark=scope.writes)
 
 
 class MemoryProvider:
@@ -25,23 +53,26 @@ class MemoryProvider:
         self.namespace = namespace
         self.profile_dir = profile_dir
 
-    async def prefetch(self, query: str) -> str:
-        """Text to add to the turn's context for `query` ("" for nothing)."""
+    async def prefetch(self, query: str, *, shared_only: bool = False) -> str:
+        """Text to add to the turn's context for `query` ("" for nothing); with
+        `shared_only`, nothing that was stored as private may come back."""
         return ""
 
-    async def sync_turn(self, user: str, assistant: str) -> None: ...
+    async def sync_turn(self, user: str, assistant: str, *, visibility: Visibility = "private") -> None: ...
 
-    async def on_pre_compress(self, messages: list[dict[str, Any]]) -> None:
+    async def on_pre_compress(self, messages: list[dict[str, Any]], *, visibility: Visibility = "private") -> None:
         """Called with the messages about to be summarised away, so nothing learned is lost."""
 
-    async def on_memory_write(self, action: str, target: str, content: str) -> None: ...
+    async def on_memory_write(self, action: str, target: str, content: str, *,
+                              visibility: Visibility = "private") -> None: ...
 
     async def shutdown(self) -> None: ...
 
 
 class LocalNotesProvider(MemoryProvider):
     """A small file-backed provider: keeps each turn and pre-compression message in
-    `provider/notes.jsonl` and recalls lines sharing words with the query."""
+    `provider/notes.jsonl` with its visibility and recalls lines sharing words with the
+    query (records without a visibility count as private)."""
 
     name = "local"
 
@@ -56,29 +87,45 @@ class LocalNotesProvider(MemoryProvider):
             fh.flush()
             os.fsync(fh.fileno())
 
-    async def sync_turn(self, user: str, assistant: str) -> None:
-        self._append({"kind": "turn", "user": user, "assistant": assistant})
+    async def sync_turn(self, user: str, assistant: str, *, visibility: Visibility = "private") -> None:
+        self._append({"kind": "turn", "user": user, "assistant": assistant, "visibility": visibility})
 
-    async def on_pre_compress(self, messages: list[dict[str, Any]]) -> None:
+    async def on_pre_compress(self, messages: list[dict[str, Any]], *, visibility: Visibility = "private") -> None:
         for m in messages:
             if m.get("role") in ("user", "assistant") and m.get("content"):
-                self._append({"kind": "pre_compress", "role": m["role"], "content": m["content"]})
+                self._append({"kind": "pre_compress", "role": m["role"], "content": m["content"],
+                              "visibility": visibility})
 
-    async def on_memory_write(self, action: str, target: str, content: str) -> None:
-        self._append({"kind": "memory_write", "action": action, "target": target, "content": content})
+    async def on_memory_write(self, action: str, target: str, content: str, *,
+                              visibility: Visibility = "private") -> None:
+        self._append({"kind": "memory_write", "action": action, "target": target, "content": content,
+                      "visibility": visibility})
 
-    async def prefetch(self, query: str) -> str:
+    async def prefetch(self, query: str, *, shared_only: bool = False) -> str:
         path = self._file()
         words = {w for w in re.findall(r"\w{4,}", query.lower())}
         if not words or not path.exists():
             return ""
-        hits: list[str] = []
+        records = []
         for line in path.read_text(encoding="utf-8").splitlines()[-500:]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            text = rec.get("user") or rec.get("content") or ""
+            if isinstance(rec, dict):
+                records.append(rec)
+        # a removed (forgotten) entry is never recalled again, nor any record quoting it
+        removed = [str(r.get("content") or "") for r in records
+                   if r.get("kind") == "memory_write" and r.get("action") == "remove" and r.get("content")]
+        hits: list[str] = []
+        for rec in records:
+            if rec.get("kind") == "memory_write" and rec.get("action") == "remove":
+                continue
+            if shared_only and rec.get("visibility") != "shared":
+                continue
+            text = str(rec.get("user") or rec.get("content") or "")
+            if any(gone in text for gone in removed):
+                continue
             if words & set(re.findall(r"\w{4,}", text.lower())):
                 hits.append(text[:200])
         return "\n".join(hits[-3:])

@@ -250,11 +250,22 @@ _IS_SUMMARY_SQL = "(json_valid(meta) AND COALESCE(json_extract(meta, '$.compress
 def _conversation_order(msgs: list[StoredMessage]) -> list[StoredMessage]:
     """Insertion order, except that a message whose meta names `after_uid` (a compression
     summary) follows that message when it is present. Originals are never re-inserted, so a
-    summary written after the tail it precedes still reads [head..., summary, tail...]."""
+    summary written after the tail it precedes still reads [head..., summary, tail...].
+
+    System prompts lead: a rebuilt one (meta `replaces`, appended later) stands first, and
+    an anchor naming the prompt it replaced names the new one."""
+    if any(m.role == "system" for m in msgs[1:]):
+        msgs = [m for m in msgs if m.role == "system"] + [m for m in msgs if m.role != "system"]
+    alias = {m.meta["replaces"]: m.uid for m in msgs
+             if m.role == "system" and isinstance(m.meta, dict) and isinstance(m.meta.get("replaces"), str)}
     present = {m.uid for m in msgs}
     moved: dict[str, list[StoredMessage]] = {}
     for m in msgs:
         anchor = m.meta.get("after_uid") if isinstance(m.meta, dict) else None
+        for _ in range(len(alias)):
+            if anchor not in alias or anchor in present:
+                break
+            anchor = alias[anchor]
         if isinstance(anchor, str) and anchor != m.uid and anchor in present:
             moved.setdefault(anchor, []).append(m)
     if not moved:
@@ -697,7 +708,8 @@ class SessionStore:
 
     async def search(self, query: str, limit: int = 10, *, session_key: str | None = None) -> list[dict[str, Any]]:
         """FTS5 search over this profile's messages, inactive and compacted ones included;
-        with `session_key`, only over the sessions of that one lane.
+        with `session_key`, only over the sessions of that one lane. System prompts (they
+        hold memory snapshots) are never returned, even where an older database indexed them.
 
         Every term is quoted, so model-written queries cannot be FTS syntax errors. All
         terms must match; if that finds nothing, any term may match. `limit` is capped.
@@ -713,7 +725,7 @@ class SessionStore:
             "SELECT m.uid, m.session_id, m.role, m.timestamp, m.active, m.compacted, "
             "snippet(messages_fts, 0, '>>>', '<<<', '...', 16) AS snippet "
             "FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid "
-            f"WHERE messages_fts MATCH ?{lane_filter} ORDER BY rank LIMIT ?"
+            f"WHERE messages_fts MATCH ? AND m.role IS NOT 'system'{lane_filter} ORDER BY rank LIMIT ?"
         )
         rows: list[sqlite3.Row] = []
         for q in dict.fromkeys((fts_query(query), fts_query(query, join=" OR "))):

@@ -3,6 +3,7 @@ every message (user, assistant, tool) through the session store's dual write."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -16,8 +17,10 @@ from agent.messages import StoredMessage
 from agent.prompt import ChatPlace, build_system_prompt
 from agent.review import Reviewer
 from agent.skills import SkillStore, render_skill_index
+from agent.providers import NO_ACCESS, ProviderAccess, provider_access
 from agent.tokens import TokenCounter
 from agent.tools import ToolBox
+from agent.visibility import RULES_VERSION, lane_scope
 from gateway.config import Config
 from tenancy.keys import Lane
 from tenancy.profiles import Profile
@@ -67,6 +70,8 @@ class TurnContext:
     compression_state: Any = None  # the session's CompressionState, loaded once per turn
     compressions: int = 0  # automatic compressions run in this turn (<= compression.max_attempts)
     tool_iterations: int = 0
+    provider_access: ProviderAccess = NO_ACCESS  # what this lane may do with the memory provider
+    recall: str = ""  # the provider's prefetch for this turn: sent with the request, never stored
 
 
 class Agent:
@@ -82,14 +87,17 @@ class Agent:
 
     # ----- sessions -------------------------------------------------------------------
     def lane_memory(self, profile: Profile, lane: Lane) -> MemoryStore | None:
-        """The memory store this lane may use: the profile's, a read-only view, or none."""
+        """The memory store this lane may use: the profile's, a view limited to the entries
+        the lane's audience may see (read-only under `read`), or none."""
         mem_cfg = self.cfg.memory
         if not (mem_cfg.memory_enabled or mem_cfg.user_profile_enabled):
             return None
         if lane.personal_memory == "off":
             return None
-        if lane.personal_memory == "read":
-            return MemoryStore(profile.path, mem_cfg.memory_char_limit, mem_cfg.user_char_limit, read_only=True)
+        scope = lane_scope(lane.kind, lane.private)
+        if lane.personal_memory == "read" or scope is not profile.memory.scope:
+            return MemoryStore(profile.path, mem_cfg.memory_char_limit, mem_cfg.user_char_limit,
+                               read_only=lane.personal_memory == "read", scope=scope)
         return profile.memory
 
     def lane_skills(self, profile: Profile, lane: Lane) -> SkillStore | None:
@@ -114,6 +122,16 @@ class Agent:
     async def _system_for(self, session_id: str, place: ChatPlace, ctx: Any) -> StoredMessage:
         return await self.system_message(session_id, place, ctx.memory, self.lane_skills(ctx.profile, ctx.lane))
 
+    def _prompt_rule(self, place: ChatPlace, memory: MemoryStore | None) -> str:
+        """Everything besides the entries that decides what a snapshot holds: when it
+        changes (memory mode, visibility rule, audience) the session's prompt is rebuilt."""
+        mode = "off" if memory is None else "read" if memory.read_only else "full"
+        scope = memory.scope.name if memory is not None else "-"
+        mem = self.cfg.memory
+        place_hash = hashlib.sha256(place.describe().encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        return (f"v{RULES_VERSION}|{mode}|{scope}|m{int(mem.memory_enabled)}u{int(mem.user_profile_enabled)}"
+                f"|{place_hash}")
+
     async def system_message(self, session_id: str, place: ChatPlace, memory: MemoryStore | None,
                              skills: SkillStore | None = None) -> StoredMessage:
         """A fresh system prompt with a frozen snapshot of the memory files (and the skill
@@ -123,6 +141,7 @@ class Agent:
             snapshot = type(snapshot)(
                 memory=snapshot.memory if self.cfg.memory.memory_enabled else (),
                 user=snapshot.user if self.cfg.memory.user_profile_enabled else (),
+                keys=snapshot.keys,
             )
         skill_index = None
         if skills is not None:
@@ -135,7 +154,9 @@ class Agent:
             and self.cfg.memory.write_approval != "block",
             skill_index=skill_index, skills_writable=skills is not None and not skills.read_only,
         )
-        msg = StoredMessage(session_id=session_id, role="system", content=text)
+        stamp = {"rule": self._prompt_rule(place, memory),
+                 "keys": sorted(snapshot.keys) if snapshot is not None else []}
+        msg = StoredMessage(session_id=session_id, role="system", content=text, meta={"memory_stamp": stamp})
         self.tokens.count_message(msg)
         return msg
 
@@ -150,6 +171,31 @@ class Agent:
     async def _fresh_system(self, session_id: str, profile: Profile, lane: Lane, place: ChatPlace) -> StoredMessage:
         return await self.system_message(session_id, place, self.lane_memory(profile, lane),
                                          self.lane_skills(profile, lane))
+
+    async def _refresh_prompt(self, profile: Profile, lane: Lane, place: ChatPlace, session_id: str,
+                              history: list[StoredMessage]) -> bool:
+        """Rebuild the session's system prompt when its snapshot was taken under another
+        memory mode or visibility rule, or holds an entry since forgotten or unshared.
+        The new prompt is appended and the old one flagged (nothing rewritten in place);
+        new entries alone do not rebuild it, so the prompt prefix stays stable.
+        True when it was rebuilt (the caller reloads the history)."""
+        system = next((m for m in history if m.role == "system"), None)
+        memory = self.lane_memory(profile, lane)
+        stamp = system.meta.get("memory_stamp") if system is not None else None
+        if isinstance(stamp, dict) and stamp.get("rule") == self._prompt_rule(place, memory):
+            keys = set(stamp.get("keys") or [])
+            if not keys:
+                return False
+            live = await memory.load_snapshot() if memory is not None else None
+            if live is not None and keys <= live.keys:
+                return False
+        fresh = await self.system_message(session_id, place, memory, self.lane_skills(profile, lane))
+        if system is not None:
+            fresh.meta["replaces"] = system.uid
+        await profile.sessions.compact(session_id, [system.uid] if system is not None else [], [fresh],
+                                       reason="prompt_rebuild")
+        log.info("system prompt rebuilt (memory mode, visibility or forgotten entry)")
+        return True
 
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:
         """End the lane's session (if any) and route the lane to a fresh one (/new)."""
@@ -185,7 +231,8 @@ class Agent:
         if session_id is None:
             return "There's no conversation to compress yet."
         ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=_no_notice)
+                          memory=self.lane_memory(profile, lane), notify=_no_notice,
+                          provider_access=self.provider_access(lane))
         history = await profile.sessions.history(session_id)
         outcome = await self.compression.compress_guarded(ctx, history, trigger="manual", focus=focus)
         return outcome.feedback()
@@ -196,6 +243,8 @@ class Agent:
         session_id = await self.open_session(profile, lane, place)
         store = profile.sessions
         history = await store.history(session_id)
+        if await self._refresh_prompt(profile, lane, place, session_id, history):
+            history = await store.history(session_id)
         known = {m.uid for m in history} | {m.meta.get("copied_from") for m in history}
         fresh = [i for i in inputs if i.uid not in known]
         if not fresh:
@@ -213,19 +262,46 @@ class Agent:
             await store.append_many(new_msgs)
             history.extend(new_msgs)
         ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=notify)
+                          memory=self.lane_memory(profile, lane), notify=notify,
+                          provider_access=self.provider_access(lane))
+        ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
         try:
             text = await self._tool_loop(ctx, history)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
             return TurnResult(err.user_message, "error", ctx.session_id)
-        if profile.provider is not None and lane.personal_memory == "full":
+        if profile.provider is not None and ctx.provider_access.write:
             user_text = "\n".join(i.text for i in inputs)
             try:
-                await profile.provider.sync_turn(user_text, text)
+                await profile.provider.sync_turn(user_text, text, visibility=ctx.provider_access.mark)
             except Exception:  # a provider must never break a turn
                 log.exception("memory provider sync_turn failed")
         return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations)
+
+    def provider_access(self, lane: Lane) -> ProviderAccess:
+        """What `lane` may do with its tenant's memory provider (mode and audience)."""
+        return provider_access(lane.personal_memory, lane_scope(lane.kind, lane.private))
+
+    async def _prefetch(self, ctx: TurnContext, query: str) -> str:
+        """The provider's recall for this turn's input, limited to what the lane may see."""
+        provider, access = ctx.profile.provider, ctx.provider_access
+        if provider is None or not access.read or not query.strip():
+            return ""
+        try:
+            return (await provider.prefetch(query, shared_only=access.shared_only) or "").strip()
+        except Exception:  # a provider must never break a turn
+            log.exception("memory provider prefetch failed")
+            return ""
+
+    def _wire(self, ctx: TurnContext, history: list[StoredMessage]) -> list[dict[str, Any]]:
+        """The request messages; the turn's recall rides on the last user message (never stored)."""
+        wire = self.compression.wire(history)
+        if ctx.recall:
+            for i in range(len(wire) - 1, -1, -1):
+                if wire[i].get("role") == "user" and isinstance(wire[i].get("content"), str):
+                    wire[i] = {**wire[i], "content": f"{wire[i]['content']}\n\n[Recalled from memory:\n{ctx.recall}]"}
+                    break
+        return wire
 
     @staticmethod
     def _answer_after(history: list[StoredMessage], uid: str) -> str | None:
@@ -278,12 +354,16 @@ class Agent:
 
     async def _provider_memory_write(self, ctx: TurnContext, args: Any, result: str) -> None:
         """Mirror a successful built-in memory write to the external provider."""
+        if not ctx.provider_access.write:
+            return
         try:
             if not json.loads(result).get("success"):
                 return
             data = json.loads(args) if isinstance(args, str) else dict(args or {})
+            action = str(data.get("action", ""))
+            text = data.get("old_text") if action == "remove" else data.get("content")
             await ctx.profile.provider.on_memory_write(
-                str(data.get("action", "")), str(data.get("target", "")), str(data.get("content", "")))
+                action, str(data.get("target", "")), str(text or ""), visibility=ctx.provider_access.mark)
         except Exception:
             log.exception("memory provider on_memory_write failed")
 
@@ -297,13 +377,13 @@ class Agent:
         comp = self.compression
         max_attempts = self.cfg.compression.max_attempts
         while True:
-            wire = comp.wire(history)
+            wire = self._wire(ctx, history)
             if ctx.compressions < max_attempts:
                 outcome = await comp.before_request(ctx, history, wire)
                 if outcome is not None and outcome.compressed:
                     ctx.compressions += 1
                     history[:] = outcome.history or []
-                    wire = comp.wire(history)
+                    wire = self._wire(ctx, history)
             try:
                 # stored images become data: URLs only now, read from this profile's media/
                 request = await inline_images(wire, ctx.profile.path)

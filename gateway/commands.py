@@ -3,7 +3,9 @@ so a command is ordered with the turns around it. Each returns the text to send.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
@@ -11,9 +13,10 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from adapters.base import InboundMessage
 from agent.compression import CompressionState, Compressor
 from agent.memory import MemoryStore
-from agent.memory_approval import PendingWrites
 from agent.fileio import private_mkdir, write_private
+from agent.memory_approval import PendingWrites
 from agent.prompt import ChatPlace
+from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from tenancy.keys import Lane
 
@@ -98,7 +101,12 @@ async def cmd_status(ctx: CommandContext) -> str:
     store = ctx.profile.sessions
     session_id = await store.route(ctx.lane.session_key)
     info = await store.session_info(session_id) if session_id else None
-    shared = "shared with everyone here" if ctx.lane.kind == "chat" else "yours alone"
+    if ctx.lane.kind == "chat":
+        shared = "shared with everyone here"
+    elif ctx.lane.private:
+        shared = "between you and me"
+    else:
+        shared = "yours, but my replies here are seen by everyone in this chat"
     lines = [f"Model: {ctx.app.cfg.llm.model}", f"This conversation is {shared}."]
     if info:
         started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(info.get("started_at") or 0))
@@ -157,6 +165,28 @@ def _private_only(ctx: CommandContext, command: str) -> str | None:
     return None
 
 
+_MEMORY_USAGE = ("Usage: /memory, /memory share N or /memory unshare N (N as /memory numbers them); "
+                 "/memory pending, /memory approve N, /memory reject N")
+
+
+async def _numbered(memory: MemoryStore) -> list[tuple[str, str, str]]:
+    """(target, entry, visibility) in /memory's numbering: about the person, then notes."""
+    out = []
+    for target in ("user", "memory"):
+        entries = await memory.entries(target)
+        marks = await asyncio.to_thread(Marks(memory.memory_dir).of, target, entries)
+        out += [(target, e, v) for e, v in zip(entries, marks)]
+    return out
+
+
+def _pick(items: list[tuple[str, str, str]], arg: str) -> tuple[str, str, str] | str:
+    """The entry numbered `arg`, or a message saying why there is none."""
+    if not arg.isdigit() or not 1 <= int(arg) <= len(items):
+        return (f"There is no entry {arg or '(none given)'}; send /memory to see the numbers "
+                f"(1 to {len(items)}).") if items else "I don't remember anything about you yet."
+    return items[int(arg) - 1]
+
+
 async def cmd_memory(ctx: CommandContext) -> str:
     if refusal := _private_only(ctx, "memory"):
         return refusal
@@ -167,22 +197,61 @@ async def cmd_memory(ctx: CommandContext) -> str:
     if sub:
         handler = MEMORY_SUBCOMMANDS.get(sub.lower())
         if handler is None:
-            return f"Unknown /memory command {sub!r}. Usage: {MEMORY_USAGE}"
+            return _MEMORY_USAGE
         return await handler(ctx, memory, rest.strip())
     return await _memory_list(ctx, memory)
 
 
 async def _memory_list(ctx: CommandContext, memory: MemoryStore) -> str:
-    whose = "this group" if ctx.lane.kind == "chat" else "you"
-    parts = []
+    """The entries, numbered, each with its visibility in a private chat."""
+    group = ctx.lane.kind == "chat"
+    whose = "this group" if group else "you"
+    items = await _numbered(memory)
+    parts, n = [], 0
     for target, title in (("user", f"About {whose}"), ("memory", "My notes")):
-        entries = await memory.entries(target)
-        if entries:
-            parts.append(f"{title}:\n" + "\n".join(f"• {e}" for e in entries))
+        lines = []
+        for t, entry, vis in items:
+            if t == target:
+                n += 1
+                label = "" if group else f" [{vis}]"
+                lines.append(f"{n}.{label} {entry}")
+        if lines:
+            parts.append(f"{title}:\n" + "\n".join(lines))
+    if items and not group:
+        parts.append("Private entries never reach a group chat; shared ones may. "
+                     "Change one with /memory share N or /memory unshare N; erase one with /forget N.")
     pending = await PendingWrites(memory.memory_dir).list()
     if pending:
         parts.append(f"{len(pending)} change(s) wait for your approval: see /memory pending.")
     return "\n\n".join(parts) if parts else f"I don't remember anything about {whose} yet."
+
+
+async def _memory_share(ctx: CommandContext, memory: MemoryStore, args: str) -> str:
+    return await _set_visibility(ctx, memory, args, "shared")
+
+
+async def _memory_unshare(ctx: CommandContext, memory: MemoryStore, args: str) -> str:
+    return await _set_visibility(ctx, memory, args, "private")
+
+
+async def _set_visibility(ctx: CommandContext, memory: MemoryStore, arg: str, value: str) -> str:
+    if ctx.lane.kind == "chat":
+        return "Everything in this group's memory is seen by the whole group already."
+    picked = _pick(await _numbered(memory), arg)
+    if isinstance(picked, str):
+        return picked
+    target, entry, _ = picked
+    if not await memory.set_visibility(target, entry, value):
+        return "That entry changed meanwhile; send /memory to see the current list."
+    if value == "shared":
+        return (f"Shared: \"{_short(entry)}\". I may use it in group chats, where everyone "
+                "there can read my replies.")
+    return f"Private again: \"{_short(entry)}\". It stays out of group chats from your next message on."
+
+
+def _short(entry: str, limit: int = 60) -> str:
+    flat = " ".join(entry.split())
+    return flat if len(flat) <= limit else flat[:limit] + "..."
 
 
 def _approver_refusal(ctx: CommandContext, memory: MemoryStore) -> str | None:
@@ -217,6 +286,10 @@ async def _memory_approve(ctx: CommandContext, memory: MemoryStore, args: str) -
     item = await PendingWrites(memory.memory_dir).take(number)
     if item is None:
         return f"There is no pending change #{number}; see /memory pending."
+    if item.origin == "shared" and memory.scope is PRIVATE_CHAT:
+        # a write staged in a group lane is applied as there: it sees and writes shared entries only
+        memory = MemoryStore(memory.profile_dir, memory.memory_char_limit, memory.user_char_limit,
+                             scope=GROUP_LANE)
     if item.action == "add":
         result = await memory.add(item.target, item.content or "")
     elif item.action == "replace":
@@ -244,19 +317,53 @@ MEMORY_SUBCOMMANDS: dict[str, MemorySubcommand] = {
     "pending": _memory_pending,
     "approve": _memory_approve,
     "reject": _memory_reject,
+    "share": _memory_share,
+    "unshare": _memory_unshare,
 }
-MEMORY_USAGE = "/memory, /memory pending, /memory approve N, /memory reject N"
 
 
 async def cmd_forget(ctx: CommandContext) -> str:
     if ctx.lane.personal_memory != "full":
         return "Memory can't be changed from this chat; send /forget in a private chat with me."
+    memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
+    if memory is None:
+        return "Memory is turned off in this chat."
     target = ctx.args.lower() or "all"
+    gone = ("It is gone from my prompts and from search from your next message on; what we said "
+            "in our conversations stays in their history.")
+    if target.isdigit():
+        if ctx.lane.kind == "person" and not ctx.lane.private:
+            return "Send /forget N in a private chat with me, where /memory shows the numbers."
+        picked = _pick(await _numbered(memory), target)
+        if isinstance(picked, str):
+            return picked
+        if not await memory.forget_entry(picked[0], picked[1]):
+            return "That entry changed meanwhile; send /memory to see the current list."
+        await _provider_forget(ctx, [picked[:2]])
+        return f"Done: I forgot \"{_short(picked[1])}\". {gone}"
     if target not in ("memory", "user", "all"):
-        return "Usage: /forget [memory|user|all]"
-    await ctx.profile.memory.clear(None if target == "all" else target)
+        return "Usage: /forget N (one entry, numbered as in /memory) or /forget [memory|user|all]"
+    targets = ("user", "memory") if target == "all" else (target,)
+    erased = [(t, e) for t in targets for e in await memory.entries(t)]
+    await memory.clear(None if target == "all" else target)
+    await _provider_forget(ctx, erased)
     what = {"all": "everything I remembered", "user": "what I knew about you", "memory": "my notes"}[target]
-    return f"Done: I erased {what}. The current conversation still has it until you send /new."
+    if ctx.lane.kind == "person" and not ctx.lane.private:
+        what += " that you shared with groups (private entries are untouched; see /memory in a private chat)"
+    return f"Done: I erased {what}. {gone}"
+
+
+async def _provider_forget(ctx: CommandContext, entries: list[tuple[str, str]]) -> None:
+    """Tell the memory provider which entries were forgotten, so it never recalls them."""
+    provider = ctx.profile.provider
+    access = ctx.app.agent.provider_access(ctx.lane)
+    if provider is None or not access.write:
+        return
+    for target, entry in entries:
+        try:
+            await provider.on_memory_write("remove", target, entry, visibility=access.mark)
+        except Exception:  # the entry is forgotten in memory either way
+            logging.getLogger("hermes.commands").exception("memory provider on_memory_write failed")
 
 
 async def cmd_undo(ctx: CommandContext) -> str:

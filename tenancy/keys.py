@@ -216,6 +216,12 @@ class Lane:
     principal: str  # "<platform>:<user_id>" of the sender
     personal_memory: PersonalMemory
 
+    @property
+    def private(self) -> bool:
+        """True for a one-to-one chat with the bot (DM, console): nobody else reads it.
+        (The key's fourth part is the chat kind; components are escaped, so never ":dm:".)"""
+        return self.kind == "person" and self.session_key.split(":")[3:4] == ["dm"]
+
 
 def resolve_lane(msg: InboundMessage, cfg: TenancyConfig, links: IdentityLinks) -> Lane:
     """The lane of `msg`: its session key, tenant and memory mode."""

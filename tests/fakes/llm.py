@@ -60,6 +60,9 @@ __all__ = [
     "disconnect",
     "default_responder",
     "memory_saving_responder",
+    "canary_repeater",
+    "canaries_in",
+    "CANARY_RE",
     "when_user_says",
     "when_reviewing",
     "is_review_request",
@@ -263,6 +266,42 @@ def memory_saving_responder(request: dict[str, Any]) -> Response:
     if m and "memory" in offered:
         return tool_call("memory", {"action": "add", "target": "memory", "content": m.group(1).strip()})
     return default_responder(request)
+
+
+CANARY_RE = re.compile(r"CANARY-[A-Za-z0-9]+")
+
+
+def canaries_in(obj: Any) -> set[str]:
+    """Every canary token (CANARY-<alnum>) anywhere in `obj`: a str, or any JSON-able value
+    (a request body, a message list), tool calls and tool results included."""
+    text = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return set(CANARY_RE.findall(text))
+
+
+def canary_repeater(inner: Responder = memory_saving_responder) -> Responder:
+    """The worst-case model for isolation tests: it acts as `inner` (by default it saves
+    "remember X"), and every text answer it gives ends with EVERY canary it can see anywhere
+    in the request (system prompt, history, tool results), so whatever reaches a prompt
+    reaches the chat."""
+
+    async def responder(request: dict[str, Any]) -> ResponseLike:
+        response = inner(request)
+        if inspect.isawaitable(response):
+            response = await response
+        if response is None:
+            response = default_responder(request)
+        elif isinstance(response, str):
+            response = reply(response)
+        seen = sorted(canaries_in(request.get("messages") or []))
+        if not seen or not isinstance(response, Response) or response.kind != "completion":
+            return response
+        message = dict(response.message or {})
+        if message.get("tool_calls"):
+            return response
+        message["content"] = f"{message.get('content') or ''} [I can see: {' '.join(seen)}]".strip()
+        return replace(response, message=message)
+
+    return responder
 
 
 def when_user_says(rules: Mapping[str, ResponseLike], fallback: ResponseLike = None) -> Responder:

@@ -116,3 +116,22 @@ async def test_block_refuses_every_model_write_and_says_why(config_for, fake_llm
         fake_llm.responder = None
         fake_llm.script(reply("ok"))
         assert (await say(app, adapter, dm("fay", "/memory")))[0] == "I don't remember anything about you yet."
+
+
+async def test_an_approved_group_write_stays_shared(config_for, fake_llm):
+    """A write staged in a group lane is approved in the private chat but keeps the
+    visibility of where it was said: shared, so the group may see it and nothing else."""
+    from agent.visibility import Marks
+
+    fake_llm.responder = memory_saving_responder
+    async with gateway(config_for, memory={"write_approval": "stage"}) as (app, adapter):
+        await say(app, adapter, group("g1", "gus", "remember that our team is Falcons"))
+        await say(app, adapter, dm("gus", "remember that my pin is in the drawer"))
+        [listing] = await say(app, adapter, dm("gus", "/memory pending"))
+        assert "(from a group chat)" in listing
+        assert (await say(app, adapter, dm("gus", "/memory approve 1")))[0].startswith("Approved #1")
+        assert (await say(app, adapter, dm("gus", "/memory approve 2")))[0].startswith("Approved #2")
+        stored = entries(app, "testchat-gus")
+        assert sorted(stored) == ["my pin is in the drawer", "our team is Falcons"]
+        marks = dict(zip(stored, Marks(tenant_dir(app.cfg.data_dir, "testchat-gus") / "memories").of("memory", stored)))
+        assert marks == {"our team is Falcons": "shared", "my pin is in the drawer": "private"}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agent.compression_stages import is_summary_request
 from agent.review import GROUP_NOTE
+from agent.visibility import GROUP_LANE, Marks
 from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, group, say
@@ -108,7 +109,7 @@ async def test_the_review_uses_the_auxiliary_model(config_for, fake_llm):
     assert {r["model"] for r in fake_llm.requests if not is_review_request(r)} == {"fake-model"}
 
 
-async def test_group_lane_review_runs_with_the_group_lane_context(config_for, fake_llm):
+async def test_group_lane_review_writes_only_a_shared_entry(config_for, fake_llm):
     """A review of a group lane writes through the very store and lane context a group-lane
     turn uses (so the visibility rules of agent/memory.py make its entries shared)."""
     fake_llm.responder = when_reviewing(save_first_fact)
@@ -131,8 +132,10 @@ async def test_group_lane_review_runs_with_the_group_lane_context(config_for, fa
         assert entries(app, "testchat-erin") == ["Their team is Falcons"]
         [box] = built
         assert box.shared and box.search_lane == "agent:main:testchat:group:g1:erin"
+        assert box.memory is not None and box.memory.scope is GROUP_LANE  # as a group-lane turn has it
         async with app.profiles.use("testchat-erin") as profile:
-            assert box.memory is profile.memory  # the lane's store, as a group-lane turn has it
+            marks = Marks(profile.memory.memory_dir).of("user", ["Their team is Falcons"])
+        assert marks == ["shared"]  # written in a group lane: the group may see it, nothing else
 
 
 async def test_no_review_where_the_lane_may_not_write(config_for, fake_llm):

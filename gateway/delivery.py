@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 Measure = Callable[[str], int]
@@ -12,13 +13,30 @@ def utf16_len(text: str) -> int:
     return len(text.encode("utf-16-le")) // 2
 
 
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+
+
 def _fence_state(text: str, open_fence: str | None) -> str | None:
-    """The fence (e.g. "```python") still open after `text`, given the one open before it."""
+    """The fence line (e.g. "```python" or "~~~") still open after `text`, given the one
+    open before it. As in CommonMark, a fence is closed only by a line of the same
+    character, at least as long, with nothing after it."""
     for line in text.split("\n"):
-        stripped = line.strip()
-        if stripped.startswith("```"):
-            open_fence = None if open_fence is not None else stripped
+        m = _FENCE.match(line)
+        if m is None:
+            continue
+        marker, info = m.group(1), m.group(2)
+        if open_fence is None:
+            if not (marker[0] == "`" and "`" in info):
+                open_fence = line.strip()
+        elif (not info.strip() and marker[0] == open_fence[0]
+              and len(marker) >= len(open_fence) - len(open_fence.lstrip(open_fence[0]))):
+            open_fence = None
     return open_fence
+
+
+def _closer(fence: str) -> str:
+    """The line that closes `fence` (same character, same length)."""
+    return "\n" + fence[: len(fence) - len(fence.lstrip(fence[0]))]
 
 
 def _cut_point(text: str, limit: int, measure: Measure) -> int:
@@ -50,19 +68,19 @@ def split_text(text: str, limit: int, measure: Measure = len) -> list[str]:
     chunks: list[str] = []
     rest = text
     fence: str | None = None  # fence open at the start of `rest`
-    closer = "\n```"
+    longest_closer = "\n" + "`" * 10  # budget for any closer
     while rest:
         prefix = f"{fence}\n" if fence else ""
         if measure(prefix + rest) <= limit:
             chunks.append(prefix + rest)
             break
-        budget = limit - measure(prefix) - measure(closer)
+        budget = limit - measure(prefix) - measure(longest_closer)
         cut = _cut_point(rest, budget, measure)
         piece = rest[:cut]
         open_after = _fence_state(piece, fence)
         body = prefix + piece.rstrip("\n") if open_after else prefix + piece
         if open_after:
-            body += closer
+            body += _closer(open_after)
         chunks.append(body.rstrip() if not open_after else body)
         rest = rest[cut:]
         if not open_after:

@@ -3,6 +3,8 @@ every message (user, assistant, tool) through the session store's dual write."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -30,8 +32,19 @@ log = logging.getLogger("hermes.agent")
 Notify = Callable[[str, str], Awaitable[None]]
 
 
+# called with the text of the model's answer so far while it streams
+OnText = Callable[[str], None]
+
+
 async def _no_notice(kind: str, text: str) -> None:
     return None
+
+
+STOPPED_MARKER = "[stopped by the user before answering]"
+
+
+class TurnInterrupted(Exception):
+    """The turn's stop event fired while the model was generating."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,7 @@ class TurnResult:
     session_id: str
     replayed: bool = False
     tool_iterations: int = 0  # model requests of this turn that called tools (skill nudges)
+    interrupted: bool = False  # stopped by /stop or busy_mode interrupt; `text` is the partial answer
 
 
 @dataclass
@@ -67,6 +81,10 @@ class TurnContext:
     compression_state: Any = None  # the session's CompressionState, loaded once per turn
     compressions: int = 0  # automatic compressions run in this turn (<= compression.max_attempts)
     tool_iterations: int = 0
+    stop: asyncio.Event | None = None  # set by /stop: the model call is cancelled, the turn ends
+    on_text: OnText | None = None  # given: the model streams, each delta is reported
+    partial: str = ""  # text of the current model answer so far (streaming only)
+    interrupted: bool = False
 
 
 class Agent:
@@ -192,7 +210,10 @@ class Agent:
 
     # ----- the turn -------------------------------------------------------------------
     async def run_turn(self, profile: Profile, lane: Lane, place: ChatPlace, inputs: list[UserInput],
-                       notify: Notify = _no_notice) -> TurnResult:
+                       notify: Notify = _no_notice, *, stop: asyncio.Event | None = None,
+                       on_text: OnText | None = None) -> TurnResult:
+        """Answer `inputs`. `stop` ends the turn early (the partial answer is kept, flagged
+        `interrupted`); `on_text` makes the model stream and gets the answer so far."""
         session_id = await self.open_session(profile, lane, place)
         store = profile.sessions
         history = await store.history(session_id)
@@ -213,12 +234,14 @@ class Agent:
             await store.append_many(new_msgs)
             history.extend(new_msgs)
         ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=notify)
+                          memory=self.lane_memory(profile, lane), notify=notify, stop=stop, on_text=on_text)
         try:
             text = await self._tool_loop(ctx, history)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
             return TurnResult(err.user_message, "error", ctx.session_id)
+        if ctx.interrupted:
+            return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True)
         if profile.provider is not None and lane.personal_memory == "full":
             user_text = "\n".join(i.text for i in inputs)
             try:
@@ -247,7 +270,12 @@ class Agent:
         max_iter = self.cfg.limits.max_tool_iterations
         for iteration in range(max_iter + 1):
             tools = toolbox.schemas() if iteration < max_iter else None
-            result = await self._call_llm(ctx, history, tools)
+            try:
+                if ctx.stop is not None and ctx.stop.is_set():
+                    raise TurnInterrupted()
+                result = await self._call_llm(ctx, history, tools)
+            except TurnInterrupted:
+                return await self._keep_partial(ctx, history)
             if result.usage is not None:
                 await store.add_usage(ctx.session_id, result.usage.prompt_tokens, result.usage.completion_tokens)
             assistant = StoredMessage(
@@ -274,7 +302,51 @@ class Agent:
                 outputs.append(tool_msg)
             await store.append_many(outputs)
             history.extend(outputs)
+            ctx.partial = ""
         return "(no answer)"  # unreachable: the last iteration offers no tools
+
+    async def _keep_partial(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
+        """The turn was stopped: store what the model had written so far (flagged
+        `interrupted`, never a tool call, so no call is left without its result)."""
+        ctx.interrupted = True
+        text = ctx.partial.strip()
+        # without a partial answer a marker is stored, so the next turn does not answer the
+        # stopped request as if it were still open
+        msg = StoredMessage(session_id=ctx.session_id, role="assistant", content=text or STOPPED_MARKER,
+                            finish_reason="interrupted", meta={"interrupted": True})
+        self.tokens.count_message(msg)
+        await ctx.profile.sessions.append(msg)
+        history.append(msg)
+        return text
+
+    async def _model_call(self, ctx: TurnContext, request: list[dict[str, Any]], tools: list[dict] | None):
+        """The HTTP request alone, raced against the stop event: stopping cancels only the
+        request (nothing is being written then), never a store write."""
+        kwargs: dict[str, Any] = {}
+        if ctx.on_text is not None:
+            ctx.partial = ""
+            report = ctx.on_text
+
+            def on_text(text: str) -> None:
+                ctx.partial = text
+                report(text)
+
+            kwargs["on_text"] = on_text
+        call = asyncio.ensure_future(self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.max_tokens, **kwargs))
+        if ctx.stop is None:
+            return await call
+        stopper = asyncio.ensure_future(ctx.stop.wait())
+        try:
+            await asyncio.wait({call, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(BaseException):
+                    await call
+        if call.cancelled():
+            raise TurnInterrupted()
+        return call.result()
 
     async def _provider_memory_write(self, ctx: TurnContext, args: Any, result: str) -> None:
         """Mirror a successful built-in memory write to the external provider."""
@@ -307,7 +379,7 @@ class Agent:
             try:
                 # stored images become data: URLs only now, read from this profile's media/
                 request = await inline_images(wire, ctx.profile.path)
-                result = await self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.max_tokens)
+                result = await self._model_call(ctx, request, tools)
             except ContextLengthExceeded as err:
                 if comp.enabled and ctx.compressions < max_attempts:
                     ctx.compressions += 1

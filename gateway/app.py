@@ -107,11 +107,13 @@ class GatewayApp:
         self.access = Access(cfg.access, self.inbox)
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self._limit_notified: dict[str, float] = {}
+        # busy_mode collect/interrupt: messages queued behind a running turn are answered together
         coalesce_ms = cfg.limits.coalesce_burst_ms
         self.lanes: Lanes[Job] = Lanes(
             self._run_lane, max_queued=cfg.limits.max_queued_turns,
-            coalesce=(lambda job: parse_command(job.msg.text) is None) if coalesce_ms else None,
+            coalesce=(lambda job: parse_command(job.msg.text) is None) if cfg.limits.busy_mode != "queue" else None,
             coalesce_wait_s=coalesce_ms / 1000)
+        self._turn_stops: dict[str, asyncio.Event] = {}  # lane key -> stop event of its running turn
         self._started = False
         self._accepting = False
         self.metrics.bind(platforms=self.adapters, open_profiles=lambda: self.profiles.open_count,
@@ -262,10 +264,33 @@ class GatewayApp:
             log.warning("cannot place a %s message: %s", msg.platform, err)
             await self._refuse(msg, "bad_ids", "Sorry, I can't handle messages from this chat.")
             return
+        key = f"{lane.tenant_id}\0{lane.session_key}"
+        command = parse_command(msg.text)
+        if command is not None and command[0].name == "stop":  # handled now, not behind the lane's queue
+            await self._stop_turn(msg, key, replay)
+            return
         # a replayed message was accepted once already: it never gets a "busy" refusal
-        if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(msg, lane), force=replay):
+        if not self.lanes.submit(key, Job(msg, lane), force=replay):
             await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
                                             "Please wait for my answer, then send this again.")
+            return
+        if self.cfg.limits.busy_mode == "interrupt" and command is None and not replay:
+            running = self._turn_stops.get(key)
+            if running is not None:
+                running.set()  # the running turn ends; this message is answered next
+
+    async def _stop_turn(self, msg: InboundMessage, key: str, replay: bool) -> None:
+        """/stop: end the lane's running turn (its partial answer is kept, flagged interrupted)."""
+        running = self._turn_stops.get(key)
+        if replay:  # a /stop from before a restart has nothing left to stop
+            await self.inbox.finish(msg, "command")
+            return
+        if running is not None and not running.is_set():
+            running.set()
+            text = "Stopped."
+        else:
+            text = "There's nothing to stop right now."
+        self._in_background(self._send_and_finish(msg, text, "notice", "command"))
 
     def _in_background(self, coro) -> None:
         """Run a reply outside the adapter's sink, so a slow send (e.g. flood control)
@@ -345,11 +370,19 @@ class GatewayApp:
                     if inputs:
                         for notice in notices:
                             await self.send(last.msg, notice, kind="notice", reply=False)
-                        result: TurnResult = await self.agent.run_turn(profile, lane, place, inputs,
-                                                                       notify=_Notifier(self, last.msg))
+                        stop = self._turn_stops[key] = asyncio.Event()
+                        try:
+                            result = await self.agent.run_turn(profile, lane, place, inputs,
+                                                               notify=_Notifier(self, last.msg), stop=stop)
+                        finally:
+                            if self._turn_stops.get(key) is stop:
+                                del self._turn_stops[key]
                         text, kind = result.text, result.kind
                         if kind == "error":
                             outcome = "llm_error"
+                        elif result.interrupted:
+                            # the partial answer (if any) is shown marked as stopped
+                            text, outcome = (f"{text}\n\n(stopped)" if text else ""), "stopped"
                     else:  # nothing the model could read: the notices are the answer
                         text, kind, outcome = "\n\n".join(notices) or "I couldn't read that.", "error", "refused"
         except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
@@ -362,8 +395,8 @@ class GatewayApp:
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
-        sent = await self.send(last.msg, text, kind=kind)
-        if sent is None and last.msg.platform in self.adapters:
+        sent = await self.send(last.msg, text, kind=kind) if text else None
+        if sent is None and text and last.msg.platform in self.adapters:
             outcome = "undelivered" if outcome == "replied" else outcome
         for job in jobs:
             await self.inbox.finish(job.msg, outcome)

@@ -18,6 +18,7 @@ class CommandSpec:
 COMMAND_SPECS: tuple[CommandSpec, ...] = (
     CommandSpec("help", "What I can do and the commands"),
     CommandSpec("new", "Start a fresh conversation (memory is kept)", aliases=("reset",)),
+    CommandSpec("stop", "Stop the answer I'm writing now"),
     CommandSpec("status", "This conversation: session, messages, model"),
     CommandSpec("usage", "Tokens used and how full the context is"),
     CommandSpec("compress", "Summarise this conversation now (optional: focus <topic>)", takes_args=True),

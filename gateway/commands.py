@@ -292,7 +292,13 @@ async def cmd_pair(ctx: CommandContext) -> str:
     return f"Approved {principal}; they can talk to me now." if principal else "That code is unknown or expired."
 
 
+async def cmd_stop(ctx: CommandContext) -> str:
+    """Reached only when no turn runs (a running turn is stopped before the lane queue)."""
+    return "There's nothing to stop right now."
+
+
 HANDLERS: dict[str, Handler] = {
+    "stop": cmd_stop,
     "help": cmd_help, "start": cmd_start, "new": cmd_new, "status": cmd_status,
     "usage": cmd_usage, "compress": cmd_compress, "memory": cmd_memory, "forget": cmd_forget,
     "undo": cmd_undo, "export": cmd_export, "whoami": cmd_whoami, "link": cmd_link,

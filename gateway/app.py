@@ -31,6 +31,7 @@ from gateway.linking import LaneMoved, Linking
 from gateway.logs import log_text, turn_logger
 from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
+from gateway.streaming import StreamingReply
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
 from tenancy.profiles import ProfileManager
@@ -347,6 +348,7 @@ class GatewayApp:
         typing = asyncio.create_task(self._keep_typing(last.msg))
         outcome = "replied"
         result: TurnResult | None = None
+        streamer: StreamingReply | None = None
         try:
             async with self.linking.use(first.msg, lane) as profile:
                 for job in jobs:
@@ -371,9 +373,11 @@ class GatewayApp:
                         for notice in notices:
                             await self.send(last.msg, notice, kind="notice", reply=False)
                         stop = self._turn_stops[key] = asyncio.Event()
+                        streamer = self._streaming_reply(last.msg)
                         try:
-                            result = await self.agent.run_turn(profile, lane, place, inputs,
-                                                               notify=_Notifier(self, last.msg), stop=stop)
+                            result = await self.agent.run_turn(
+                                profile, lane, place, inputs, notify=_Notifier(self, last.msg), stop=stop,
+                                on_text=streamer.feed if streamer is not None else None)
                         finally:
                             if self._turn_stops.get(key) is stop:
                                 del self._turn_stops[key]
@@ -395,7 +399,12 @@ class GatewayApp:
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
-        sent = await self.send(last.msg, text, kind=kind) if text else None
+            if streamer is not None:
+                await streamer.close()
+        if streamer is not None and streamer.started:  # a draft is in the chat: the answer replaces it
+            sent = await streamer.finish(text or "(stopped)")
+        else:
+            sent = await self.send(last.msg, text, kind=kind) if text else None
         if sent is None and text and last.msg.platform in self.adapters:
             outcome = "undelivered" if outcome == "replied" else outcome
         for job in jobs:
@@ -490,6 +499,26 @@ class GatewayApp:
                 return first
             first = first or sent
         return first
+
+    def _streaming_reply(self, msg: InboundMessage) -> StreamingReply | None:
+        """A streamed reply to `msg` when `delivery.streaming` covers its chat and the
+        platform can edit messages; None: the answer is sent when it is complete."""
+        mode, adapter = self.cfg.delivery.streaming, self.adapters.get(msg.platform)
+        if adapter is None or not adapter.can_edit or mode == "off" or (mode == "dm" and msg.chat_type != "dm"):
+            return None
+
+        async def send(chunk: str, first: bool) -> SentMessage | None:
+            out = OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind="reply",
+                                  reply_to_message_id=msg.message_id if first else None)
+            try:
+                return await adapter.send(out)
+            except Exception:
+                log.exception("%s send failed", msg.platform)
+                return None
+
+        return StreamingReply(send, lambda sent, text: self.safe_edit(adapter, sent, text),
+                              lambda text: split_text(text, adapter.max_message_length, adapter.measure),
+                              interval_s=self.cfg.delivery.stream_edit_interval_s)
 
     async def safe_edit(self, adapter: Adapter, sent: SentMessage, text: str) -> bool:
         try:

@@ -16,6 +16,7 @@ from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.prompt import ChatPlace, build_system_prompt
+from agent.reminders import ReminderChat, ReminderStore, ReminderTool
 from agent.review import Reviewer
 from agent.skills import SkillStore, render_skill_index
 from agent.tokens import TokenCounter
@@ -84,6 +85,7 @@ class TurnContext:
     stop: asyncio.Event | None = None  # set by /stop: the model call is cancelled, the turn ends
     on_text: OnText | None = None  # given: the model streams, each delta is reported
     partial: str = ""  # text of the current model answer so far (streaming only)
+    chat: ReminderChat | None = None  # where the turn runs: reminders set in it are delivered there
     interrupted: bool = False
 
 
@@ -97,6 +99,8 @@ class Agent:
         self.compression = Compressor(cfg, llm, tokens, system_factory=self._system_for)
         self.compression.on_flush = self._flush_before_compression
         self.reviewer = Reviewer(cfg, llm, wire=self.compression.wire, toolbox=self._review_toolbox)
+        # set by the gateway: records a tenant's next reminder due time in its index
+        self.reminder_index: Callable[[str, float | None, bool], Awaitable[None]] | None = None
 
     # ----- sessions -------------------------------------------------------------------
     def lane_memory(self, profile: Profile, lane: Lane) -> MemoryStore | None:
@@ -116,13 +120,26 @@ class Agent:
             return None
         return SkillStore(profile.path, read_only=lane.personal_memory != "full")
 
-    def toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, memory: MemoryStore | None) -> ToolBox:
+    def toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, memory: MemoryStore | None,
+                chat: ReminderChat | None = None) -> ToolBox:
         """The tools of a turn (and of a review) in this lane, bound to the tenant's stores."""
         group = place.chat_type != "dm"
         return ToolBox(sessions=profile.sessions, memory=memory,
                        search_lane=lane.session_key if group else None,
                        skills=self.lane_skills(profile, lane), shared=group or place.shared,
-                       write_approval=self.cfg.memory.write_approval)
+                       write_approval=self.cfg.memory.write_approval,
+                       reminders=self._reminder_tool(profile, chat, group))
+
+    def _reminder_tool(self, profile: Profile, chat: ReminderChat | None, group: bool) -> ReminderTool | None:
+        hook = self.reminder_index
+        if chat is None or hook is None or not self.cfg.reminders.enabled:
+            return None
+        tenant = profile.tenant_id
+
+        async def index(due: float | None, lower_only: bool) -> None:
+            await hook(tenant, due, lower_only)
+
+        return ReminderTool(ReminderStore(profile.path), chat, self.cfg.reminders.max_per_tenant, index, group)
 
     def _review_toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, only: frozenset[str]) -> ToolBox:
         box = self.toolbox(profile, lane, place, self.lane_memory(profile, lane))
@@ -211,7 +228,7 @@ class Agent:
     # ----- the turn -------------------------------------------------------------------
     async def run_turn(self, profile: Profile, lane: Lane, place: ChatPlace, inputs: list[UserInput],
                        notify: Notify = _no_notice, *, stop: asyncio.Event | None = None,
-                       on_text: OnText | None = None) -> TurnResult:
+                       on_text: OnText | None = None, chat: ReminderChat | None = None) -> TurnResult:
         """Answer `inputs`. `stop` ends the turn early (the partial answer is kept, flagged
         `interrupted`); `on_text` makes the model stream and gets the answer so far."""
         session_id = await self.open_session(profile, lane, place)
@@ -234,7 +251,8 @@ class Agent:
             await store.append_many(new_msgs)
             history.extend(new_msgs)
         ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=notify, stop=stop, on_text=on_text)
+                          memory=self.lane_memory(profile, lane), notify=notify, stop=stop, on_text=on_text,
+                          chat=chat)
         try:
             text = await self._tool_loop(ctx, history)
         except LLMError as err:
@@ -265,7 +283,7 @@ class Agent:
         return answer
 
     async def _tool_loop(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
-        toolbox = self.toolbox(ctx.profile, ctx.lane, ctx.place, ctx.memory)
+        toolbox = self.toolbox(ctx.profile, ctx.lane, ctx.place, ctx.memory, ctx.chat)
         store = ctx.profile.sessions
         max_iter = self.cfg.limits.max_tool_iterations
         for iteration in range(max_iter + 1):

@@ -18,6 +18,7 @@ from typing import Sequence
 from adapters.base import Adapter, InboundMessage, OutboundMessage, SentMessage
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
+from agent.reminders import ReminderChat
 from agent.tokens import TokenCounter
 from agent.turn import Agent, TurnResult, UserInput
 from gateway.access import Access
@@ -31,6 +32,7 @@ from gateway.linking import LaneMoved, Linking
 from gateway.logs import log_text, turn_logger
 from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
+from gateway.reminders import ReminderScheduler, delivered_message, delivery_text, is_reminder
 from gateway.streaming import StreamingReply
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
@@ -112,9 +114,11 @@ class GatewayApp:
         coalesce_ms = cfg.limits.coalesce_burst_ms
         self.lanes: Lanes[Job] = Lanes(
             self._run_lane, max_queued=cfg.limits.max_queued_turns,
-            coalesce=(lambda job: parse_command(job.msg.text) is None) if cfg.limits.busy_mode != "queue" else None,
+            coalesce=self._mergeable if cfg.limits.busy_mode != "queue" else None,
             coalesce_wait_s=coalesce_ms / 1000)
         self._turn_stops: dict[str, asyncio.Event] = {}  # lane key -> stop event of its running turn
+        self.reminders = ReminderScheduler(lambda: self.inbox.db, cfg.data_dir, self._submit_reminder)
+        self.agent.reminder_index = self.reminders.note  # the tool keeps the due-time index current
         self._started = False
         self._accepting = False
         self.metrics.bind(platforms=self.adapters, open_profiles=lambda: self.profiles.open_count,
@@ -133,6 +137,7 @@ class GatewayApp:
         self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
         await self.inbox.open()
+        await self.reminders.open()
         self._started = True
         self._accepting = True
         await self.inbox.prune(DEDUPE_WINDOW_S)
@@ -150,6 +155,8 @@ class GatewayApp:
                 await adapter.start(self.handle_inbound)
             except Exception:
                 log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
+        if self.cfg.reminders.enabled:
+            self.reminders.start()
         if self.cfg.observability.listen:
             from gateway.observability import Observability
 
@@ -161,6 +168,7 @@ class GatewayApp:
         the adapters and close everything. Messages arriving meanwhile are recorded and
         replayed on the next start."""
         self._accepting = False
+        await self.reminders.stop()
         if self._housekeeping is not None:
             self._housekeeping.cancel()
             self._housekeeping = None
@@ -266,7 +274,7 @@ class GatewayApp:
             await self._refuse(msg, "bad_ids", "Sorry, I can't handle messages from this chat.")
             return
         key = f"{lane.tenant_id}\0{lane.session_key}"
-        command = parse_command(msg.text)
+        command = None if is_reminder(msg) else parse_command(msg.text)
         if command is not None and command[0].name == "stop":  # handled now, not behind the lane's queue
             await self._stop_turn(msg, key, replay)
             return
@@ -279,6 +287,20 @@ class GatewayApp:
             running = self._turn_stops.get(key)
             if running is not None:
                 running.set()  # the running turn ends; this message is answered next
+
+    @staticmethod
+    def _mergeable(job: Job) -> bool:
+        """May join a collected turn: a person's message, not a command or a reminder."""
+        return not is_reminder(job.msg) and parse_command(job.msg.text) is None
+
+    async def _submit_reminder(self, msg: InboundMessage) -> bool:
+        """A due reminder occurrence: recorded once in the inbox (False: it was before), then
+        run on its lane like a replayed message (never refused as busy)."""
+        if not await self.inbox.record(msg):
+            return False
+        if self._accepting:
+            await self._admit(msg, replay=True)
+        return True
 
     async def _stop_turn(self, msg: InboundMessage, key: str, replay: bool) -> None:
         """/stop: end the lane's running turn (its partial answer is kept, flagged interrupted)."""
@@ -343,7 +365,8 @@ class GatewayApp:
         platform, started = first.msg.platform, time.monotonic()
         # ids of this turn go on its log lines explicitly (no context variable)
         tlog = turn_logger(log, turn_id=secrets.token_hex(6), platform=platform, tenant=lane.tenant_id)
-        job_kind = "command" if parse_command(first.msg.text) is not None else "turn"
+        reminder = is_reminder(first.msg)
+        job_kind = "reminder" if reminder else "command" if parse_command(first.msg.text) is not None else "turn"
         self.metrics.in_flight.add(1, platform=platform)
         typing = asyncio.create_task(self._keep_typing(last.msg))
         outcome = "replied"
@@ -355,8 +378,10 @@ class GatewayApp:
                     log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
                 if lane.principal not in profile.principals and lane.kind == "person":
                     await asyncio.to_thread(profile.add_principal, lane.principal)
-                command = parse_command(first.msg.text)
-                if command is not None:
+                command = None if reminder else parse_command(first.msg.text)
+                if reminder:
+                    text, kind = await self._record_reminder(profile, lane, place, first.msg), "notice"
+                elif command is not None:
                     spec, args = command
                     ctx = CommandContext(self, first.msg, lane, place, profile, args)
                     text, kind = await HANDLERS[spec.name](ctx), "reply"
@@ -377,7 +402,9 @@ class GatewayApp:
                         try:
                             result = await self.agent.run_turn(
                                 profile, lane, place, inputs, notify=_Notifier(self, last.msg), stop=stop,
-                                on_text=streamer.feed if streamer is not None else None)
+                                on_text=streamer.feed if streamer is not None else None,
+                                chat=ReminderChat(last.msg.platform, last.msg.chat_id, last.msg.chat_type,
+                                                  last.msg.thread_id, last.msg.user_id, last.msg.user_name))
                         finally:
                             if self._turn_stops.get(key) is stop:
                                 del self._turn_stops[key]
@@ -404,7 +431,7 @@ class GatewayApp:
         if streamer is not None and streamer.started:  # a draft is in the chat: the answer replaces it
             sent = await streamer.finish(text or "(stopped)")
         else:
-            sent = await self.send(last.msg, text, kind=kind) if text else None
+            sent = await self.send(last.msg, text, kind=kind, reply=not reminder) if text else None
         if sent is None and text and last.msg.platform in self.adapters:
             outcome = "undelivered" if outcome == "replied" else outcome
         for job in jobs:
@@ -415,6 +442,17 @@ class GatewayApp:
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
         tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
                   extra={"outcome": outcome, "duration_ms": round(seconds * 1000)})
+
+    async def _record_reminder(self, profile, lane: Lane, place: ChatPlace, msg: InboundMessage) -> str:
+        """Keep a due reminder in the lane's history (once, by its uid), return its text."""
+        session_id = await self.agent.open_session(profile, lane, place)
+        history = await profile.sessions.history(session_id)
+        stored = delivered_message(session_id, msg, delivery_text(msg, self.reminders.clock()))
+        for m in history:
+            if m.uid == stored.uid:
+                return m.content or stored.content or ""
+        await profile.sessions.append(stored)
+        return stored.content or ""
 
     # ----- background memory review (agent/review.py) ------------------------------------
     def _after_reply(self, msg: InboundMessage, lane: Lane, place: ChatPlace, result: TurnResult) -> None:

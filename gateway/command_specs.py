@@ -24,6 +24,7 @@ COMMAND_SPECS: tuple[CommandSpec, ...] = (
     CommandSpec("compress", "Summarise this conversation now (optional: focus <topic>)", takes_args=True),
     CommandSpec("memory", "Show what I remember about you (or: pending, approve N, reject N)", takes_args=True),
     CommandSpec("forget", "Erase what I remember about you (memory or user or all)", takes_args=True),
+    CommandSpec("reminders", "Your reminders here (or: cancel N)", takes_args=True),
     CommandSpec("undo", "Take back your last message and my answer"),
     CommandSpec("export", "Get a copy of your conversations and memory"),
     CommandSpec("whoami", "Your ids and which profile you're in"),

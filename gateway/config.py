@@ -188,6 +188,13 @@ class DeliveryConfig(_Section):
     stream_edit_interval_s: float = Field(default=1.0, ge=0.1, le=60)
 
 
+class RemindersConfig(_Section):
+    """The `reminders` tool and `/reminders`; delivered by the gateway's scheduler."""
+
+    enabled: bool = True
+    max_per_tenant: int = Field(default=50, ge=1, le=10000)
+
+
 class TranscriptionConfig(_Section):
     """An OpenAI-compatible `/v1/audio/transcriptions` endpoint (whisper.cpp server,
     faster-whisper servers, hosted APIs); no base_url: voice notes are not transcribed."""
@@ -278,6 +285,7 @@ class Config(_Section):
     access: AccessConfig = AccessConfig()
     limits: LimitsConfig = LimitsConfig()
     delivery: DeliveryConfig = DeliveryConfig()
+    reminders: RemindersConfig = RemindersConfig()
     transcription: TranscriptionConfig = TranscriptionConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()

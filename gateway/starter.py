@@ -69,6 +69,10 @@ limits:
   max_attachment_chars: 20000     # text taken from one document or PDF
   busy_mode: collect              # messages during a running turn: collect | queue | interrupt
 
+reminders:
+  enabled: true
+  max_per_tenant: 50            # reminders one person (or group) may have at once
+
 delivery:
   streaming: dm                 # edit the answer in as it is written: dm | all | off
   stream_edit_interval_s: 1.0   # at most one edit per message this often

@@ -144,3 +144,30 @@ async def test_usage_is_recorded_when_streaming(fake_llm, config_for):
     async with SessionStore(tenant_dir(cfg.data_dir, "testchat-gus")) as store:
         (info,) = await store.list_sessions()
     assert (info["input_tokens"], info["output_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
+
+
+async def test_streamed_reply_is_edited_in_place_on_discord(fake_llm, config_for):
+    from adapters.discord_bot import DiscordAdapter
+    from tests.fakes.discord_api import FakeDiscord
+
+    answer = "Streaming on Discord works: one message, edited as the words arrive."
+    fake_llm.script(paused(answer, after_chars=10))
+    async with FakeDiscord() as fake:
+        alice = fake.add_user("alice")
+        cfg = config_for(delivery=FAST, platforms={"discord": {
+            "enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}})
+        adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
+        app = GatewayApp(cfg, [adapter])
+        await app.start()
+        try:
+            fake.push_dm(alice, "stream please")
+            channel = fake.dm_channels[alice]
+            await fake.wait_until(lambda: len(fake.sent_messages(channel)) >= 1, 10)
+            assert fake.sent_messages(channel)[0]["content"].endswith("…")
+            fake_llm.resume_streams()
+            assert await app.drain(10)
+            (sent,) = fake.sent_messages(channel)
+        finally:
+            await app.stop(drain_timeout=5)
+    assert sent["content"] == answer
+    assert sent.get("edits"), "the draft was edited into the answer"

@@ -40,6 +40,7 @@ class StreamingReply:
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one show at a time; finish waits for one in flight
         self._sent: list[tuple[SentMessage, str]] = []  # the messages of this reply and what they show
+        self._closed = False
 
     @property
     def started(self) -> bool:
@@ -48,6 +49,8 @@ class StreamingReply:
 
     def feed(self, text: str) -> None:
         """The answer so far (the whole text, not a delta); cheap, never waits."""
+        if self._closed:
+            return
         self._latest = text
         self._changed.set()
         if self._task is None:
@@ -65,6 +68,7 @@ class StreamingReply:
 
     async def close(self) -> None:
         """Stop drafting (after an edit in flight is done); nothing more is shown."""
+        self._closed = True  # a draft show not yet begun does nothing
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -82,6 +86,8 @@ class StreamingReply:
 
     async def _show(self, text: str, *, final: bool) -> None:
         async with self._lock:
+            if self._closed and not final:
+                return
             for i, chunk in enumerate(self._split(text)):
                 if i < len(self._sent):
                     sent, shown = self._sent[i]

@@ -139,6 +139,7 @@ async def test_usage_is_recorded_when_streaming(fake_llm, config_for):
     finally:
         await app.stop()
     assert adapter.texts() == ["a streamed answer with usage"]
+    assert adapter.edits == []  # a quick answer arrives whole: no draft, no edits
     usage = json.loads(fake_llm.streamed[0][-1])["usage"]  # the final chunk carries it
     assert usage["prompt_tokens"] > 0
     async with SessionStore(tenant_dir(cfg.data_dir, "testchat-gus")) as store:
@@ -171,3 +172,29 @@ async def test_streamed_reply_is_edited_in_place_on_discord(fake_llm, config_for
             await app.stop(drain_timeout=5)
     assert sent["content"] == answer
     assert sent.get("edits"), "the draft was edited into the answer"
+
+
+async def test_a_final_text_that_cannot_be_edited_in_is_sent_anew():
+    import asyncio
+
+    from adapters.base import SentMessage
+    from gateway.streaming import StreamingReply
+
+    sent: list[str] = []
+    refuse_edits = False
+
+    async def send(chunk: str, first: bool) -> SentMessage:
+        sent.append(chunk)
+        return SentMessage(chat_id="c", message_id=str(len(sent)))
+
+    async def edit(message: SentMessage, chunk: str) -> bool:
+        return not refuse_edits
+
+    reply_ = StreamingReply(send, edit, lambda t: split_text(t, 4000, len), interval_s=0.1)
+    reply_.feed("the beginning")
+    while not reply_.started:
+        await asyncio.sleep(0.02)
+    refuse_edits = True  # e.g. the message was deleted meanwhile
+    first = await reply_.finish("the beginning and the end")
+    assert sent == ["the beginning …", "the beginning and the end"]
+    assert first is not None and first.message_id == "2"

@@ -14,8 +14,9 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -596,15 +597,18 @@ def _merge_tool_delta(calls: dict[int, dict[str, Any]], part: Any) -> None:
     """Add one streamed tool-call fragment: id and name arrive once, arguments in pieces."""
     if not isinstance(part, dict):
         return
-    index = part.get("index") if isinstance(part.get("index"), int) else len(calls)
+    raw_index = part.get("index")
+    index = raw_index if isinstance(raw_index, int) else len(calls)
     call = calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
     if isinstance(part.get("id"), str) and part["id"]:
         call["id"] = part["id"]
-    fn = part.get("function") if isinstance(part.get("function"), dict) else {}
-    if isinstance(fn.get("name"), str) and fn["name"] and not call["function"]["name"]:
-        call["function"]["name"] = fn["name"]
-    if isinstance(fn.get("arguments"), str):
-        call["function"]["arguments"] += fn["arguments"]
+    raw_fn = part.get("function")
+    fn: dict[str, Any] = raw_fn if isinstance(raw_fn, dict) else {}
+    name, args = fn.get("name"), fn.get("arguments")
+    if isinstance(name, str) and name and not call["function"]["name"]:
+        call["function"]["name"] = name
+    if isinstance(args, str):
+        call["function"]["arguments"] += args
 
 
 def _normalize_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:

@@ -14,10 +14,11 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from agent.fileio import atomic_write
@@ -247,7 +248,8 @@ class ReminderTool:
                 raise ReminderError("a time of day needs the person's time zone: ask them once, save it to "
                                     "the user profile with the memory tool, and pass it as timezone")
             try:
-                local = datetime.strptime(str(args["at"]).strip().replace("T", " ")[:16], "%Y-%m-%d %H:%M")
+                # a wall-clock time in `tz`, given its zone on the next line
+                local = datetime.strptime(str(args["at"]).strip().replace("T", " ")[:16], "%Y-%m-%d %H:%M")  # noqa: DTZ007
             except ValueError:
                 raise ReminderError("at must be 'YYYY-MM-DD HH:MM' (local time)") from None
             due = local.replace(tzinfo=zone(tz)).timestamp()

@@ -14,8 +14,8 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import aiosqlite
 
@@ -47,7 +47,7 @@ def is_reminder(msg: InboundMessage) -> bool:
 def occurrence(reminder: Reminder) -> InboundMessage:
     """The synthetic inbound message of a reminder's current occurrence, in its chat's lane."""
     chat = reminder.chat
-    return InboundMessage(platform=chat.platform, chat_id=chat.chat_id, chat_type=chat.chat_type,  # type: ignore[arg-type]
+    return InboundMessage(platform=chat.platform, chat_id=chat.chat_id, chat_type=chat.chat_type,
                           thread_id=chat.thread_id, user_id=chat.user_id, user_name=chat.user_name,
                           message_id=f"{PREFIX}{reminder.id}:{reminder.due:.3f}", text=reminder.text,
                           timestamp=reminder.due, mentions_bot=True)
@@ -108,8 +108,10 @@ class ReminderScheduler:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):
+            except asyncio.CancelledError:
                 pass
+            except Exception:
+                log.exception("reminder scheduler ended with an error")
             self._task = None
 
     async def note(self, tenant_id: str, due: float | None, lower_only: bool) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from adapters.base import SentMessage
 
@@ -99,12 +99,12 @@ class StreamingReply:
                     if not final:
                         return  # a draft edit that failed: the next one (or the final) tries again
                     log.info("could not edit a streamed message; sending the final text anew")
-                    sent = await self._send(chunk, False)
-                    if sent is None:
+                    anew = await self._send(chunk, False)
+                    if anew is None:
                         return
-                    self._sent[i] = (sent, chunk)
+                    self._sent[i] = (anew, chunk)
                     continue
-                sent = await self._send(chunk, i == 0)
-                if sent is None:
+                new = await self._send(chunk, i == 0)
+                if new is None:
                     return
-                self._sent.append((sent, chunk))
+                self._sent.append((new, chunk))

@@ -31,7 +31,7 @@ async def tg(monkeypatch):
 async def test_streamed_reply_is_edited_in_place_and_ends_formatted(tg, fake_llm, config_for):
     answer = "Here is **the plan**: first we pack, then we drive north, then we rest."
     fake_llm.script(paused(answer, after_chars=12))
-    async with gateway(tg_config(config_for, tg, {"delivery": FAST})) as (app, adapter):
+    async with gateway(tg_config(config_for, tg, {"delivery": FAST})) as (app, _adapter):
         tg.push_private(111, "what's the plan?")
         await tg.wait_sent(1, 111)
         draft = tg.sent_messages(111)[0]
@@ -198,3 +198,19 @@ async def test_a_final_text_that_cannot_be_edited_in_is_sent_anew():
     first = await reply_.finish("the beginning and the end")
     assert sent == ["the beginning …", "the beginning and the end"]
     assert first is not None and first.message_id == "2"
+
+
+async def test_llm_client_assembles_streamed_tool_calls_and_usage(fake_llm):
+    from agent.llm import LLMClient
+
+    fake_llm.script(tool_call("memory", {"action": "add", "target": "user", "content": "likes tea"},
+                              call_id="call_abc", content="Saving that."))
+    seen: list[str] = []
+    async with LLMClient(fake_llm.base_url, "fake-model", max_retries=0) as client:
+        result = await client.chat([{"role": "user", "content": "I like tea"}], on_text=seen.append)
+    assert len(fake_llm.streamed) == 1 and len(fake_llm.streamed[0]) > 4  # really streamed
+    assert result.tool_calls == [{"id": "call_abc", "type": "function", "function": {
+        "name": "memory", "arguments": json.dumps({"action": "add", "target": "user", "content": "likes tea"})}}]
+    assert result.content == "Saving that." and seen[-1] == "Saving that."
+    assert result.finish_reason == "tool_calls"
+    assert result.usage is not None and result.usage.completion_tokens > 0

@@ -14,6 +14,7 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -268,6 +269,7 @@ class LLMClient:
         self.backoff_base_s = max(0.0, float(backoff_base_s))
         self.retry_after_cap_s = max(0.0, float(retry_after_cap_s))
         self._api_key = api_key or None
+        self._can_stream = True  # False once the server refused a streaming request
         self._url = f"{self.base_url}/chat/completions"
         self._safe_base = _safe_url(self.base_url)
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
@@ -315,8 +317,14 @@ class LLMClient:
         max_tokens: int | None = None,
         model: str | None = None,
         temperature: float | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> ChatResult:
-        """One chat completion (non-streaming). Raises an `LLMError` subclass on failure."""
+        """One chat completion. Raises an `LLMError` subclass on failure.
+
+        With `on_text` the answer is streamed (SSE, usage from the final chunk) and
+        `on_text(text_so_far)` is called as it grows; a server that cannot stream (ignores
+        `stream` or refuses the request) is asked again without streaming, and not streamed
+        to again by this client. The result is the same either way."""
         payload: dict[str, Any] = {"model": model or self.model, "messages": wire_messages(messages)}
         if tools:
             payload["tools"] = tools
@@ -326,14 +334,27 @@ class LLMClient:
             payload["temperature"] = temperature
 
         started = time.monotonic()
+        stream = on_text is not None and self._can_stream
         attempt = 0
         while True:
             attempt += 1
-            err, retry_after, data = await self._attempt(payload, attempt)
+            if stream:
+                assert on_text is not None
+                err, retry_after, data = await self._attempt_stream(payload, attempt, on_text)
+                if err is not None and err.kind == "bad_request":  # e.g. stream_options refused
+                    _log.info("LLM server refused a streaming request (%s); asking without streaming", err.detail)
+                    stream = False
+                    err, retry_after, data = await self._attempt(payload, attempt)
+                    if err is None:
+                        self._can_stream = False
+            else:
+                err, retry_after, data = await self._attempt(payload, attempt)
             if err is None:
                 assert data is not None
                 result = self._parse(data, payload["model"], attempt)
                 result.latency_s = time.monotonic() - started
+                if on_text is not None and result.content:
+                    on_text(result.content)  # the whole text (also when the server did not stream)
                 return result
             if not self._retryable(err) or attempt > self.max_retries:
                 raise err
@@ -344,29 +365,101 @@ class LLMClient:
             )
             await asyncio.sleep(delay)
 
+    async def _attempt_stream(
+        self, payload: dict[str, Any], attempt: int, on_text: Callable[[str], None]
+    ) -> tuple[LLMError | None, float | None, dict[str, Any] | None]:
+        """One streamed round trip, its chunks assembled into a non-streaming body. A JSON
+        answer (a server that ignores `stream`) is taken as it is."""
+        body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with self._http.stream("POST", self._url, json=body) as resp:
+                if resp.status_code < 400 and "text/event-stream" in resp.headers.get("content-type", ""):
+                    return await self._read_sse(resp, payload["model"], attempt, on_text)
+                await resp.aread()
+                return self._judge(resp, attempt)
+        except httpx.HTTPError as exc:
+            return self._transport_error(exc, attempt), None, None
+
+    async def _read_sse(
+        self, resp: httpx.Response, model: str, attempt: int, on_text: Callable[[str], None]
+    ) -> tuple[LLMError | None, float | None, dict[str, Any] | None]:
+        text: list[str] = []
+        extra: dict[str, list[str]] = {}
+        calls: dict[int, dict[str, Any]] = {}
+        finish: str | None = None
+        usage: Any = None
+        seen_model = model
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # comments (": keep-alive"), event names, blank separators
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                return LLMBadResponse(self._redact(f"unreadable stream chunk: {data[:200]!r}"),
+                                      attempts=attempt), None, None
+            if not isinstance(chunk, dict):
+                continue
+            if chunk.get("error"):
+                code = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
+                status = code if isinstance(code, int) and 400 <= code < 600 else 500
+                return self._classify(status, chunk, data, resp.headers, attempt), None, None
+            usage = chunk.get("usage") or usage
+            seen_model = chunk.get("model") or seen_model
+            for choice in chunk.get("choices") or []:
+                if not isinstance(choice, dict):
+                    continue
+                finish = choice.get("finish_reason") or finish
+                delta = choice.get("delta") or {}
+                if not isinstance(delta, dict):
+                    continue
+                if isinstance(delta.get("content"), str) and delta["content"]:
+                    text.append(delta["content"])
+                    on_text("".join(text))
+                for key in ("reasoning_content", "reasoning"):
+                    if isinstance(delta.get(key), str):
+                        extra.setdefault(key, []).append(delta[key])
+                for part in delta.get("tool_calls") or []:
+                    _merge_tool_delta(calls, part)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        message.update({k: "".join(v) for k, v in extra.items()})
+        return None, None, {"model": seen_model, "choices": [{"index": 0, "message": message,
+                                                               "finish_reason": finish}], "usage": usage}
+
     async def _attempt(
         self, payload: dict[str, Any], attempt: int
     ) -> tuple[LLMError | None, float | None, dict[str, Any] | None]:
         """One HTTP round trip: (error, retry_after_s, body)."""
         try:
             resp = await self._http.post(self._url, json=payload)
-        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:  # nothing was generated: retryable
-            return LLMUnavailable(self._redact(f"timed out connecting to {self._safe_base} ({type(exc).__name__})"),
-                                  attempts=attempt), None, None
-        except httpx.TimeoutException as exc:
-            return LLMTimeout(self._redact(f"timed out after {self.timeout_s:g} s waiting for {self._safe_base} "
-                                           f"to answer ({type(exc).__name__})"), attempts=attempt), None, None
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            return LLMUnavailable(self._redact(f"cannot reach {self._safe_base}: {type(exc).__name__}: {exc}"),
-                                  attempts=attempt), None, None
-        except httpx.HTTPError as exc:  # bad URL/protocol: configuration, not transient
-            return LLMError(
-                self._redact(f"cannot call {self._safe_base}: {type(exc).__name__}: {exc}"),
-                kind="config",
-                user_message="The assistant's model endpoint is misconfigured; an operator needs to fix it.",
-                attempts=attempt,
-            ), None, None
+        except httpx.HTTPError as exc:
+            return self._transport_error(exc, attempt), None, None
+        return self._judge(resp, attempt)
 
+    def _transport_error(self, exc: httpx.HTTPError, attempt: int) -> LLMError:
+        """No HTTP answer: which error it stands for (the same whether streaming or not)."""
+        if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):  # nothing was generated: retryable
+            return LLMUnavailable(self._redact(f"timed out connecting to {self._safe_base} ({type(exc).__name__})"),
+                                  attempts=attempt)
+        if isinstance(exc, httpx.TimeoutException):
+            return LLMTimeout(self._redact(f"timed out after {self.timeout_s:g} s waiting for {self._safe_base} "
+                                           f"to answer ({type(exc).__name__})"), attempts=attempt)
+        if isinstance(exc, (httpx.NetworkError, httpx.RemoteProtocolError)):
+            return LLMUnavailable(self._redact(f"cannot reach {self._safe_base}: {type(exc).__name__}: {exc}"),
+                                  attempts=attempt)
+        return LLMError(  # bad URL/protocol: configuration, not transient
+            self._redact(f"cannot call {self._safe_base}: {type(exc).__name__}: {exc}"),
+            kind="config",
+            user_message="The assistant's model endpoint is misconfigured; an operator needs to fix it.",
+            attempts=attempt,
+        )
+
+    def _judge(self, resp: httpx.Response, attempt: int) -> tuple[LLMError | None, float | None, dict[str, Any] | None]:
+        """A complete (non-streamed) answer: its body, or the error it stands for."""
         raw_text = resp.text
         try:
             body: Any = resp.json()
@@ -498,6 +591,24 @@ def _content_text(content: Any) -> str | None:
         texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
         return "".join(t for t in texts if isinstance(t, str))
     return str(content)
+
+
+def _merge_tool_delta(calls: dict[int, dict[str, Any]], part: Any) -> None:
+    """Add one streamed tool-call fragment: id and name arrive once, arguments in pieces."""
+    if not isinstance(part, dict):
+        return
+    raw_index = part.get("index")
+    index = raw_index if isinstance(raw_index, int) else len(calls)
+    call = calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+    if isinstance(part.get("id"), str) and part["id"]:
+        call["id"] = part["id"]
+    raw_fn = part.get("function")
+    fn: dict[str, Any] = raw_fn if isinstance(raw_fn, dict) else {}
+    name, args = fn.get("name"), fn.get("arguments")
+    if isinstance(name, str) and name and not call["function"]["name"]:
+        call["function"]["name"] = name
+    if isinstance(args, str):
+        call["function"]["arguments"] += args
 
 
 def _normalize_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:

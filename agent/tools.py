@@ -13,6 +13,7 @@ from typing import Any
 
 from agent.memory import MemoryStore
 from agent.memory_approval import PendingWrites
+from agent.reminders import REMINDERS_TOOL, ReminderTool
 from agent.sessions import SessionStore
 from agent.skills import SKILL_ACTIONS, SkillStore
 
@@ -103,6 +104,7 @@ class ToolBox:
     shared: bool = False  # a lane others can read: only shared skills, new skills are shared
     only: frozenset[str] | None = None  # restrict to these tools (the background review)
     write_approval: str = "allow"  # memory.write_approval: allow | stage | block
+    reminders: ReminderTool | None = None  # None: no reminders in this turn (e.g. a review)
 
     def schemas(self) -> list[dict[str, Any]]:
         tools = []
@@ -111,6 +113,8 @@ class ToolBox:
         if self.skills is not None:
             tools.append(SKILL_MANAGE_TOOL)
         tools.append(SESSION_SEARCH_TOOL)
+        if self.reminders is not None:
+            tools.append(REMINDERS_TOOL)
         return [t for t in tools if self.only is None or t["function"]["name"] in self.only]
 
     async def call(self, name: str, arguments: str | dict | None) -> str:
@@ -138,6 +142,8 @@ class ToolBox:
             return await self.memory.handle_tool_call(args, stage=stage)
         if name == "session_search":
             return await self._session_search(args)
+        if name == "reminders" and self.reminders is not None:
+            return await self.reminders.handle(args)
         return _refused(f"unknown tool {name!r}")
 
     async def _stage(self, action: str, target: str, content: str | None, old_text: str | None) -> dict[str, Any]:

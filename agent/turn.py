@@ -3,6 +3,8 @@ every message (user, assistant, tool) through the session store's dual write."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,6 +17,7 @@ from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.prompt import ChatPlace, build_system_prompt
+from agent.reminders import ReminderChat, ReminderStore, ReminderTool
 from agent.review import Reviewer
 from agent.skills import SkillStore, render_skill_index
 from agent.providers import NO_ACCESS, ProviderAccess, provider_access
@@ -33,8 +36,19 @@ log = logging.getLogger("hermes.agent")
 Notify = Callable[[str, str], Awaitable[None]]
 
 
+# called with the text of the model's answer so far while it streams
+OnText = Callable[[str], None]
+
+
 async def _no_notice(kind: str, text: str) -> None:
     return None
+
+
+STOPPED_MARKER = "[stopped by the user before answering]"
+
+
+class TurnInterrupted(Exception):
+    """The turn's stop event fired while the model was generating."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,7 @@ class TurnResult:
     session_id: str
     replayed: bool = False
     tool_iterations: int = 0  # model requests of this turn that called tools (skill nudges)
+    interrupted: bool = False  # stopped by /stop or busy_mode interrupt; `text` is the partial answer
 
 
 @dataclass
@@ -72,6 +87,11 @@ class TurnContext:
     tool_iterations: int = 0
     provider_access: ProviderAccess = NO_ACCESS  # what this lane may do with the memory provider
     recall: str = ""  # the provider's prefetch for this turn: sent with the request, never stored
+    stop: asyncio.Event | None = None  # set by /stop: the model call is cancelled, the turn ends
+    on_text: OnText | None = None  # given: the model streams, each delta is reported
+    partial: str = ""  # text of the current model answer so far (streaming only)
+    chat: ReminderChat | None = None  # where the turn runs: reminders set in it are delivered there
+    interrupted: bool = False
 
 
 class Agent:
@@ -84,6 +104,8 @@ class Agent:
         self.compression = Compressor(cfg, llm, tokens, system_factory=self._system_for)
         self.compression.on_flush = self._flush_before_compression
         self.reviewer = Reviewer(cfg, llm, wire=self.compression.wire, toolbox=self._review_toolbox)
+        # set by the gateway: records a tenant's next reminder due time in its index
+        self.reminder_index: Callable[[str, float | None, bool], Awaitable[None]] | None = None
 
     # ----- sessions -------------------------------------------------------------------
     def lane_memory(self, profile: Profile, lane: Lane) -> MemoryStore | None:
@@ -106,13 +128,26 @@ class Agent:
             return None
         return SkillStore(profile.path, read_only=lane.personal_memory != "full")
 
-    def toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, memory: MemoryStore | None) -> ToolBox:
+    def toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, memory: MemoryStore | None,
+                chat: ReminderChat | None = None) -> ToolBox:
         """The tools of a turn (and of a review) in this lane, bound to the tenant's stores."""
         group = place.chat_type != "dm"
         return ToolBox(sessions=profile.sessions, memory=memory,
                        search_lane=lane.session_key if group else None,
                        skills=self.lane_skills(profile, lane), shared=group or place.shared,
-                       write_approval=self.cfg.memory.write_approval)
+                       write_approval=self.cfg.memory.write_approval,
+                       reminders=self._reminder_tool(profile, chat, group))
+
+    def _reminder_tool(self, profile: Profile, chat: ReminderChat | None, group: bool) -> ReminderTool | None:
+        hook = self.reminder_index
+        if chat is None or hook is None or not self.cfg.reminders.enabled:
+            return None
+        tenant = profile.tenant_id
+
+        async def index(due: float | None, lower_only: bool) -> None:
+            await hook(tenant, due, lower_only)
+
+        return ReminderTool(ReminderStore(profile.path), chat, self.cfg.reminders.max_per_tenant, index, group)
 
     def _review_toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, only: frozenset[str]) -> ToolBox:
         box = self.toolbox(profile, lane, place, self.lane_memory(profile, lane))
@@ -239,7 +274,10 @@ class Agent:
 
     # ----- the turn -------------------------------------------------------------------
     async def run_turn(self, profile: Profile, lane: Lane, place: ChatPlace, inputs: list[UserInput],
-                       notify: Notify = _no_notice) -> TurnResult:
+                       notify: Notify = _no_notice, *, stop: asyncio.Event | None = None,
+                       on_text: OnText | None = None, chat: ReminderChat | None = None) -> TurnResult:
+        """Answer `inputs`. `stop` ends the turn early (the partial answer is kept, flagged
+        `interrupted`); `on_text` makes the model stream and gets the answer so far."""
         session_id = await self.open_session(profile, lane, place)
         store = profile.sessions
         history = await store.history(session_id)
@@ -262,14 +300,16 @@ class Agent:
             await store.append_many(new_msgs)
             history.extend(new_msgs)
         ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=notify,
-                          provider_access=self.provider_access(lane))
+                          memory=self.lane_memory(profile, lane), notify=notify, stop=stop, on_text=on_text,
+                          chat=chat, provider_access=self.provider_access(lane))
         ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
         try:
             text = await self._tool_loop(ctx, history)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
             return TurnResult(err.user_message, "error", ctx.session_id)
+        if ctx.interrupted:
+            return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True)
         if profile.provider is not None and ctx.provider_access.write:
             user_text = "\n".join(i.text for i in inputs)
             try:
@@ -318,12 +358,17 @@ class Agent:
         return answer
 
     async def _tool_loop(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
-        toolbox = self.toolbox(ctx.profile, ctx.lane, ctx.place, ctx.memory)
+        toolbox = self.toolbox(ctx.profile, ctx.lane, ctx.place, ctx.memory, ctx.chat)
         store = ctx.profile.sessions
         max_iter = self.cfg.limits.max_tool_iterations
         for iteration in range(max_iter + 1):
             tools = toolbox.schemas() if iteration < max_iter else None
-            result = await self._call_llm(ctx, history, tools)
+            try:
+                if ctx.stop is not None and ctx.stop.is_set():
+                    raise TurnInterrupted()
+                result = await self._call_llm(ctx, history, tools)
+            except TurnInterrupted:
+                return await self._keep_partial(ctx, history)
             if result.usage is not None:
                 await store.add_usage(ctx.session_id, result.usage.prompt_tokens, result.usage.completion_tokens)
             assistant = StoredMessage(
@@ -350,7 +395,51 @@ class Agent:
                 outputs.append(tool_msg)
             await store.append_many(outputs)
             history.extend(outputs)
+            ctx.partial = ""
         return "(no answer)"  # unreachable: the last iteration offers no tools
+
+    async def _keep_partial(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
+        """The turn was stopped: store what the model had written so far (flagged
+        `interrupted`, never a tool call, so no call is left without its result)."""
+        ctx.interrupted = True
+        text = ctx.partial.strip()
+        # without a partial answer a marker is stored, so the next turn does not answer the
+        # stopped request as if it were still open
+        msg = StoredMessage(session_id=ctx.session_id, role="assistant", content=text or STOPPED_MARKER,
+                            finish_reason="interrupted", meta={"interrupted": True})
+        self.tokens.count_message(msg)
+        await ctx.profile.sessions.append(msg)
+        history.append(msg)
+        return text
+
+    async def _model_call(self, ctx: TurnContext, request: list[dict[str, Any]], tools: list[dict] | None):
+        """The HTTP request alone, raced against the stop event: stopping cancels only the
+        request (nothing is being written then), never a store write."""
+        kwargs: dict[str, Any] = {}
+        if ctx.on_text is not None:
+            ctx.partial = ""
+            report = ctx.on_text
+
+            def on_text(text: str) -> None:
+                ctx.partial = text
+                report(text)
+
+            kwargs["on_text"] = on_text
+        call = asyncio.ensure_future(self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.max_tokens, **kwargs))
+        if ctx.stop is None:
+            return await call
+        stopper = asyncio.ensure_future(ctx.stop.wait())
+        try:
+            await asyncio.wait({call, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(BaseException):
+                    await call
+        if call.cancelled():
+            raise TurnInterrupted()
+        return call.result()
 
     async def _provider_memory_write(self, ctx: TurnContext, args: Any, result: str) -> None:
         """Mirror a successful built-in memory write to the external provider."""
@@ -387,7 +476,7 @@ class Agent:
             try:
                 # stored images become data: URLs only now, read from this profile's media/
                 request = await inline_images(wire, ctx.profile.path)
-                result = await self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.max_tokens)
+                result = await self._model_call(ctx, request, tools)
             except ContextLengthExceeded as err:
                 if comp.enabled and ctx.compressions < max_attempts:
                     ctx.compressions += 1

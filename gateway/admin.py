@@ -421,7 +421,8 @@ def paired_principals(data_dir: Path, principals: Iterable[str]) -> list[str]:
         conn.close()
 
 
-def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str, str]]) -> int:
+def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str, str]],
+                     tenant_id: str | None = None) -> int:
     """Remove a tenant's traces from gateway.db: kv rows naming its principals and inbox rows
     of its DM chats (or pending rows from its principals), then VACUUM so no freed page
     keeps them. The gateway must be stopped."""
@@ -441,6 +442,8 @@ def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str,
                     if _kv_principals(key, value) & principals:
                         conn.execute("DELETE FROM kv WHERE key=?", (key,))
                         removed += 1
+            if "reminder_due" in tables and tenant_id is not None:  # the reminder index (gateway/reminders.py)
+                removed += conn.execute("DELETE FROM reminder_due WHERE tenant_id=?", (tenant_id,)).rowcount
             if "inbound" in tables:
                 for platform, chat in chats:
                     removed += conn.execute("DELETE FROM inbound WHERE platform=? AND chat_id=?",
@@ -661,7 +664,7 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
             removed_links.append(p)
         if removed_links or (data_dir / "links.json").exists():
             links.save()
-        rows = scrub_gateway_db(data_dir, principals, chats)
+        rows = scrub_gateway_db(data_dir, principals, chats, info.tenant_id)
     return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned)
 
 

@@ -19,6 +19,7 @@ from adapters.base import Adapter, InboundMessage, OutboundMessage, SentMessage
 from agent.fileio import private_mkdir
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
+from agent.reminders import ReminderChat
 from agent.tokens import TokenCounter
 from agent.turn import Agent, TurnResult, UserInput
 from gateway.access import Access
@@ -32,6 +33,8 @@ from gateway.linking import LaneMoved, Linking
 from gateway.logs import log_text, turn_logger
 from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
+from gateway.reminders import ReminderScheduler, delivered_message, delivery_text, is_reminder
+from gateway.streaming import StreamingReply
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
 from tenancy.profiles import ProfileManager
@@ -108,11 +111,15 @@ class GatewayApp:
         self.access = Access(cfg.access, self.inbox)
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self._limit_notified: dict[str, float] = {}
+        # busy_mode collect/interrupt: messages queued behind a running turn are answered together
         coalesce_ms = cfg.limits.coalesce_burst_ms
         self.lanes: Lanes[Job] = Lanes(
             self._run_lane, max_queued=cfg.limits.max_queued_turns,
-            coalesce=(lambda job: parse_command(job.msg.text) is None) if coalesce_ms else None,
+            coalesce=self._mergeable if cfg.limits.busy_mode != "queue" else None,
             coalesce_wait_s=coalesce_ms / 1000)
+        self._turn_stops: dict[str, asyncio.Event] = {}  # lane key -> stop event of its running turn
+        self.reminders = ReminderScheduler(lambda: self.inbox.db, cfg.data_dir, self._submit_reminder)
+        self.agent.reminder_index = self.reminders.note  # the tool keeps the due-time index current
         self._started = False
         self._accepting = False
         self.metrics.bind(platforms=self.adapters, open_profiles=lambda: self.profiles.open_count,
@@ -131,6 +138,7 @@ class GatewayApp:
         private_mkdir(self.cfg.data_dir)
         self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
         await self.inbox.open()
+        await self.reminders.open()
         self._started = True
         self._accepting = True
         await self.inbox.prune(DEDUPE_WINDOW_S)
@@ -148,6 +156,8 @@ class GatewayApp:
                 await adapter.start(self.handle_inbound)
             except Exception:
                 log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
+        if self.cfg.reminders.enabled:
+            self.reminders.start()
         if self.cfg.observability.listen:
             from gateway.observability import Observability
 
@@ -159,6 +169,7 @@ class GatewayApp:
         the adapters and close everything. Messages arriving meanwhile are recorded and
         replayed on the next start."""
         self._accepting = False
+        await self.reminders.stop()
         if self._housekeeping is not None:
             self._housekeeping.cancel()
             self._housekeeping = None
@@ -270,10 +281,47 @@ class GatewayApp:
             log.warning("cannot place a %s message: %s", msg.platform, err)
             await self._refuse(msg, "bad_ids", "Sorry, I can't handle messages from this chat.")
             return
+        key = f"{lane.tenant_id}\0{lane.session_key}"
+        command = None if is_reminder(msg) else parse_command(msg.text)
+        if command is not None and command[0].name == "stop":  # handled now, not behind the lane's queue
+            await self._stop_turn(msg, key, replay)
+            return
         # a replayed message was accepted once already: it never gets a "busy" refusal
-        if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(msg, lane), force=replay):
+        if not self.lanes.submit(key, Job(msg, lane), force=replay):
             await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
                                             "Please wait for my answer, then send this again.")
+            return
+        if self.cfg.limits.busy_mode == "interrupt" and command is None and not replay:
+            running = self._turn_stops.get(key)
+            if running is not None:
+                running.set()  # the running turn ends; this message is answered next
+
+    @staticmethod
+    def _mergeable(job: Job) -> bool:
+        """May join a collected turn: a person's message, not a command or a reminder."""
+        return not is_reminder(job.msg) and parse_command(job.msg.text) is None
+
+    async def _submit_reminder(self, msg: InboundMessage) -> bool:
+        """A due reminder occurrence: recorded once in the inbox (False: it was before), then
+        run on its lane like a replayed message (never refused as busy)."""
+        if not await self.inbox.record(msg):
+            return False
+        if self._accepting:
+            await self._admit(msg, replay=True)
+        return True
+
+    async def _stop_turn(self, msg: InboundMessage, key: str, replay: bool) -> None:
+        """/stop: end the lane's running turn (its partial answer is kept, flagged interrupted)."""
+        running = self._turn_stops.get(key)
+        if replay:  # a /stop from before a restart has nothing left to stop
+            await self.inbox.finish(msg, "command")
+            return
+        if running is not None and not running.is_set():
+            running.set()
+            text = "Stopped."
+        else:
+            text = "There's nothing to stop right now."
+        self._in_background(self._send_and_finish(msg, text, "notice", "command"))
 
     async def _refuse_unreadable(self, msg: InboundMessage) -> None:
         """A message with broken Unicode (lone surrogates) can't be stored or answered as
@@ -353,19 +401,23 @@ class GatewayApp:
         platform, started = first.msg.platform, time.monotonic()
         # ids of this turn go on its log lines explicitly (no context variable)
         tlog = turn_logger(log, turn_id=secrets.token_hex(6), platform=platform, tenant=lane.tenant_id)
-        job_kind = "command" if parse_command(first.msg.text) is not None else "turn"
+        reminder = is_reminder(first.msg)
+        job_kind = "reminder" if reminder else "command" if parse_command(first.msg.text) is not None else "turn"
         self.metrics.in_flight.add(1, platform=platform)
         typing = asyncio.create_task(self._keep_typing(last.msg))
         outcome = "replied"
         result: TurnResult | None = None
+        streamer: StreamingReply | None = None
         try:
             async with self.linking.use(first.msg, lane) as profile:
                 for job in jobs:
                     log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
                 if lane.principal not in profile.principals and lane.kind == "person":
                     await asyncio.to_thread(profile.add_principal, lane.principal)
-                command = parse_command(first.msg.text)
-                if command is not None:
+                command = None if reminder else parse_command(first.msg.text)
+                if reminder:
+                    text, kind = await self._record_reminder(profile, lane, place, first.msg), "notice"
+                elif command is not None:
                     spec, args = command
                     ctx = CommandContext(self, first.msg, lane, place, profile, args,
                                          chat_admin=self._chat_admin_check(first.msg))
@@ -382,11 +434,23 @@ class GatewayApp:
                     if inputs:
                         for notice in notices:
                             await self.send(last.msg, notice, kind="notice", reply=False)
-                        result: TurnResult = await self.agent.run_turn(profile, lane, place, inputs,
-                                                                       notify=_Notifier(self, last.msg))
+                        stop = self._turn_stops[key] = asyncio.Event()
+                        streamer = self._streaming_reply(last.msg)
+                        try:
+                            result = await self.agent.run_turn(
+                                profile, lane, place, inputs, notify=_Notifier(self, last.msg), stop=stop,
+                                on_text=streamer.feed if streamer is not None else None,
+                                chat=ReminderChat(last.msg.platform, last.msg.chat_id, last.msg.chat_type,
+                                                  last.msg.thread_id, last.msg.user_id, last.msg.user_name))
+                        finally:
+                            if self._turn_stops.get(key) is stop:
+                                del self._turn_stops[key]
                         text, kind = result.text, result.kind
                         if kind == "error":
                             outcome = "llm_error"
+                        elif result.interrupted:
+                            # the partial answer (if any) is shown marked as stopped
+                            text, outcome = (f"{text}\n\n(stopped)" if text else ""), "stopped"
                     else:  # nothing the model could read: the notices are the answer
                         text, kind, outcome = "\n\n".join(notices) or "I couldn't read that.", "error", "refused"
         except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
@@ -399,8 +463,13 @@ class GatewayApp:
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
-        sent = await self.send(last.msg, text, kind=kind)
-        if sent is None and last.msg.platform in self.adapters:
+            if streamer is not None:
+                await streamer.close()
+        if streamer is not None and streamer.started:  # a draft is in the chat: the answer replaces it
+            sent = await streamer.finish(text or "(stopped)")
+        else:
+            sent = await self.send(last.msg, text, kind=kind, reply=not reminder) if text else None
+        if sent is None and text and last.msg.platform in self.adapters:
             outcome = "undelivered" if outcome == "replied" else outcome
         for job in jobs:
             await self.inbox.finish(job.msg, outcome)
@@ -410,6 +479,17 @@ class GatewayApp:
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
         tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
                   extra={"outcome": outcome, "duration_ms": round(seconds * 1000)})
+
+    async def _record_reminder(self, profile, lane: Lane, place: ChatPlace, msg: InboundMessage) -> str:
+        """Keep a due reminder in the lane's history (once, by its uid), return its text."""
+        session_id = await self.agent.open_session(profile, lane, place)
+        history = await profile.sessions.history(session_id)
+        stored = delivered_message(session_id, msg, delivery_text(msg, self.reminders.clock()))
+        for m in history:
+            if m.uid == stored.uid:
+                return m.content or stored.content or ""
+        await profile.sessions.append(stored)
+        return stored.content or ""
 
     # ----- background memory review (agent/review.py) ------------------------------------
     def _after_reply(self, msg: InboundMessage, lane: Lane, place: ChatPlace, result: TurnResult) -> None:
@@ -507,6 +587,26 @@ class GatewayApp:
                 return first
             first = first or sent
         return first
+
+    def _streaming_reply(self, msg: InboundMessage) -> StreamingReply | None:
+        """A streamed reply to `msg` when `delivery.streaming` covers its chat and the
+        platform can edit messages; None: the answer is sent when it is complete."""
+        mode, adapter = self.cfg.delivery.streaming, self.adapters.get(msg.platform)
+        if adapter is None or not adapter.can_edit or mode == "off" or (mode == "dm" and msg.chat_type != "dm"):
+            return None
+
+        async def send(chunk: str, first: bool) -> SentMessage | None:
+            out = OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind="reply",
+                                  reply_to_message_id=msg.message_id if first else None)
+            try:
+                return await adapter.send(out)
+            except Exception:
+                log.exception("%s send failed", msg.platform)
+                return None
+
+        return StreamingReply(send, lambda sent, text: self.safe_edit(adapter, sent, text),
+                              lambda text: split_text(text, adapter.max_message_length, adapter.measure),
+                              interval_s=self.cfg.delivery.stream_edit_interval_s)
 
     async def safe_edit(self, adapter: Adapter, sent: SentMessage, text: str) -> bool:
         try:

@@ -429,7 +429,38 @@ async def cmd_pair(ctx: CommandContext) -> str:
     return f"Approved {principal}; they can talk to me now." if principal else "That code is unknown or expired."
 
 
+async def cmd_stop(ctx: CommandContext) -> str:
+    """Reached only when no turn runs (a running turn is stopped before the lane queue)."""
+    return "There's nothing to stop right now."
+
+
+async def cmd_reminders(ctx: CommandContext) -> str:
+    """/reminders lists the reminders set in this chat (in a private chat: all of yours);
+    /reminders cancel N cancels one."""
+    from agent.reminders import ReminderStore
+
+    store = ReminderStore(ctx.profile.path)
+    here_only = ctx.msg.chat_type != "dm"  # a group sees only what was set in the group
+    words = ctx.args.split()
+    if words and words[0].lower() == "cancel":
+        if len(words) != 2 or not words[1].lstrip("#").isdigit():
+            return "Usage: /reminders cancel N (the number from /reminders)."
+        removed = await store.cancel(int(words[1].lstrip("#")), chat_id=ctx.msg.chat_id if here_only else None)
+        if removed is None:
+            return f"There's no reminder #{words[1].lstrip('#')} here."
+        await ctx.app.reminders.note(ctx.profile.tenant_id, await store.next_due(), False)
+        return f"Cancelled: {removed.describe()}"
+    if words:
+        return "Usage: /reminders, or /reminders cancel N."
+    mine = [r for r in await store.all() if not here_only or r.chat.chat_id == ctx.msg.chat_id]
+    if not mine:
+        return "No reminders set here. Ask me, e.g. \"remind me tomorrow at 9 to call Sam\"."
+    return "\n".join(["Your reminders:", *(r.describe() for r in mine), "Cancel one with /reminders cancel N."])
+
+
 HANDLERS: dict[str, Handler] = {
+    "reminders": cmd_reminders,
+    "stop": cmd_stop,
     "help": cmd_help, "start": cmd_start, "new": cmd_new, "status": cmd_status,
     "usage": cmd_usage, "compress": cmd_compress, "memory": cmd_memory, "forget": cmd_forget,
     "undo": cmd_undo, "export": cmd_export, "whoami": cmd_whoami, "link": cmd_link,

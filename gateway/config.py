@@ -166,6 +166,33 @@ class LimitsConfig(_Section):
     coalesce_burst_ms: int = Field(default=0, ge=0)
     max_attachment_bytes: int = Field(default=20 * 1024 * 1024, ge=1)  # Telegram's own download cap
     max_attachment_chars: int = Field(default=20000, ge=0)  # text taken from one document
+    # messages arriving while the lane's turn runs: answered together in the next turn
+    # (collect), one turn each (queue), or they stop the running turn (interrupt)
+    busy_mode: Literal["queue", "collect", "interrupt"] = "collect"
+
+    @model_validator(mode="after")
+    def _burst_needs_collecting(self) -> "LimitsConfig":
+        if self.busy_mode == "queue" and self.coalesce_burst_ms:
+            raise ValueError("coalesce_burst_ms merges messages into one turn; it cannot be used "
+                             "with busy_mode: queue (set busy_mode: collect or coalesce_burst_ms: 0)")
+        return self
+
+
+class DeliveryConfig(_Section):
+    """How replies reach the chat: `streaming` edits one message as the answer is generated
+    (`dm`: in private chats only, `all`: everywhere, `off`: send the finished answer)."""
+
+    streaming: Literal["dm", "all", "off"] = "dm"
+    # the least time between two edits of a streamed message (Telegram and Discord allow
+    # about one edit a second per message before rate limiting)
+    stream_edit_interval_s: float = Field(default=1.0, ge=0.1, le=60)
+
+
+class RemindersConfig(_Section):
+    """The `reminders` tool and `/reminders`; delivered by the gateway's scheduler."""
+
+    enabled: bool = True
+    max_per_tenant: int = Field(default=50, ge=1, le=10000)
 
 
 class TranscriptionConfig(_Section):
@@ -257,6 +284,8 @@ class Config(_Section):
     tenancy: TenancyConfig = TenancyConfig()
     access: AccessConfig = AccessConfig()
     limits: LimitsConfig = LimitsConfig()
+    delivery: DeliveryConfig = DeliveryConfig()
+    reminders: RemindersConfig = RemindersConfig()
     transcription: TranscriptionConfig = TranscriptionConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()

@@ -67,6 +67,15 @@ limits:
   max_queued_turns: 5
   max_attachment_bytes: 20971520  # 20 MB, Telegram's own download cap
   max_attachment_chars: 20000     # text taken from one document or PDF
+  busy_mode: collect              # messages during a running turn: collect | queue | interrupt
+
+reminders:
+  enabled: true
+  max_per_tenant: 50            # reminders one person (or group) may have at once
+
+delivery:
+  streaming: dm                 # edit the answer in as it is written: dm | all | off
+  stream_edit_interval_s: 1.0   # at most one edit per message this often
 
 # transcription:                # voice notes: an OpenAI-compatible /v1/audio/transcriptions
 #   base_url: http://127.0.0.1:8080/v1   # whisper.cpp server, faster-whisper server, hosted API

@@ -75,7 +75,8 @@ async def test_sigkill_mid_burst_then_restart_loses_nothing(tmp_path, fake_llm):
         "data_dir": str(tmp_path / "data"),
         "llm": {"base_url": fake_llm.base_url, "model": "fake", "max_retries": 0},
         "storage": {"fsync": "batch"},
-        "limits": {"rate_limit_per_minute": 1000, "max_queued_turns": 100},
+        # queue: one answer per message, so every message's answer can be checked
+        "limits": {"rate_limit_per_minute": 1000, "max_queued_turns": 100, "busy_mode": "queue"},
     }))
     n = 60
     first = await run_gateway(config, n, kill_after_replies=15)

@@ -372,7 +372,7 @@ async def test_failure_after_recording_lets_the_redelivery_through(config_for, f
 async def test_replayed_backlog_is_never_refused_as_busy(config_for, fake_llm):
     from gateway.inbox import Inbox
 
-    cfg = config_for(limits={"max_queued_turns": 2})
+    cfg = config_for(limits={"max_queued_turns": 2, "busy_mode": "queue"})  # one answer each
     inbox = Inbox(cfg.data_dir / "gateway.db")
     await inbox.open()
     backlog = [dm("oz", f"queued {i}", message_id=f"q{i}") for i in range(6)]

@@ -57,6 +57,7 @@ __all__ = [
     "error",
     "context_length_error",
     "hang",
+    "paused",
     "disconnect",
     "default_responder",
     "memory_saving_responder",
@@ -89,6 +90,10 @@ class Response:
     body: Any = None  # for kind="http": a dict (sent as JSON) or str (sent as text)
     headers: Mapping[str, str] = field(default_factory=dict)
     delay_s: float = 0.0
+    # when the request streams: content characters per SSE chunk, and (optionally) where the
+    # stream stops until `FakeLLM.resume_streams()` (content characters sent before pausing)
+    chunk_chars: int = 8
+    pause_after_chars: int | None = None
 
 
 Responder = Callable[[dict[str, Any]], Union["ResponseLike", Awaitable["ResponseLike"]]]
@@ -185,6 +190,12 @@ def context_length_error(
         return error(400, {"type": "error", "error": {
             "type": "invalid_request_error", "message": f"prompt is too long: {requested} tokens > {limit} maximum"}})
     raise ValueError(f"unknown dialect {dialect!r}")
+
+
+def paused(text: str, after_chars: int, *, chunk_chars: int = 4) -> Response:
+    """A streamed reply that stops after `after_chars` characters of `text` until
+    `FakeLLM.resume_streams()` (or the client goes away). Without streaming: a plain reply."""
+    return replace(reply(text), pause_after_chars=after_chars, chunk_chars=chunk_chars)
 
 
 def hang(seconds: float, then: ResponseLike = None) -> Response:
@@ -366,8 +377,8 @@ def _violations(body: Any) -> list[str]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return problems + ["'messages' must be a non-empty list"]
-    if body.get("stream"):
-        problems.append("FakeLLM does not implement streaming ('stream': true)")
+    if "stream_options" in body and not body.get("stream"):
+        problems.append("'stream_options' is only allowed when 'stream' is true")
     pending: dict[str, int] = {}
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -485,8 +496,15 @@ class FakeLLM:
         host: str = "127.0.0.1",
         port: int = 0,
         vision: bool = True,
+        streaming: Literal["sse", "ignore", "reject"] = "sse",
     ) -> None:
         self.model = model
+        # how `"stream": true` is served: SSE chunks (with usage in a final chunk when
+        # stream_options.include_usage), ignored (a plain JSON answer, as some servers do), or
+        # refused with a 400 (a server that does not know stream_options)
+        self.streaming = streaming
+        self.streamed: list[list[str]] = []  # the SSE data lines of each streamed answer
+        self._resume: asyncio.Event | None = None
         self.vision = vision  # False: image parts get a 400, as from a text-only model
         self.context_length = context_length  # prompt_chars//4 above this -> context error
         self.context_dialect = context_dialect
@@ -529,6 +547,11 @@ class FakeLLM:
         return [r for r in self.requests
                 if any(isinstance(m, Mapping) and text in message_text(m) for m in r.get("messages") or [])]
 
+    def resume_streams(self) -> None:
+        """Let every paused stream (`paused(...)`) go on to its end."""
+        assert self._loop is not None and self._resume is not None
+        self._loop.call_soon_threadsafe(self._resume.set)
+
     @property
     def last_request(self) -> dict[str, Any] | None:
         return self.requests[-1] if self.requests else None
@@ -559,6 +582,7 @@ class FakeLLM:
             return self
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        self._resume = asyncio.Event()
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._handle_chat)
         app.router.add_get("/v1/models", self._handle_models)
@@ -671,6 +695,10 @@ class FakeLLM:
                 self.violations.extend(problems)
                 return web.json_response({"error": {"message": "; ".join(problems),
                                                     "type": "invalid_request_error", "code": None}}, status=400)
+        if body.get("stream") and self.streaming == "reject":
+            self.violations.append("stream requested from a server that cannot stream")
+            return web.json_response({"error": {"message": "Unrecognized request argument supplied: stream_options",
+                                                "type": "invalid_request_error", "code": None}}, status=400)
         if not self.vision and image_urls(body):
             self.violations.append("image input sent to a model without vision")
             return web.json_response({"error": {"message": "this model does not support image input",
@@ -696,7 +724,10 @@ class FakeLLM:
             except asyncio.TimeoutError:
                 pass
         if resp.kind == "default":
-            resp = default_responder(body)
+            resp = replace(default_responder(body), chunk_chars=resp.chunk_chars,
+                           pause_after_chars=resp.pause_after_chars)
+        if body.get("stream") and self.streaming == "sse" and resp.kind == "completion":
+            return await self._stream(request, resp, body)
         return self._render(resp, body)
 
     async def _resolve(self, value: ResponseLike, body: dict[str, Any]) -> Response:
@@ -714,6 +745,63 @@ class FakeLLM:
                 continue
             raise TypeError(f"FakeLLM cannot answer with {type(value).__name__}")
         raise TypeError("FakeLLM responder returned callables 10 levels deep")
+
+    async def _stream(self, request: web.Request, resp: Response, body: dict[str, Any]) -> web.StreamResponse | None:
+        """The answer as OpenAI streams it: role, content pieces, tool-call pieces (id and
+        name first, arguments in two halves), finish_reason, then usage if asked, [DONE]."""
+        full = self._render(resp, body)
+        assert isinstance(full, web.Response) and full.body is not None
+        data = json.loads(full.body)
+        choice = data["choices"][0]
+        message, base = choice["message"], {k: data[k] for k in ("id", "object", "created", "model")}
+        base["object"] = "chat.completion.chunk"
+
+        def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+            return json.dumps({**base, "choices": choices, **extra}, ensure_ascii=False)
+
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", **resp.headers})
+        lines: list[str] = []
+        self.streamed.append(lines)
+        await out.prepare(request)
+
+        async def send(line: str) -> None:
+            lines.append(line)
+            await out.write(f"data: {line}\n\n".encode())
+
+        try:
+            await send(chunk({"role": "assistant", "content": ""}))
+            text = message_text(message)
+            step = max(1, resp.chunk_chars)
+            pause = resp.pause_after_chars
+            for i in range(0, len(text), step):
+                if pause is not None and i >= pause:
+                    pause = None
+                    await self._wait_resume()
+                await send(chunk({"content": text[i:i + step]}))
+            for k, call in enumerate(message.get("tool_calls") or []):
+                args = call["function"]["arguments"]
+                half = len(args) // 2
+                await send(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                  "function": {"name": call["function"]["name"], "arguments": args[:half]}}]}))
+                await send(chunk({"tool_calls": [{"index": k, "function": {"arguments": args[half:]}}]}))
+            await send(chunk({}, choice["finish_reason"]))
+            if (body.get("stream_options") or {}).get("include_usage") and "usage" in data:
+                await send(chunk(None, usage=data["usage"]))
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            lines.append("[client went away]")
+        return out
+
+    async def _wait_resume(self) -> None:
+        assert self._resume is not None and self._stopping is not None
+        waiters = [asyncio.ensure_future(self._resume.wait()), asyncio.ensure_future(self._stopping.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
 
     def _render(self, resp: Response, body: dict[str, Any]) -> web.StreamResponse | None:
         if resp.kind == "disconnect":

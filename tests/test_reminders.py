@@ -1,0 +1,161 @@
+"""Reminders (issue 14, requirement 8): set through the `reminders` tool, kept in the
+tenant's profile, delivered once into the chat they were set in, after restarts too."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
+from agent.reminders import ReminderChat, ReminderStore, ReminderTool, next_occurrence
+from gateway.app import GatewayApp
+from tenancy.keys import tenant_dir
+from tests.conftest import RecordingAdapter, dm, group, say
+from tests.fakes.llm import reply, tool_call
+from tests.test_stop_busy import stored, until
+
+
+def create(**args) -> object:
+    return tool_call("reminders", {"action": "create", **args})
+
+
+def tool_results(fake_llm) -> list[dict]:
+    out = []
+    for request in fake_llm.requests:
+        last = request["messages"][-1]
+        if last["role"] == "tool":
+            out.append(json.loads(last["content"]))
+    return out
+
+
+async def run_later(cfg, offset_s: float) -> tuple[GatewayApp, RecordingAdapter]:
+    """A gateway started `offset_s` seconds in the future (its reminder clock moved on)."""
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    app.reminders.clock = lambda: time.time() + offset_s
+    await app.start()
+    return app, adapter
+
+
+async def set_reminder(cfg, fake_llm, who, text: str, **args) -> None:
+    """One turn in which the model sets a reminder of `text` through the tool."""
+    fake_llm.script(create(text=text, **args), reply("Okay, I'll remind you."))
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        await say(app, adapter, who(f"please remind me: {text}"))
+    finally:
+        await app.stop()
+    assert tool_results(fake_llm)[-1]["success"] is True
+
+
+async def test_reminder_set_before_a_restart_is_delivered_once_after_it(config_for, fake_llm):
+    cfg = config_for()
+    await set_reminder(cfg, fake_llm, lambda t: dm("hal", t), text="water the plants", in_minutes=30)
+    app, adapter = await run_later(cfg, 31 * 60)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert [(m.chat_id, m.text, m.reply_to_message_id) for m in adapter.sent] == [
+        ("dm-hal", "⏰ Reminder: water the plants", None)]
+    # a later restart delivers nothing again
+    app, adapter = await run_later(cfg, 2 * 3600)
+    try:
+        assert await app.reminders.tick() == 0
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert adapter.sent == []
+    msgs = await stored(cfg, "testchat-hal")
+    assert [m.content for m in msgs if m.meta.get("reminder")] == ["⏰ Reminder: water the plants"]
+    assert await ReminderStore(tenant_dir(cfg.data_dir, "testchat-hal")).all() == []
+
+
+async def test_a_late_reminder_says_it_is_late(config_for, fake_llm):
+    cfg = config_for()
+    await set_reminder(cfg, fake_llm, lambda t: dm("ida", t), text="stretch", in_minutes=10)
+    app, adapter = await run_later(cfg, 3 * 3600)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    (sent,) = adapter.texts()
+    assert sent.startswith("⏰ Reminder: stretch")
+    assert "late" in sent and "2 hours ago" in sent
+
+
+async def test_reminders_are_capped_per_tenant(config_for, fake_llm):
+    cfg = config_for(reminders={"max_per_tenant": 1})
+    await set_reminder(cfg, fake_llm, lambda t: dm("jon", t), text="one", in_minutes=5)
+    fake_llm.script(create(text="two", in_minutes=5), reply("Sorry."))
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        await say(app, adapter, dm("jon", "and another"))
+        assert await say(app, adapter, dm("jon", "/reminders")) == [
+            "Your reminders:\n" + (await ReminderStore(tenant_dir(cfg.data_dir, "testchat-jon")).all())[0].describe()
+            + "\nCancel one with /reminders cancel N."]
+    finally:
+        await app.stop()
+    refusal = tool_results(fake_llm)[-1]
+    assert refusal["success"] is False and "1 reminders, the most allowed" in refusal["error"]
+    assert [r.text for r in await ReminderStore(tenant_dir(cfg.data_dir, "testchat-jon")).all()] == ["one"]
+
+
+async def test_group_reminder_is_delivered_into_the_group_and_listed_only_there(config_for, fake_llm):
+    cfg = config_for()
+    await set_reminder(cfg, fake_llm, lambda t: dm("kai", t), text="private dentist", in_minutes=60)
+    await set_reminder(cfg, fake_llm, lambda t: group("g9", "kai", t), text="team standup", in_minutes=20)
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        (listing,) = await say(app, adapter, group("g9", "kai", "/reminders"))
+        assert "team standup" in listing and "dentist" not in listing  # the group never sees DM ones
+        (listing,) = await say(app, adapter, dm("kai", "/reminders"))
+        assert "team standup" in listing and "dentist" in listing
+        assert await say(app, adapter, group("g9", "kai", "/reminders cancel 1")) == ["There's no reminder #1 here."]
+        (done,) = await say(app, adapter, dm("kai", "/reminders cancel 1"))
+        assert done.startswith("Cancelled: #1") and "dentist" in done
+    finally:
+        await app.stop()
+    app, adapter = await run_later(cfg, 21 * 60)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert [(m.chat_id, m.text) for m in adapter.sent] == [("g9", "⏰ Reminder for kai: team standup")]
+
+
+async def test_times_are_read_in_the_persons_time_zone(tmp_path):
+    store = ReminderStore(tmp_path)
+    noted: list = []
+
+    async def index(due, lower_only):
+        noted.append((due, lower_only))
+
+    now = datetime(2026, 3, 20, 12, 0, tzinfo=ZoneInfo("UTC")).timestamp()
+    chat = ReminderChat("telegram", "111", "dm", None, "111", "lea")
+    tool = ReminderTool(store, chat, 10, index, group=False, clock=lambda: now)
+    refused = json.loads(await tool.handle({"action": "create", "text": "call mum", "at": "2026-03-28 09:00"}))
+    assert refused["success"] is False and "time zone" in refused["error"]
+    made = json.loads(await tool.handle({"action": "create", "text": "call mum", "at": "2026-03-28 09:00",
+                                         "timezone": "Europe/Berlin", "repeat": "daily"}))
+    assert made["success"] is True and "09:00 (Europe/Berlin)" in made["created"]
+    (reminder,) = await store.all()
+    assert reminder.due == datetime(2026, 3, 28, 9, 0, tzinfo=ZoneInfo("Europe/Berlin")).timestamp()
+    assert noted[-1] == (reminder.due, False)
+    # Berlin moves to summer time on 29 March: the daily reminder stays at 09:00 local
+    nxt = next_occurrence(reminder.due, "Europe/Berlin", "daily", reminder.due)
+    assert datetime.fromtimestamp(nxt, ZoneInfo("Europe/Berlin")).strftime("%d %H:%M") == "29 09:00"
+    assert nxt - reminder.due == 23 * 3600
+    bad = json.loads(await tool.handle({"action": "create", "text": "x", "at": "2026-03-28 09:00",
+                                        "timezone": "Mars/Olympus"}))
+    assert bad["success"] is False and "unknown time zone" in bad["error"]

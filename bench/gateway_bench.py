@@ -508,7 +508,7 @@ class RawTenant:
 
 
 async def run_raw(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    from agent.sessions import _SCHEMA
+    from agent.sessions import SCHEMA as _SCHEMA
 
     tenants: dict[int, RawTenant] = {}
     locks = [asyncio.Lock() for _ in range(args.tenants)]

@@ -748,3 +748,39 @@ async def test_backup_passes_integrity_check(profile: Path, tmp_path: Path) -> N
         scols = {r[1] for r in c.execute("PRAGMA table_info(sessions)")}
         assert {"parent_session_id", "started_at", "ended_at", "end_reason"} <= scols
         assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# ---------------------------------------------------------------- cheap open
+
+
+async def test_reopen_after_a_clean_close_skips_schema_script_and_journal_scan(
+        profile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with SessionStore(profile) as s:
+        sid = await s.start_session("k")
+        await s.append_many(msgs(sid, 3))
+    scans: list[str] = []
+    real_scan = Journal.scan
+    monkeypatch.setattr(Journal, "scan", lambda self, *a: (scans.append("scan"), real_scan(self, *a))[1])
+    monkeypatch.setattr(session_db, "SCHEMA", "this is not SQL")  # would fail if the script ran
+    async with SessionStore(profile) as s:
+        assert [m.content for m in await s.history(sid)] == ["m0", "m1", "m2"]
+        await s.append(StoredMessage(sid, "user", "m3"))
+    assert scans == []
+    with db(profile) as c:
+        assert c.execute("PRAGMA user_version").fetchone()[0] == session_db.USER_VERSION
+
+
+async def test_a_journal_changed_after_a_clean_close_is_still_reconciled(profile: Path) -> None:
+    async with SessionStore(profile) as s:
+        sid = await s.start_session("k")
+        await s.append_many(msgs(sid, 2))
+    late = StoredMessage(sid, "user", "written by a crashed run")
+    with jpath(profile, sid).open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"type": "message", **late.to_json()}) + "\n")
+    async with SessionStore(profile) as s:
+        assert (await s.history(sid))[-1].content == "written by a crashed run"
+    with db(profile) as c:
+        c.execute("DELETE FROM messages WHERE uid=?", (late.uid,))  # a row lost behind the store's back
+    async with SessionStore(profile) as s:
+        assert (await s.history(sid))[-1].uid == late.uid
+    assert_consistent(profile)

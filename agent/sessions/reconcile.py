@@ -1,9 +1,11 @@
 """Reconciliation: bring state.db and the journals of one profile to the same set of
 messages, by uid, when the profile opens.
 
-A clean close leaves a checkpoint (each journal's size and the message count, taken when
-every journal offset matched its file); an open that finds the files and rows as the
-checkpoint says skips the scan. Any crash leaves no checkpoint, so the next open scans.
+A clean close leaves a checkpoint: each journal's size and the message count, taken when
+every journal offset matched its file. An open that finds the journals and the rows as the
+checkpoint says skips the scan (and writes nothing). Journals only grow and every message
+row is journaled first, so any write after the checkpoint (a crash included) changes a
+size or the count, and the next open scans.
 """
 
 from __future__ import annotations
@@ -25,28 +27,26 @@ log = logging.getLogger("agent.sessions")
 CHECKPOINT_KEY = "clean_close"
 
 
+def _current(db: sqlite3.Connection, journal: Journal) -> str:
+    count = db.execute("SELECT count(*) FROM messages").fetchone()[0]
+    return json.dumps({"journals": dict(sorted(journal.sizes().items())), "messages": count})
+
+
 def write_checkpoint(db: sqlite3.Connection, journal: Journal) -> bool:
     """At a clean close: record that journals and state.db agree (if they do)."""
     offsets = {r[0]: r[1] for r in db.execute('SELECT session_id, "offset" FROM journal_offsets')}
-    sizes = journal.sizes()
-    if offsets != sizes:
+    if offsets != journal.sizes():
+        q.meta_put(db, CHECKPOINT_KEY, None)
         return False
-    count = db.execute("SELECT count(*) FROM messages").fetchone()[0]
-    q.meta_put(db, CHECKPOINT_KEY, json.dumps({"journals": sizes, "messages": count}))
+    current = _current(db, journal)
+    if q.meta_get(db, CHECKPOINT_KEY) != current:  # unchanged: no write, no WAL file
+        q.meta_put(db, CHECKPOINT_KEY, current)
     return True
 
 
 def _checkpoint_holds(db: sqlite3.Connection, journal: Journal) -> bool:
     raw = q.meta_get(db, CHECKPOINT_KEY)
-    if raw is None:
-        return False
-    q.meta_put(db, CHECKPOINT_KEY, None)  # valid for this open only: a crash must rescan
-    try:
-        cp = json.loads(raw)
-        return cp["journals"] == journal.sizes() and cp["messages"] == \
-            db.execute("SELECT count(*) FROM messages").fetchone()[0]
-    except (ValueError, KeyError, TypeError):
-        return False
+    return raw is not None and raw == _current(db, journal)
 
 
 def reconcile(db: sqlite3.Connection, journal: Journal) -> None:

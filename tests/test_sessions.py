@@ -784,3 +784,25 @@ async def test_a_journal_changed_after_a_clean_close_is_still_reconciled(profile
     async with SessionStore(profile) as s:
         assert (await s.history(sid))[-1].uid == late.uid
     assert_consistent(profile)
+
+
+async def test_profiles_sharing_one_pool_thread_never_see_each_others_messages(tmp_path: Path) -> None:
+    pool = sessions_mod.StoragePool(1)  # every call of both tenants runs on the same thread
+    try:
+        a = await SessionStore(tmp_path / "a", pool=pool).open()
+        b = await SessionStore(tmp_path / "b", pool=pool).open()
+        sa, _ = await a.get_or_start("lane")
+        sb, _ = await b.get_or_start("lane")
+        await asyncio.gather(*(
+            s.append(StoredMessage(sid, "user", f"{who} secret {i}"))
+            for i in range(20) for s, sid, who in ((a, sa, "alice"), (b, sb, "bob"))))
+        hits_a, hits_b = await asyncio.gather(a.search("secret", limit=100), b.search("secret", limit=100))
+        assert len(hits_a) == len(hits_b) == 20
+        assert all("alice" in h["snippet"] for h in hits_a) and all("bob" in h["snippet"] for h in hits_b)
+        assert {m.content.split()[0] for m in await a.history(sa)} == {"alice"}
+        await asyncio.gather(a.close(), b.close())
+    finally:
+        pool.shutdown()
+    for who, other in (("a", "bob"), ("b", "alice")):
+        assert other not in (tmp_path / who / "state.db").read_bytes().decode("latin-1")
+        assert not any(other in p.read_text("utf-8") for p in (tmp_path / who / "sessions").glob("*.jsonl"))

@@ -97,13 +97,24 @@ class StoragePool:
         self._executor: ThreadPoolExecutor | None = None  # threads start on first use
         self.syncer = GroupSyncer()
         self.calls = 0  # storage round trips so far (for benchmarks and tests)
+        self.cpu_s = 0.0  # CPU time the pool threads spent in those calls
+        self._cpu_lock = threading.Lock()
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run `fn` on a pool thread (one round trip)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="hermes-storage")
         self.calls += 1
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn)
+
+    def _timed(self, fn: Callable[[], T]) -> T:
+        t0 = time.thread_time()
+        try:
+            return fn()
+        finally:
+            dt = time.thread_time() - t0
+            with self._cpu_lock:
+                self.cpu_s += dt
 
     def shutdown(self) -> None:
         """Finish the pending batch fsyncs and end the threads (a later call starts new ones).

@@ -1,16 +1,16 @@
 """Reconciliation: bring state.db and the journals of one profile to the same set of
 messages, by uid, when the profile opens.
 
-A clean close leaves a checkpoint: each journal's size and the message count, taken when
-every journal offset matched its file. An open that finds the journals and the rows as the
-checkpoint says skips the scan (and writes nothing). Journals only grow and every message
-row is journaled first, so any write after the checkpoint (a crash included) changes a
-size or the count, and the next open scans.
+The checkpoint is the `journal_offsets` table, which every write transaction keeps up to
+date: where each journal ends and how many message lines it holds. When every journal
+ends exactly at its recorded offset and the message rows add up to the recorded lines,
+journal and database agree and the open skips the scan (and writes nothing). Journals only
+grow and every row is journaled first, so anything a crash left half done shows up as a
+journal longer than its offset, and the next open reads that tail.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 from pathlib import Path
@@ -24,36 +24,25 @@ from agent.sessions.write import journaled
 
 log = logging.getLogger("agent.sessions")
 
-CHECKPOINT_KEY = "clean_close"
 
-
-def _current(db: sqlite3.Connection, journal: Journal) -> str:
-    count = db.execute("SELECT count(*) FROM messages").fetchone()[0]
-    return json.dumps({"journals": dict(sorted(journal.sizes().items())), "messages": count})
-
-
-def write_checkpoint(db: sqlite3.Connection, journal: Journal) -> bool:
-    """At a clean close: record that journals and state.db agree (if they do)."""
-    offsets = {r[0]: r[1] for r in db.execute('SELECT session_id, "offset" FROM journal_offsets')}
+def _agree(db: sqlite3.Connection, journal: Journal, offsets: dict[str, int]) -> bool:
+    """True when the journals and state.db are known to hold the same messages."""
     if offsets != journal.sizes():
-        q.meta_put(db, CHECKPOINT_KEY, None)
         return False
-    current = _current(db, journal)
-    if q.meta_get(db, CHECKPOINT_KEY) != current:  # unchanged: no write, no WAL file
-        q.meta_put(db, CHECKPOINT_KEY, current)
-    return True
-
-
-def _checkpoint_holds(db: sqlite3.Connection, journal: Journal) -> bool:
-    raw = q.meta_get(db, CHECKPOINT_KEY)
-    return raw is not None and raw == _current(db, journal)
+    lines, rows = db.execute(
+        "SELECT (SELECT COALESCE(sum(messages), 0) FROM journal_offsets), (SELECT count(*) FROM messages)"
+    ).fetchone()
+    if lines != rows:
+        return False
+    # every session is journaled (a session row without a journal is rebuilt below)
+    return db.execute("SELECT count(*) FROM sessions").fetchone()[0] <= len(offsets)
 
 
 def reconcile(db: sqlite3.Connection, journal: Journal) -> None:
     """Bring state.db and the journals to the same set of messages (runs in open())."""
-    if _checkpoint_holds(db, journal):
-        return
     offsets = {r[0]: r[1] for r in db.execute('SELECT session_id, "offset" FROM journal_offsets')}
+    if _agree(db, journal, offsets):
+        return
     # Sessions whose SQLite message count differs from what their journal holds (rows
     # added or lost behind the store's back) get a full scan; the rest only a tail read.
     suspects = {

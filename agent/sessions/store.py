@@ -31,7 +31,7 @@ from agent.sessions.codec import (
 from agent.sessions.errors import SessionStoreError, StaleRouteError, UnknownSessionError
 from agent.sessions.journal import Journal
 from agent.sessions.pool import StoragePool, default_pool
-from agent.sessions.reconcile import reconcile, write_checkpoint
+from agent.sessions.reconcile import reconcile
 from agent.sessions.search import clamp_limit, search
 from agent.sessions.write import Lines, Tx, journaled
 
@@ -159,7 +159,7 @@ class SessionStore:
             self._lock_fd = None
 
     async def close(self) -> None:
-        """Write pending counters, fsync every journal written to, leave a checkpoint, close."""
+        """Write pending counters, fsync every journal written to, close."""
         if self._db is None:
             return
         async with self._lock:
@@ -177,7 +177,6 @@ class SessionStore:
                         _Call(db, self._journal, soft or None).flush_soft()
                     finally:
                         self._journal.close()
-                    write_checkpoint(db, self._journal)
                 finally:
                     try:
                         db.close()

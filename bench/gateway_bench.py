@@ -640,6 +640,8 @@ def disk_info(path: Path) -> str:
 
 
 def git_state() -> str:
+    if os.environ.get("HERMES_BENCH_CODE"):  # a copy of the tree outside git (see run_suite.py)
+        return os.environ["HERMES_BENCH_CODE"]
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=5).stdout.strip()

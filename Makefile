@@ -22,7 +22,7 @@ test: install
 	$(VENV)/bin/python -m pytest -q
 
 bench: install
-	$(VENV)/bin/python bench/gateway_bench.py
+	$(VENV)/bin/python bench/run_suite.py --runs 3 --write BENCHMARKS.md
 	$(VENV)/bin/python bench/compression_bench.py
 
 clean:

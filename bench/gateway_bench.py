@@ -45,7 +45,7 @@ What is measured
   `profiles/<t>/sessions/<sid>.jsonl` (os.write on an O_APPEND fd; fsync per
   `--fsync`: always = fsync each line + SQLite synchronous=FULL, batch = dirty journals
   fsynced every 50 ms + synchronous=NORMAL, never = no fsync + NORMAL) and then one INSERT
-  into `profiles/<t>/state.db` (the real schema from agent/sessions.py, FTS trigger
+  into `profiles/<t>/state.db` (the real schema from agent/sessions/db.py, FTS trigger
   included, WAL) in its own transaction. One sqlite3 connection and fd per tenant kept
   open (no churn), the work done in asyncio.to_thread. share = gateway msg/s / raw msg/s.
 * peak RSS: `resource.getrusage(RUSAGE_SELF).ru_maxrss` (KiB) read right after the gateway
@@ -372,12 +372,17 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
     await app.start()
     sampler.start()
     work = schedule(args.tenants, args.messages, args.order)
+    pool = getattr(app, "storage_pool", None)
+    calls0 = getattr(pool, "calls", 0)
+    storage_cpu0 = getattr(pool, "cpu_s", 0.0)
     cpu0 = time.process_time()
     t_start = time.perf_counter()
     load = await drive(work, args.concurrency)
     drained = await app.drain(120)
     elapsed = time.perf_counter() - t_start
     cpu = time.process_time() - cpu0
+    storage_calls = getattr(pool, "calls", 0) - calls0
+    storage_cpu = getattr(pool, "cpu_s", 0.0) - storage_cpu0
     peak_rss = peak_rss_kib()
     open_after_load = pm.open_count
     churn_load = dict(churn)
@@ -395,6 +400,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
             plans["cold"] = [(t, args.messages) for t in range(n_cold)]
         for name, plan in plans.items():
             before = dict(churn)
+            calls_before = getattr(pool, "calls", 0)
             run = await drive(plan, 1)
             await app.drain(60)
             over = run.overheads()
@@ -402,6 +408,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
                 "turns": len(over), "overhead_p50_ms": ms(pct(over, 50)), "overhead_p99_ms": ms(pct(over, 99)),
                 "llm_p50_ms": ms(pct([llm.times.get(k, 0.0) for k in run.turns], 50)),
                 "profile_opens": churn["opens"] - before["opens"],
+                "storage_calls_per_turn": round((getattr(pool, "calls", 0) - calls_before) / max(len(over), 1), 2),
             }
 
     await sampler.stop()
@@ -441,6 +448,8 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
         **rounds,
         "cpu_s": round(cpu, 2),
         "cpu_ms_per_turn": round(1000 * cpu / max(turns, 1), 3),
+        "storage_calls_per_turn": round(storage_calls / max(turns, 1), 2),
+        "storage_cpu_ms_per_turn": round(1000 * storage_cpu / max(turns, 1), 3),
         "overhead_p50_ms": ms(pct(over_all, 50)),
         "overhead_p90_ms": ms(pct(over_all, 90)),
         "overhead_p99_ms": ms(pct(over_all, 99)),
@@ -508,30 +517,56 @@ class RawTenant:
 
 
 async def run_raw(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    from agent.sessions import _SCHEMA
+    from agent.sessions import SCHEMA as _SCHEMA
 
     tenants: dict[int, RawTenant] = {}
+    seen: set[int] = set()
     locks = [asyncio.Lock() for _ in range(args.tenants)]
     work = schedule(args.tenants, args.messages, args.order)
     it = iter(work)
     stop = asyncio.Event()
     counter = itertools.count(1)
 
+    table = threading.Lock()  # the tenants dict, against the syncer and concurrent turns
+
     def fsync_dirty() -> None:
-        for rt in list(tenants.values()):
-            if rt.dirty:
-                rt.dirty = False
-                os.fsync(rt.fd)
+        with table:  # duplicates, so an eviction cannot close a descriptor under the fsync
+            fds = []
+            for rt in tenants.values():
+                if rt.dirty:
+                    rt.dirty = False
+                    fds.append(os.dup(rt.fd))
+        for fd in fds:
+            os.fsync(fd)
+            os.close(fd)
 
     async def batch_syncer() -> None:
         while not stop.is_set():
             await asyncio.sleep(0.05)
             await asyncio.to_thread(fsync_dirty)
 
+    # Each open tenant holds 4 descriptors (journal, db, -wal, -shm); beyond what the fd
+    # limit allows, the least recently used tenant is closed (only at ~5,000+ tenants).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    max_open = max(64, (soft - open_fds() - 256) // 4)
+    reopened = 0
+
     def turn(t: int, i: int) -> None:
-        rt = tenants.get(t)
+        nonlocal reopened
+        with table:
+            rt = tenants.pop(t, None)
         if rt is None:
-            rt = tenants[t] = RawTenant(root, t, args.fsync, _SCHEMA)
+            rt = RawTenant(root, t, args.fsync, _SCHEMA)
+            with table:
+                reopened += t in seen
+                seen.add(t)
+                while len(tenants) >= max_open:
+                    old = tenants.pop(next(iter(tenants)))
+                    if old.dirty:
+                        os.fsync(old.fd)
+                    old.close()
+        with table:
+            tenants[t] = rt  # most recently used last
         n = next(counter)
         rt.store(f"in-{n}", "user", f"Hello, this is message {i + 1} from tenant {t}. How are you? [m{n}]",
                  args.fsync)
@@ -555,7 +590,7 @@ async def run_raw(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         rt.close()
     turns = len(work)
     return {"turns": turns, "messages": 2 * turns, "elapsed_s": round(elapsed, 3),
-            "messages_per_s": round(2 * turns / elapsed, 1)}
+            "messages_per_s": round(2 * turns / elapsed, 1), "max_open": max_open, "reopened": reopened}
 
 
 # --------------------------------------------------------------------------- machine
@@ -605,6 +640,8 @@ def disk_info(path: Path) -> str:
 
 
 def git_state() -> str:
+    if os.environ.get("HERMES_BENCH_CODE"):  # a copy of the tree outside git (see run_suite.py)
+        return os.environ["HERMES_BENCH_CODE"]
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=5).stdout.strip()
@@ -649,7 +686,9 @@ def report(res: dict[str, Any]) -> str:
         f"disk {res.get('disk', '?')}, load avg at start {m['loadavg_start'][0]:.2f}, code {m['git']}",
         "",
         f"gateway  : {g['turns']} turns in {g['elapsed_s']:.2f} s = {g['turns_per_s']:.0f} turns/s = "
-        f"{g['messages_per_s']:.0f} messages/s  (CPU {g['cpu_ms_per_turn']:.2f} ms/turn, all threads)",
+        f"{g['messages_per_s']:.0f} messages/s  (CPU {g['cpu_ms_per_turn']:.2f} ms/turn, all threads; "
+        f"{g.get('storage_calls_per_turn', 0):.2f} storage pool calls/turn incl. profile opens and closes, "
+        f"{g.get('storage_cpu_ms_per_turn', 0):.2f} ms CPU/turn in them)",
         f"overhead : p50 {g['overhead_p50_ms']:.2f} ms, p90 {g['overhead_p90_ms']:.2f} ms, "
         f"p99 {g['overhead_p99_ms']:.2f} ms per turn at concurrency {a['concurrency']} "
         f"(first turn of a tenant p50 {g['overhead_first_turn_p50_ms']:.2f} ms, later turns p50 "

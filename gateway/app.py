@@ -20,6 +20,7 @@ from agent.fileio import private_mkdir
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
 from agent.reminders import ReminderChat
+from agent.sessions import StoragePool
 from agent.tokens import TokenCounter
 from agent.turn import Agent, TurnResult, UserInput
 from gateway.access import Access
@@ -92,10 +93,11 @@ class GatewayApp:
         self.adapters: dict[str, Adapter] = {a.platform: a for a in adapters}
         self.inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
         self.links = IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
+        self.storage_pool = StoragePool(cfg.storage.io_threads)
         self.profiles = ProfileManager(
             cfg.data_dir, max_open=cfg.tenancy.max_open_profiles, fsync=cfg.storage.fsync,
             memory_char_limit=cfg.memory.memory_char_limit, user_char_limit=cfg.memory.user_char_limit,
-            provider_kind=cfg.memory.provider)
+            provider_kind=cfg.memory.provider, pool=self.storage_pool)
         self._own_llm = llm is None
         self.llm = llm or LLMClient.from_config(cfg.llm)
         self.tokens = tokens or TokenCounter.create(log)
@@ -195,6 +197,7 @@ class GatewayApp:
             except Exception:
                 log.exception("%s adapter failed to stop cleanly", adapter.platform)
         await self.profiles.close_all()
+        await asyncio.to_thread(self.storage_pool.shutdown)
         if self._started:
             await self.inbox.close()
             self._started = False

@@ -125,6 +125,8 @@ class SkillsConfig(_Section):
 
 class StorageConfig(_Section):
     fsync: Literal["always", "batch", "never"] = "batch"
+    # threads that do every profile's session I/O (SQLite and journals), shared by all profiles
+    io_threads: int = Field(default=4, ge=1, le=8)
 
 
 class TenancyConfig(_Section):

@@ -3,13 +3,20 @@ recorded before it is acknowledged, answered at most once, and replayed after a 
 
 The message text is kept only while the message is pending and erased once it has been
 answered, so this shared database holds no tenant's conversation.
+
+`record` and `finish` are write-combined: calls made while a batch is being written are
+queued and go together as one statement (one transaction) when it is done; each caller
+still returns only after its own row is durable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import aiosqlite
 
@@ -32,6 +39,46 @@ CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+MAX_BATCH = 256  # rows per statement (4-6 variables each, far below SQLite's limit)
+
+
+class WriteCombiner(Generic[Item, Result]):
+    """Coalesces concurrent calls into batches: `write` gets every item queued since the
+    last batch started and returns one result per item, in order."""
+
+    def __init__(self, write: Callable[[list[Item]], Awaitable[list[Result]]], max_batch: int = MAX_BATCH) -> None:
+        self._write = write
+        self._max = max_batch
+        self._queue: list[tuple[Item, asyncio.Future[Result]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def submit(self, item: Item) -> Result:
+        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._queue.append((item, fut))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return await asyncio.shield(fut)  # a cancelled caller's row is still written
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue[: self._max], self._queue[self._max :]
+                try:
+                    results = await self._write([item for item, _ in batch])
+                except Exception as exc:
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                for (_, fut), result in zip(batch, results):
+                    if not fut.done():
+                        fut.set_result(result)
+        finally:
+            self._task = None
+
+
 class Inbox:
     """Dedupe and replay log of inbound platform messages."""
 
@@ -39,6 +86,8 @@ class Inbox:
         self.path = path
         self._fsync = fsync
         self._db: aiosqlite.Connection | None = None
+        self._records: WriteCombiner[InboundMessage, bool] = WriteCombiner(self._record_batch)
+        self._finishes: WriteCombiner[tuple[InboundMessage, str], None] = WriteCombiner(self._finish_batch)
 
     async def open(self) -> None:
         private_mkdir(self.path.parent)
@@ -63,12 +112,26 @@ class Inbox:
 
     async def record(self, msg: InboundMessage) -> bool:
         """Durably record `msg` as pending; False if this platform message was seen before."""
-        payload = msg.model_dump_json()
-        cur = await self.db.execute(
-            "INSERT OR IGNORE INTO inbound(platform, chat_id, message_id, received_at, status, payload)"
-            " VALUES (?, ?, ?, ?, 'pending', ?)",
-            (msg.platform, msg.chat_id, msg.message_id, time.time(), payload))
-        return cur.rowcount == 1
+        _ = self.db  # fail now, not inside a batch, when the inbox is closed
+        return await self._records.submit(msg)
+
+    async def _record_batch(self, msgs: list[InboundMessage]) -> list[bool]:
+        """One INSERT for the batch; RETURNING names the rows that were new."""
+        now = time.time()
+        params: list[object] = []
+        for m in msgs:
+            params += [m.platform, m.chat_id, m.message_id, now, m.model_dump_json()]
+        rows = await self.db.execute_fetchall(
+            "INSERT OR IGNORE INTO inbound(platform, chat_id, message_id, received_at, status, payload) VALUES "
+            + ",".join(["(?, ?, ?, ?, 'pending', ?)"] * len(msgs))
+            + " RETURNING platform, chat_id, message_id", params)
+        new = {tuple(r) for r in rows}
+        out = []
+        for m in msgs:  # the same message twice in one batch: only the first is new
+            key = (m.platform, m.chat_id, m.message_id)
+            out.append(key in new)
+            new.discard(key)
+        return out
 
     async def forget(self, msg: InboundMessage) -> None:
         """Drop a still-pending record, so the platform's redelivery is taken in afresh."""
@@ -78,10 +141,18 @@ class Inbox:
 
     async def finish(self, msg: InboundMessage, outcome: str) -> None:
         """Mark `msg` answered (or refused) and forget its text."""
+        _ = self.db
+        await self._finishes.submit((msg, outcome))
+
+    async def _finish_batch(self, items: list[tuple[InboundMessage, str]]) -> list[None]:
+        """One UPDATE for the batch (the last outcome wins if a message appears twice)."""
+        last = {(m.platform, m.chat_id, m.message_id): outcome for m, outcome in items}
+        params: list[object] = [x for key, outcome in last.items() for x in (*key, outcome)]
         await self.db.execute(
-            "UPDATE inbound SET status='done', outcome=?, payload=NULL"
-            " WHERE platform=? AND chat_id=? AND message_id=?",
-            (outcome, msg.platform, msg.chat_id, msg.message_id))
+            "WITH v(p, c, m, o) AS (VALUES " + ",".join(["(?, ?, ?, ?)"] * len(last)) + ") "
+            "UPDATE inbound SET status='done', outcome=v.o, payload=NULL FROM v "
+            "WHERE inbound.platform=v.p AND inbound.chat_id=v.c AND inbound.message_id=v.m", params)
+        return [None] * len(items)
 
     async def pending(self) -> list[InboundMessage]:
         """Messages recorded but never answered (a crash or stop mid-turn), oldest first."""

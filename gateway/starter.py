@@ -48,6 +48,7 @@ skills:
 
 storage:
   fsync: batch                  # always | batch | never
+  io_threads: 4                 # threads doing every profile's session I/O (1-8)
 
 tenancy:
   group_sessions_per_user: true     # each member of a group gets their own lane

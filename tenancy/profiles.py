@@ -20,7 +20,7 @@ from typing import AsyncIterator
 from agent.fileio import atomic_write, private_mkdir
 from agent.memory import MemoryStore
 from agent.providers import MemoryProvider, make_provider
-from agent.sessions import SessionStore
+from agent.sessions import SessionStore, StoragePool
 from tenancy.keys import tenant_dir
 
 SCHEMA_VERSION = 1
@@ -101,8 +101,9 @@ class ProfileManager:
 
     def __init__(self, data_dir: Path, *, max_open: int = 256, fsync: str = "batch",
                  memory_char_limit: int = 2200, user_char_limit: int = 1375,
-                 provider_kind: str = "") -> None:
+                 provider_kind: str = "", pool: StoragePool | None = None) -> None:
         self.data_dir = data_dir
+        self.pool = pool  # storage threads shared by every profile's SessionStore
         self.max_open = max_open
         self._fsync = fsync
         self._memory_limits = (memory_char_limit, user_char_limit)
@@ -184,7 +185,7 @@ class ProfileManager:
 
     async def _open_profile(self, tenant_id: str, kind: str) -> Profile:
         path, principals = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
-        sessions = SessionStore(path, fsync=self._fsync)
+        sessions = SessionStore(path, fsync=self._fsync, pool=self.pool)
         await sessions.open()
         mem_limit, user_limit = self._memory_limits
         memory = MemoryStore(path, mem_limit, user_limit)

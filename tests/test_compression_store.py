@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.messages import StoredMessage
+import agent.sessions.db as session_db
 from agent.sessions import SessionStore
 from tests.test_sessions import assert_consistent, jlines
 
@@ -71,10 +72,10 @@ async def test_compact_is_all_or_nothing(profile: Path, monkeypatch) -> None:
         sid = await s.start_session("lane")
         msgs = await conversation(s, sid, 3)
 
-        async def boom(*a, **k):
+        def boom(*a, **k):
             raise RuntimeError("disk on fire")
 
-        monkeypatch.setattr(s, "_apply_flags", boom)
+        monkeypatch.setattr(session_db, "apply_flags", boom)
         with pytest.raises(RuntimeError):
             await s.compact(sid, [msgs[2].uid], [summary_msg(sid, msgs[1].uid)])
         monkeypatch.undo()

@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 
 import agent.sessions as sessions_mod
+import agent.sessions.db as session_db
+import agent.sessions.journal as journal_mod
+from agent.sessions.codec import msg_row
 from agent.messages import StoredMessage, new_uid
 from agent.sessions import (
     DatabaseWriteError,
@@ -23,6 +26,7 @@ from agent.sessions import (
     StaleRouteError,
     UnknownSessionError,
 )
+from agent.sessions.journal import Journal
 
 ODD = (
     "héllo 🌍 e\u0301 \u200b zero-width, \u202eRTL\u202c עברית العربية 𝔘𝔫𝔦"
@@ -67,6 +71,12 @@ def db(profile: Path) -> sqlite3.Connection:
 def db_uids(profile: Path) -> list[str]:
     with db(profile) as c:
         return [r[0] for r in c.execute("SELECT uid FROM messages ORDER BY id")]
+
+
+async def on_connection(s: SessionStore, what: Any) -> Any:
+    """Run SQL (or a function of the connection) on the store's own connection, in its turn."""
+    fn = (lambda db: db.execute(what)) if isinstance(what, str) else what
+    return await s._call(lambda c: fn(c.db))
 
 
 def assert_consistent(profile: Path) -> None:
@@ -130,9 +140,8 @@ async def test_journal_line_is_flushed_before_sqlite_insert(profile: Path) -> No
             seen.append(uid in path.read_text("utf-8"))
             return 0
 
-        assert s._db is not None
-        await s._db.create_function("peek", 1, peek)
-        await s._db.execute("CREATE TEMP TRIGGER t AFTER INSERT ON messages BEGIN SELECT peek(new.uid); END")
+        await on_connection(s, lambda db: db.create_function("peek", 1, peek))
+        await on_connection(s, "CREATE TEMP TRIGGER t AFTER INSERT ON messages BEGIN SELECT peek(new.uid); END")
         await s.append_many(msgs(sid, 3))
     assert seen == [True, True, True]
 
@@ -301,8 +310,8 @@ async def test_sqlite_only_message_is_journaled_on_open(profile: Path) -> None:
     orphan = StoredMessage(sid, "assistant", "only in sqlite", tool_calls=[{"id": "c"}])
     with db(profile) as c:
         c.execute(
-            f"INSERT INTO messages({sessions_mod._MSG_COLS}) VALUES ({','.join('?' * 13)})",
-            sessions_mod._msg_row(orphan),
+            f"INSERT INTO messages({session_db.MSG_COLS}) VALUES ({','.join('?' * 13)})",
+            msg_row(orphan),
         )
     async with SessionStore(profile) as s:
         pass
@@ -344,13 +353,13 @@ async def test_reopen_reads_only_the_journal_tail(profile: Path, monkeypatch: py
         f.write(json.dumps({"type": "message", **late.to_json()}) + "\n")
 
     reads: list[tuple[str, int]] = []
-    real = SessionStore._read_journal
+    real = Journal.read
 
     def spy(path: Path, start: int) -> Any:
         reads.append((Path(path).stem, start))
         return real(path, start)
 
-    monkeypatch.setattr(SessionStore, "_read_journal", staticmethod(spy))
+    monkeypatch.setattr(Journal, "read", staticmethod(spy))
     async with SessionStore(profile) as s:
         assert (await s.history(a))[-1].uid == late.uid
     assert reads == [(a, offs[a])]
@@ -591,13 +600,13 @@ async def test_disk_full_on_journal_write(profile: Path) -> None:
         sid = await s.start_session("k")
         await s.append(StoredMessage(sid, "user", "before"))
         size = jpath(profile, sid).stat().st_size
-        real = s._write_fd
+        real = s._journal._write_fd
 
         def full_disk(fd: int, data: memoryview) -> int:
             os.write(fd, data[: len(data) // 2])  # a torn half line reaches the file
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        s._write_fd = full_disk  # type: ignore[method-assign]
+        s._journal._write_fd = full_disk  # type: ignore[method-assign]
         with pytest.raises(JournalWriteError, match="No space left"):
             await s.append(StoredMessage(sid, "user", "lost"))
         with pytest.raises(JournalWriteError):
@@ -605,7 +614,7 @@ async def test_disk_full_on_journal_write(profile: Path) -> None:
         assert jpath(profile, sid).stat().st_size == size
         assert [m.content for m in await s.history(sid)] == ["before"]
         assert await s.route("k") == sid
-        s._write_fd = real  # type: ignore[method-assign]
+        s._journal._write_fd = real  # type: ignore[method-assign]
         await s.append(StoredMessage(sid, "user", "after"))
     assert_consistent(profile)
     async with SessionStore(profile) as s:
@@ -623,12 +632,12 @@ async def test_disk_full_when_truncate_also_fails(profile: Path, monkeypatch: py
         def no_truncate(*a: Any) -> None:
             raise OSError(errno.EIO, "io error")
 
-        s._write_fd = full_disk  # type: ignore[method-assign]
-        monkeypatch.setattr(sessions_mod.os, "ftruncate", no_truncate)
+        s._journal._write_fd = full_disk  # type: ignore[method-assign]
+        monkeypatch.setattr(journal_mod.os, "ftruncate", no_truncate)
         with pytest.raises(JournalWriteError):
             await s.append(StoredMessage(sid, "user", "lost"))
         monkeypatch.undo()
-        del s._write_fd
+        del s._journal._write_fd
         await s.append(StoredMessage(sid, "user", "after"))  # must start on a fresh line
     async with SessionStore(profile) as s:
         assert [m.content for m in await s.history(sid)] == ["after"]
@@ -641,14 +650,13 @@ async def test_sqlite_failure_withdraws_journal_line(profile: Path) -> None:
     async with SessionStore(profile) as s:
         sid = await s.start_session("k")
         size = jpath(profile, sid).stat().st_size
-        assert s._db is not None
-        await s._db.execute(
-            "CREATE TEMP TRIGGER boom BEFORE INSERT ON messages BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+        await on_connection(
+            s, "CREATE TEMP TRIGGER boom BEFORE INSERT ON messages BEGIN SELECT RAISE(ABORT, 'disk full'); END"
         )
         with pytest.raises(DatabaseWriteError, match="disk full"):
             await s.append(StoredMessage(sid, "user", "nope"))
         assert jpath(profile, sid).stat().st_size == size
-        await s._db.execute("DROP TRIGGER boom")
+        await on_connection(s, "DROP TRIGGER boom")
         await s.append(StoredMessage(sid, "user", "yes"))
     assert_consistent(profile)
     assert len(db_uids(profile)) == 1
@@ -658,7 +666,7 @@ async def test_sqlite_failure_withdraws_journal_line(profile: Path) -> None:
 async def test_fsync_policies(profile: Path, monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
     calls: list[int] = []
     real = os.fsync
-    monkeypatch.setattr(sessions_mod.os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    monkeypatch.setattr(journal_mod.os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
     async with SessionStore(profile, fsync=policy) as s:  # type: ignore[arg-type]
         sid = await s.start_session("k")
         calls.clear()
@@ -681,14 +689,14 @@ async def test_fsync_policies(profile: Path, monkeypatch: pytest.MonkeyPatch, po
 
 
 async def test_many_journals_with_small_handle_cache(profile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sessions_mod, "MAX_OPEN_JOURNALS", 4)
+    monkeypatch.setattr(journal_mod, "MAX_OPEN_JOURNALS", 4)
     synced: set[int] = set()
     real = os.fsync
-    monkeypatch.setattr(sessions_mod.os, "fsync", lambda fd: (synced.add(fd), real(fd))[1])
+    monkeypatch.setattr(journal_mod.os, "fsync", lambda fd: (synced.add(fd), real(fd))[1])
     async with SessionStore(profile, fsync="never") as s:
         sids = [await s.start_session(f"k{i}") for i in range(12)]
         await s.append_many([StoredMessage(sid, "user", f"to {sid}") for sid in sids])
-        assert len(s._fds) <= 4
+        assert s._journal.open_fds <= 4
         assert synced  # evicted dirty journals were fsynced before their descriptor closed
     assert_consistent(profile)
     assert len(db_uids(profile)) == 12
@@ -740,3 +748,61 @@ async def test_backup_passes_integrity_check(profile: Path, tmp_path: Path) -> N
         scols = {r[1] for r in c.execute("PRAGMA table_info(sessions)")}
         assert {"parent_session_id", "started_at", "ended_at", "end_reason"} <= scols
         assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# ---------------------------------------------------------------- cheap open
+
+
+async def test_reopen_after_a_clean_close_skips_schema_script_and_journal_scan(
+        profile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with SessionStore(profile) as s:
+        sid = await s.start_session("k")
+        await s.append_many(msgs(sid, 3))
+    scans: list[str] = []
+    real_scan = Journal.scan
+    monkeypatch.setattr(Journal, "scan", lambda self, *a: (scans.append("scan"), real_scan(self, *a))[1])
+    monkeypatch.setattr(session_db, "SCHEMA", "this is not SQL")  # would fail if the script ran
+    async with SessionStore(profile) as s:
+        assert [m.content for m in await s.history(sid)] == ["m0", "m1", "m2"]
+        await s.append(StoredMessage(sid, "user", "m3"))
+    assert scans == []
+    with db(profile) as c:
+        assert c.execute("PRAGMA user_version").fetchone()[0] == session_db.USER_VERSION
+
+
+async def test_a_journal_changed_after_a_clean_close_is_still_reconciled(profile: Path) -> None:
+    async with SessionStore(profile) as s:
+        sid = await s.start_session("k")
+        await s.append_many(msgs(sid, 2))
+    late = StoredMessage(sid, "user", "written by a crashed run")
+    with jpath(profile, sid).open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"type": "message", **late.to_json()}) + "\n")
+    async with SessionStore(profile) as s:
+        assert (await s.history(sid))[-1].content == "written by a crashed run"
+    with db(profile) as c:
+        c.execute("DELETE FROM messages WHERE uid=?", (late.uid,))  # a row lost behind the store's back
+    async with SessionStore(profile) as s:
+        assert (await s.history(sid))[-1].uid == late.uid
+    assert_consistent(profile)
+
+
+async def test_profiles_sharing_one_pool_thread_never_see_each_others_messages(tmp_path: Path) -> None:
+    pool = sessions_mod.StoragePool(1)  # every call of both tenants runs on the same thread
+    try:
+        a = await SessionStore(tmp_path / "a", pool=pool).open()
+        b = await SessionStore(tmp_path / "b", pool=pool).open()
+        sa, _ = await a.get_or_start("lane")
+        sb, _ = await b.get_or_start("lane")
+        await asyncio.gather(*(
+            s.append(StoredMessage(sid, "user", f"{who} secret {i}"))
+            for i in range(20) for s, sid, who in ((a, sa, "alice"), (b, sb, "bob"))))
+        hits_a, hits_b = await asyncio.gather(a.search("secret", limit=100), b.search("secret", limit=100))
+        assert len(hits_a) == len(hits_b) == 20
+        assert all("alice" in h["snippet"] for h in hits_a) and all("bob" in h["snippet"] for h in hits_b)
+        assert {m.content.split()[0] for m in await a.history(sa)} == {"alice"}
+        await asyncio.gather(a.close(), b.close())
+    finally:
+        pool.shutdown()
+    for who, other in (("a", "bob"), ("b", "alice")):
+        assert other not in (tmp_path / who / "state.db").read_bytes().decode("latin-1")
+        assert not any(other in p.read_text("utf-8") for p in (tmp_path / who / "sessions").glob("*.jsonl"))

@@ -1,0 +1,306 @@
+"""state.db: the schema, opening a connection, and the statements the store runs.
+
+Plain `sqlite3` on purpose: every function here runs on a storage pool thread inside one
+store call, with the connection handed in explicitly (no connection is shared between
+profiles, and one call at a time uses it).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agent.messages import StoredMessage
+from agent.sessions.codec import msg_row
+from agent.sessions.errors import SessionStoreError, UnknownSessionError
+
+SCHEMA_VERSION = 1
+# PRAGMA user_version of a state.db whose schema script already ran (so open() can skip it)
+USER_VERSION = 1
+_SQL_CHUNK = 500  # uids per `IN (...)` clause, well below SQLite's variable limit
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS sessions(
+    id TEXT PRIMARY KEY,
+    session_key TEXT,
+    source TEXT,
+    user_id TEXT,
+    model TEXT,
+    started_at REAL,
+    ended_at REAL,
+    end_reason TEXT,
+    parent_session_id TEXT,
+    message_count INTEGER DEFAULT 0,
+    title TEXT,
+    input_tokens INTEGER DEFAULT 0,
+    output_tokens INTEGER DEFAULT 0,
+    compressions INTEGER DEFAULT 0,
+    summary TEXT
+);
+CREATE INDEX IF NOT EXISTS idx_sessions_key ON sessions(session_key);
+CREATE INDEX IF NOT EXISTS idx_sessions_parent ON sessions(parent_session_id);
+CREATE TABLE IF NOT EXISTS messages(
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    uid TEXT UNIQUE NOT NULL,
+    session_id TEXT NOT NULL,
+    role TEXT,
+    content TEXT,
+    tool_call_id TEXT,
+    tool_calls TEXT,
+    tool_name TEXT,
+    timestamp REAL,
+    token_count INTEGER,
+    finish_reason TEXT,
+    active INTEGER DEFAULT 1,
+    compacted INTEGER DEFAULT 0,
+    meta TEXT
+);
+CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, id);
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
+    content, content='messages', content_rowid='id'
+);
+CREATE TRIGGER IF NOT EXISTS messages_fts_ai AFTER INSERT ON messages BEGIN
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+END;
+CREATE TRIGGER IF NOT EXISTS messages_fts_ad AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+END;
+CREATE TRIGGER IF NOT EXISTS messages_fts_au AFTER UPDATE OF content ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+END;
+CREATE TABLE IF NOT EXISTS routes(
+    session_key TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    updated_at REAL
+);
+CREATE INDEX IF NOT EXISTS idx_routes_session ON routes(session_id);
+CREATE TABLE IF NOT EXISTS journal_offsets(
+    session_id TEXT PRIMARY KEY,
+    "offset" INTEGER,
+    messages INTEGER DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS compression_state(
+    session_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    updated_at REAL
+);
+"""
+
+MSG_COLS = (
+    "uid, session_id, role, content, tool_call_id, tool_calls, tool_name, timestamp, "
+    "token_count, finish_reason, active, compacted, meta"
+)
+INSERT_MSG = f"INSERT OR IGNORE INTO messages({MSG_COLS}) VALUES ({', '.join('?' * 13)})"
+SESSION_COLS = (
+    "id, session_key, source, user_id, model, started_at, ended_at, end_reason, "
+    "parent_session_id, message_count, title, input_tokens, output_tokens, compressions, summary"
+)
+LIVE_ROUTE_SQL = (
+    "SELECT r.session_id FROM routes r JOIN sessions s ON s.id = r.session_id "
+    "WHERE r.session_key=? AND s.ended_at IS NULL"
+)
+# SQL: true for a compression summary row (meta {"compressed_summary": true}); undo skips them.
+IS_SUMMARY_SQL = "(json_valid(meta) AND COALESCE(json_extract(meta, '$.compressed_summary'), 0) != 0)"
+
+
+def chunks(items: list[T], n: int = _SQL_CHUNK) -> Iterable[list[T]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def connect(path: Path, fsync: str) -> sqlite3.Connection:
+    """Open state.db for one profile (usable from any pool thread, one call at a time).
+
+    The schema script runs only when PRAGMA user_version says it has not run yet."""
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA busy_timeout=10000")
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={'FULL' if fsync == 'always' else 'NORMAL'}")
+        if db.execute("PRAGMA user_version").fetchone()[0] != USER_VERSION:
+            db.executescript(SCHEMA)
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) > SCHEMA_VERSION:
+                raise SessionStoreError(f"{path} has schema {row[0]}, newer than {SCHEMA_VERSION}")
+            db.execute(f"PRAGMA user_version={USER_VERSION}")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def session_row(db: sqlite3.Connection, sid: str) -> sqlite3.Row:
+    row = db.execute(f"SELECT {SESSION_COLS} FROM sessions WHERE id=?", (sid,)).fetchone()
+    if row is None:
+        raise UnknownSessionError(sid)
+    return row
+
+
+def live_route(db: sqlite3.Connection, session_key: str) -> str | None:
+    row = db.execute(LIVE_ROUTE_SQL, (session_key,)).fetchone()
+    return None if row is None else row[0]
+
+
+def existing_uids(db: sqlite3.Connection, uids: list[str]) -> set[str]:
+    found: set[str] = set()
+    for part in chunks(uids):
+        rows = db.execute(f"SELECT uid FROM messages WHERE uid IN ({','.join('?' * len(part))})", part).fetchall()
+        found.update(r[0] for r in rows)
+    return found
+
+
+def uids_of(db: sqlite3.Connection, session_id: str, uids: list[str]) -> list[str]:
+    """The given uids that belong to `session_id`, in insertion order."""
+    found: list[str] = []
+    for part in chunks(list(dict.fromkeys(uids))):
+        rows = db.execute(
+            f"SELECT uid FROM messages WHERE session_id=? AND uid IN ({','.join('?' * len(part))}) ORDER BY id",
+            (session_id, *part),
+        ).fetchall()
+        found.extend(r[0] for r in rows)
+    return found
+
+
+def uids_by_session(db: sqlite3.Connection, uids: list[str]) -> dict[str, list[str]]:
+    by_session: dict[str, list[str]] = {}
+    for part in chunks(list(dict.fromkeys(uids))):
+        rows = db.execute(
+            f"SELECT uid, session_id FROM messages WHERE uid IN ({','.join('?' * len(part))}) ORDER BY id", part
+        ).fetchall()
+        for r in rows:
+            by_session.setdefault(r["session_id"], []).append(r["uid"])
+    return by_session
+
+
+def session_messages(db: sqlite3.Connection, sid: str, *, include_inactive: bool = True) -> list[sqlite3.Row]:
+    where = "" if include_inactive else " AND active=1 AND compacted=0"
+    return db.execute(f"SELECT {MSG_COLS} FROM messages WHERE session_id=?{where} ORDER BY id", (sid,)).fetchall()
+
+
+def insert_messages(db: sqlite3.Connection, fresh: list[StoredMessage]) -> None:
+    """Insert rows and bump message counts (inside the caller's transaction)."""
+    if not fresh:
+        return
+    db.executemany(INSERT_MSG, [msg_row(m) for m in fresh])
+    counts: dict[str, int] = {}
+    for m in fresh:
+        counts[m.session_id] = counts.get(m.session_id, 0) + 1
+    db.executemany(
+        "UPDATE sessions SET message_count = COALESCE(message_count, 0) + ? WHERE id=?",
+        [(n, sid) for sid, n in counts.items()],
+    )
+
+
+def insert_session(
+    db: sqlite3.Connection, sid: str, session_key: str | None, *, parent: str | None, ts: float,
+    source: str = "", user_id: str = "", model: str = "",
+) -> None:
+    """Insert a sessions row, or fill in the blanks of a placeholder row."""
+    db.execute(
+        "INSERT INTO sessions(id, session_key, source, user_id, model, started_at, parent_session_id) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+        "session_key=COALESCE(sessions.session_key, excluded.session_key), "
+        "source=COALESCE(NULLIF(sessions.source, ''), excluded.source), "
+        "user_id=COALESCE(NULLIF(sessions.user_id, ''), excluded.user_id), "
+        "model=COALESCE(NULLIF(sessions.model, ''), excluded.model), "
+        "started_at=min(COALESCE(sessions.started_at, excluded.started_at), excluded.started_at), "
+        "parent_session_id=COALESCE(sessions.parent_session_id, excluded.parent_session_id)",
+        (sid, session_key, source, user_id, model, ts, parent),
+    )
+
+
+def set_route(db: sqlite3.Connection, session_key: str, sid: str, ts: float) -> None:
+    db.execute("INSERT OR REPLACE INTO routes(session_key, session_id, updated_at) VALUES (?, ?, ?)",
+               (session_key, sid, ts))
+
+
+def apply_end(db: sqlite3.Connection, sid: str, reason: str | None, ts: float,
+              move_routes_to: str | None = None) -> None:
+    db.execute("UPDATE sessions SET ended_at=?, end_reason=? WHERE id=? AND ended_at IS NULL", (ts, reason, sid))
+    if move_routes_to is None:
+        db.execute("DELETE FROM routes WHERE session_id=?", (sid,))
+    else:
+        db.execute("UPDATE routes SET session_id=?, updated_at=? WHERE session_id=?", (move_routes_to, ts, sid))
+
+
+def apply_flags(db: sqlite3.Connection, uids: list[str], active: bool | None, compacted: bool | None) -> int:
+    a = None if active is None else int(bool(active))
+    c = None if compacted is None else int(bool(compacted))
+    n = 0
+    for part in chunks(uids):
+        cur = db.execute(
+            f"UPDATE messages SET active=COALESCE(?, active), compacted=COALESCE(?, compacted) "
+            f"WHERE uid IN ({','.join('?' * len(part))})",
+            (a, c, *part),
+        )
+        n += max(cur.rowcount, 0)
+    return n
+
+
+def record_offsets(db: sqlite3.Connection, rows: list[tuple[str, int, int]]) -> None:
+    """New journal end offsets and message-line counts per session (inside the transaction)."""
+    db.executemany(
+        'INSERT INTO journal_offsets(session_id, "offset", messages) VALUES (?, ?, ?) '
+        'ON CONFLICT(session_id) DO UPDATE SET "offset"=excluded."offset", '
+        "messages=COALESCE(journal_offsets.messages, 0) + excluded.messages",
+        rows,
+    )
+
+
+def add_usage(db: sqlite3.Connection, sid: str, input_tokens: int, output_tokens: int) -> int:
+    return db.execute(
+        "UPDATE sessions SET input_tokens = COALESCE(input_tokens,0) + ?, "
+        "output_tokens = COALESCE(output_tokens,0) + ? WHERE id=?",
+        (int(input_tokens), int(output_tokens), sid),
+    ).rowcount
+
+
+def put_compression_state(db: sqlite3.Connection, sid: str, text: str, ts: float) -> None:
+    db.execute(
+        "INSERT INTO compression_state(session_id, state, updated_at) VALUES (?, ?, ?) "
+        "ON CONFLICT(session_id) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at",
+        (sid, text, ts),
+    )
+
+
+def get_compression_state(db: sqlite3.Connection, sid: str) -> str | None:
+    row = db.execute("SELECT state FROM compression_state WHERE session_id=?", (sid,)).fetchone()
+    return None if row is None else row[0]
+
+
+def meta_get(db: sqlite3.Connection, key: str) -> str | None:
+    row = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+    return None if row is None else row[0]
+
+
+def meta_put(db: sqlite3.Connection, key: str, value: str | None) -> None:
+    if value is None:
+        db.execute("DELETE FROM meta WHERE key=?", (key,))
+    else:
+        db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+
+class Transaction:
+    """`with Transaction(db):` BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:
+            self.db.execute("ROLLBACK")

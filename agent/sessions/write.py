@@ -1,0 +1,46 @@
+"""The dual write: journal lines first (flushed, fsynced per policy), then one SQLite
+transaction that applies them and records the journals' new end offsets.
+
+If SQLite fails, the just-written journal bytes are truncated away again, so the caller's
+exception means "not stored" on both sides.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from typing import Any
+
+from agent.sessions.codec import journal_line
+from agent.sessions.db import Transaction, record_offsets
+from agent.sessions.errors import DatabaseWriteError, JournalWriteError
+from agent.sessions.journal import Journal
+
+Lines = dict[str, list[dict[str, Any]]]
+Tx = Callable[[sqlite3.Connection], None]
+
+
+def journaled(db: sqlite3.Connection, journal: Journal, lines: Lines, tx: Tx | None = None,
+              extra: Tx | None = None) -> None:
+    """Journal `lines` (per session), then run `tx` (and `extra`, e.g. counters that ride
+    along) and record the new offsets, all in one transaction."""
+    payload = {sid: "".join(journal_line(d) for d in ds).encode("utf-8") for sid, ds in lines.items() if ds}
+    try:
+        spans = journal.write(payload)
+    except OSError as e:
+        raise JournalWriteError(f"journal write failed in {journal.sessions_dir}: {e}") from e
+    try:
+        with Transaction(db):
+            if tx is not None:
+                tx(db)
+            if extra is not None:
+                extra(db)
+            record_offsets(db, [
+                (sid, end, sum(1 for d in lines[sid] if d.get("type") == "message"))
+                for sid, (_, end) in spans.items()
+            ])
+    except Exception as e:
+        journal.withdraw(spans)
+        if isinstance(e, sqlite3.Error):
+            raise DatabaseWriteError(f"state.db write failed ({e}); journal entry withdrawn") from e
+        raise

@@ -180,10 +180,10 @@ async def test_system_prompts_are_never_searchable(config_for, fake_llm):
     store = SessionStore(profile_dir(config_for(), "alice"))
     await store.open()
     try:
-        db = store._require_db()
-        rows = await (await db.execute(
+        db = store._require_db()  # a plain sqlite3 connection, used by this test alone
+        rows = db.execute(
             "SELECT count(*) FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid "
-            "WHERE messages_fts MATCH '\"CANARY-srch9\"' AND m.role = 'system'")).fetchone()
+            "WHERE messages_fts MATCH '\"CANARY-srch9\"' AND m.role = 'system'").fetchone()
         assert rows[0] >= 1
         assert await store.search("CANARY-srch9") == []
         assert await store.search("helpful assistant") == []

@@ -40,7 +40,7 @@ from telegram.error import (
 )
 from telegram.request import HTTPXRequest
 
-from adapters.base import Attachment, InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.base import Attachment, DeliveryDeferred, InboundMessage, InboundSink, OutboundMessage, SentMessage
 from adapters.telegram_format import markdown_to_telegram_html
 from gateway.command_specs import COMMAND_SPECS
 from gateway.config import ConfigError, TelegramConfig
@@ -834,8 +834,8 @@ class TelegramAdapter:
                 # 429: Telegram did not send it, so sending the same chunk again cannot duplicate.
                 wait = _retry_after_seconds(exc)
                 if attempts >= self._max_send_attempts + 3 or flood_waited + wait > self._max_flood_wait:
-                    log.error("telegram: flood control in chat %s lasted too long; dropping a chunk", message.chat_id)
-                    return None
+                    log.warning("telegram: flood control in chat %s lasts long; the outbox retries later", message.chat_id)
+                    raise DeliveryDeferred("flood control", retry_after=wait) from None
                 log.warning("telegram: flood control (429) in chat %s; retrying in %.1fs", message.chat_id, wait)
                 flood_waited += wait
                 await asyncio.sleep(wait)
@@ -864,13 +864,11 @@ class TelegramAdapter:
                 if _never_sent(exc) and attempts < self._max_send_attempts:
                     await asyncio.sleep(min(self._backoff_initial * attempts, self._backoff_max))
                     continue
-                # The request may have reached Telegram: resending could post the chunk twice.
-                log.warning(
-                    "telegram: sendMessage to chat %s failed (%s); not retried to avoid a duplicate",
-                    message.chat_id,
-                    type(exc).__name__,
-                )
-                return None
+                # The request may have reached Telegram: the outbox resends it later, which can
+                # post the chunk twice (Telegram has no idempotency key; see README "Delivery").
+                log.warning("telegram: sendMessage to chat %s failed (%s); the outbox retries it",
+                            message.chat_id, type(exc).__name__)
+                raise DeliveryDeferred(type(exc).__name__) from None
             except TelegramError as exc:
                 log.warning("telegram: sendMessage to chat %s failed (%s)", message.chat_id, type(exc).__name__)
                 return None

@@ -1,7 +1,8 @@
 """The gateway: adapters in, turns out. Auth, dedupe, limits, lanes, commands, delivery.
 
 Data flows one way: adapter -> `handle_inbound` (record, admit) -> lane worker
-(command or agent turn, inside the tenant's profile) -> delivery back to the adapter.
+(command or agent turn, inside the tenant's profile) -> outbox (recorded together with the
+turn's completion) -> deliverer -> adapter.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from adapters.base import Adapter, InboundMessage, OutboundMessage, SentMessage
+from adapters.base import Adapter, InboundMessage, OutboundKind
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
 from agent.tokens import TokenCounter
@@ -29,6 +30,7 @@ from gateway.limits import RateLimiter
 from gateway.linking import LaneMoved, Linking
 from gateway.logs import log_text, turn_logger
 from gateway.metrics import InstrumentedLLM, Metrics
+from gateway.outbox import Deliverer, Draft, Outbox
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
 from tenancy.profiles import ProfileManager
@@ -59,7 +61,7 @@ class _Notifier:
 
     def __init__(self, app: "GatewayApp", msg: InboundMessage) -> None:
         self.app, self.msg = app, msg
-        self._progress: SentMessage | None = None
+        self._progress: int | None = None  # the outbox chunk of the start notice
 
     async def __call__(self, kind: str, text: str) -> None:
         if kind in ("progress", "progress_done") and not self.app.cfg.compression.progress_notices:
@@ -68,13 +70,13 @@ class _Notifier:
         if adapter is None:
             return
         if kind == "progress_done" and self._progress is not None and adapter.can_edit:
-            if await self.app.safe_edit(adapter, self._progress, text):
-                self._progress = None
-                return
-        sent = await self.app.send(self.msg, text, kind="notice" if kind.startswith("progress") else "error",
-                                   reply=False)
-        if kind == "progress":
-            self._progress = sent
+            await self.app.edit(self.msg, self._progress, text)  # the deliverer falls back to a new message
+            self._progress = None
+            return
+        ids = await self.app.send(self.msg, text, kind="notice" if kind.startswith("progress") else "error",
+                                  reply=False)
+        if kind == "progress" and len(ids) == 1:
+            self._progress = ids[0]
 
 
 class GatewayApp:
@@ -85,6 +87,7 @@ class GatewayApp:
         self.cfg = cfg
         self.adapters: dict[str, Adapter] = {a.platform: a for a in adapters}
         self.inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
+        self.outbox = Outbox(self.inbox)
         self.links = IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
         self.profiles = ProfileManager(
             cfg.data_dir, max_open=cfg.tenancy.max_open_profiles, fsync=cfg.storage.fsync,
@@ -94,6 +97,7 @@ class GatewayApp:
         self.llm = llm or LLMClient.from_config(cfg.llm)
         self.tokens = tokens or TokenCounter.create(log)
         self.metrics = Metrics()
+        self.deliverer = Deliverer(self.outbox, self.adapters, self.metrics, cfg.delivery)
         self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
         self.agent = Agent(cfg, self.llm_monitor, self.tokens)
         self.agent.compression.on_outcome = self.metrics.compression  # hermes_compressions_total{outcome}
@@ -113,7 +117,6 @@ class GatewayApp:
         self.metrics.bind(platforms=self.adapters, open_profiles=lambda: self.profiles.open_count,
                           queue_depth=lambda: self.lanes.queued_by(lambda job: job.msg.platform),
                           adapters_up=self._adapters_up)
-        self._background: set[asyncio.Task] = set()
         self._housekeeping: asyncio.Task | None = None
 
     # ----- lifecycle ------------------------------------------------------------------
@@ -124,6 +127,7 @@ class GatewayApp:
         self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
         await self.inbox.open()
+        await self.outbox.open()
         self._started = True
         self._accepting = True
         await self.inbox.prune(DEDUPE_WINDOW_S)
@@ -141,6 +145,7 @@ class GatewayApp:
                 await adapter.start(self.handle_inbound)
             except Exception:
                 log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
+        await self.deliverer.resume()  # what the previous run recorded but did not get sent
         if self.cfg.observability.listen:
             from gateway.observability import Observability
 
@@ -158,11 +163,8 @@ class GatewayApp:
         if not await self.lanes.drain(drain_timeout):
             log.warning("turns still running after %.0fs; they will be replayed on the next start", drain_timeout)
             await self.lanes.cancel()
-        if self._background:
-            _, late = await asyncio.wait(list(self._background), timeout=drain_timeout)
-            for task in late:  # their messages stay pending and are handled on the next start
-                task.cancel()
         await self.linking.close(drain_timeout)
+        await self.deliverer.close(drain_timeout)  # unsent chunks stay in the outbox for the next start
         for adapter in self.adapters.values():
             try:
                 await adapter.stop()
@@ -190,6 +192,7 @@ class GatewayApp:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             try:
                 await self.inbox.prune(DEDUPE_WINDOW_S)
+                await self.outbox.prune(DEDUPE_WINDOW_S)
             except Exception:
                 log.exception("pruning gateway.db failed")
             now = time.monotonic()
@@ -199,10 +202,7 @@ class GatewayApp:
         """Wait until every queued turn and pending refusal has finished (tests, console)."""
         if not await self.lanes.drain(timeout):
             return False
-        if self._background:
-            done, pending = await asyncio.wait(list(self._background), timeout=timeout)
-            return not pending
-        return True
+        return await self.deliverer.drain(timeout)
 
     # ----- inbound --------------------------------------------------------------------
     async def handle_inbound(self, msg: InboundMessage) -> None:
@@ -256,25 +256,17 @@ class GatewayApp:
             await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
                                             "Please wait for my answer, then send this again.")
 
-    def _in_background(self, coro) -> None:
-        """Run a reply outside the adapter's sink, so a slow send (e.g. flood control)
-        never holds up receiving; stop() waits for these."""
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def _refuse_stranger(self, msg: InboundMessage) -> None:
         self.metrics.refused(msg.platform, "unauthorized")
         if msg.chat_type == "dm" and self.cfg.access.unauthorized_dm == "pair":
             code = await self.access.pairing_code(msg.principal)
             text = (f"Hi! I don't know you yet. Your pairing code is {code}. "
                     f"Ask the operator of this bot to approve it with /pair {code}.")
-            self._in_background(self._send_and_finish(msg, text, "notice", "unauthorized"))
+            await self._send_and_finish(msg, text, "notice", "unauthorized")
             return
         if msg.message_id.startswith("interaction-"):
             # a slash command waits visibly for an answer; plain group messages get silence
-            self._in_background(self._send_and_finish(
-                msg, "Sorry, you're not on this bot's list of users.", "error", "unauthorized"))
+            await self._send_and_finish(msg, "Sorry, you're not on this bot's list of users.", "error", "unauthorized")
             return
         await self.inbox.finish(msg, "unauthorized")
 
@@ -285,15 +277,13 @@ class GatewayApp:
         if quiet_key is None or now - self._limit_notified.get(quiet_key, -1e9) >= 60:
             if quiet_key is not None:
                 self._limit_notified[quiet_key] = now
-            self._in_background(self._send_and_finish(msg, text, "error", outcome))
+            await self._send_and_finish(msg, text, "error", outcome)
             return
         await self.inbox.finish(msg, outcome)
 
-    async def _send_and_finish(self, msg: InboundMessage, text: str, kind: str, outcome: str) -> None:
-        try:
-            await self.send(msg, text, kind=kind)
-        finally:
-            await self.inbox.finish(msg, outcome)
+    async def _send_and_finish(self, msg: InboundMessage, text: str, kind: OutboundKind, outcome: str) -> None:
+        """Record the answer in the outbox and mark `msg` done, in one transaction."""
+        await self.send(msg, text, kind=kind, finish=[(msg, outcome)])
 
     # ----- the lane worker ------------------------------------------------------------
     def place_of(self, msg: InboundMessage, lane: Lane) -> ChatPlace:
@@ -332,6 +322,8 @@ class GatewayApp:
                     text, kind = result.text, result.kind
                     if kind == "error":
                         outcome = "llm_error"
+                    elif kind == "covered":  # a replayed part of a coalesced batch: answered once, later
+                        outcome = "coalesced"
         except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
             await self._move_jobs(jobs, moved.lane)
             return
@@ -342,11 +334,9 @@ class GatewayApp:
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
-        sent = await self.send(last.msg, text, kind=kind)
-        if sent is None and last.msg.platform in self.adapters:
-            outcome = "undelivered" if outcome == "replied" else outcome
-        for job in jobs:
-            await self.inbox.finish(job.msg, outcome)
+        # the answer's chunks and the turn's completion commit together; the deliverer sends them
+        await self.send(last.msg, text if kind != "covered" else "", kind="reply" if kind == "covered" else kind,
+                        finish=[(job.msg, outcome) for job in jobs])
         seconds = time.monotonic() - started
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
         tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
@@ -383,33 +373,31 @@ class GatewayApp:
             await asyncio.sleep(TYPING_INTERVAL_S)
 
     # ----- delivery -------------------------------------------------------------------
-    async def send(self, msg: InboundMessage, text: str, *, kind: str = "reply", reply: bool = True) -> SentMessage | None:
-        """Send `text` into `msg`'s chat, split at the platform limit; the first chunk
-        replies to `msg`. Returns the first sent chunk (None if nothing was delivered)."""
+    async def send(self, msg: InboundMessage, text: str, *, kind: OutboundKind = "reply", reply: bool = True,
+                   finish: Sequence[tuple[InboundMessage, str]] = ()) -> list[int]:
+        """Record `text` for `msg`'s chat in the outbox, split at the platform limit (the
+        first chunk replies to `msg`), mark `finish` done in the same transaction, and
+        hand it to the deliverer. Returns the chunk ids."""
         adapter = self.adapters.get(msg.platform)
-        if adapter is None:
+        chunks = split_text(text, adapter.max_message_length, adapter.measure) if adapter is not None else []
+        if adapter is None and text:
             log.warning("no adapter for platform %s; reply dropped", msg.platform)
-            return None
-        first: SentMessage | None = None
-        for i, chunk in enumerate(split_text(text, adapter.max_message_length, adapter.measure)):
-            out = OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind=kind,
-                                  reply_to_message_id=msg.message_id if (reply and i == 0) else None)
-            try:
-                sent = await adapter.send(out)
-            except Exception:
-                log.exception("%s send failed", msg.platform)
-                return first
-            if sent is None:
-                return first
-            first = first or sent
-        return first
+        drafts = [Draft(platform=msg.platform, chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind=kind,
+                        reply_to=msg.message_id if (reply and i == 0) else None)
+                  for i, chunk in enumerate(chunks)]
+        ids = await self.outbox.record(drafts, finish=finish)
+        if ids:
+            self.deliverer.kick(msg.platform, msg.chat_id)
+        return ids
 
-    async def safe_edit(self, adapter: Adapter, sent: SentMessage, text: str) -> bool:
-        try:
-            return await adapter.edit(sent, text)
-        except Exception:
-            log.debug("edit failed", exc_info=True)
-            return False
+    async def edit(self, msg: InboundMessage, chunk_id: int, text: str) -> int:
+        """Record new text for the message chunk `chunk_id` became (sent as a new message
+        if it cannot be edited); it keeps its place in the chat's order."""
+        [edit_id] = await self.outbox.record([Draft(platform=msg.platform, chat_id=msg.chat_id,
+                                                    thread_id=msg.thread_id, text=text, kind="notice",
+                                                    edit_of=chunk_id)])
+        self.deliverer.kick(msg.platform, msg.chat_id)
+        return edit_id
 
     # ----- identity links (the /link command) -----------------------------------------
     async def link_command(self, msg: InboundMessage, args: str) -> str:

@@ -131,6 +131,14 @@ class LimitsConfig(_Section):
     coalesce_burst_ms: int = Field(default=0, ge=0)
 
 
+class DeliveryConfig(_Section):
+    """The outbox: how long and how often an unsent chunk is retried (README "Delivery")."""
+
+    max_age_s: float = Field(default=24 * 3600, gt=0)
+    retry_initial_s: float = Field(default=1.0, gt=0)
+    retry_max_s: float = Field(default=60.0, gt=0)
+
+
 class WebhookConfig(_Section):
     listen: str = "127.0.0.1"
     port: int = Field(default=8443, ge=1, le=65535)
@@ -194,6 +202,7 @@ class Config(_Section):
     tenancy: TenancyConfig = TenancyConfig()
     access: AccessConfig = AccessConfig()
     limits: LimitsConfig = LimitsConfig()
+    delivery: DeliveryConfig = DeliveryConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     logging: LoggingConfig = LoggingConfig()

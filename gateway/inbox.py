@@ -8,12 +8,16 @@ answered, so this shared database holds no tenant's conversation.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import aiosqlite
 
 from adapters.base import InboundMessage
+
+T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inbound (
@@ -76,10 +80,30 @@ class Inbox:
 
     async def finish(self, msg: InboundMessage, outcome: str) -> None:
         """Mark `msg` answered (or refused) and forget its text."""
-        await self.db.execute(
-            "UPDATE inbound SET status='done', outcome=?, payload=NULL"
-            " WHERE platform=? AND chat_id=? AND message_id=?",
-            (outcome, msg.platform, msg.chat_id, msg.message_id))
+        await self.atomically(lambda con: self.finish_sync(con, msg, outcome))
+
+    @staticmethod
+    def finish_sync(con: sqlite3.Connection, msg: InboundMessage, outcome: str) -> None:
+        """`finish` as one statement inside a caller's transaction (see `atomically`)."""
+        con.execute("UPDATE inbound SET status='done', outcome=?, payload=NULL"
+                    " WHERE platform=? AND chat_id=? AND message_id=?",
+                    (outcome, msg.platform, msg.chat_id, msg.message_id))
+
+    async def atomically(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn(connection)` as one transaction in a single hop to the database thread,
+        so no other statement on this connection can interleave; rolled back if it raises."""
+        def run(con: sqlite3.Connection) -> T:
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(con)
+                con.execute("COMMIT")
+                return result
+            except BaseException:
+                if con.in_transaction:  # SQLite may have rolled back itself (e.g. disk full)
+                    con.execute("ROLLBACK")
+                raise
+
+        return await self.db._execute(run, self.db._conn)  # aiosqlite's own thread hop
 
     async def pending(self) -> list[InboundMessage]:
         """Messages recorded but never answered (a crash or stop mid-turn), oldest first."""

@@ -47,6 +47,7 @@ async def link(app, tg, dc, tg_user="111", dc_user="222") -> None:
     out = await say(app, dc, dm(dc_user, f"/link {code}", platform="discord"))
     assert out and out[0].startswith("Code accepted"), out
     await app.linking.wait_idle(30)
+    await app.drain()  # the outcome notice goes out through the outbox
     assert await app.drain(30)
 
 
@@ -69,6 +70,7 @@ async def test_linking_joins_memory_and_sessions_and_nobody_elses(config_for, fa
         # a message sent while the merge runs waits, then lands in the linked profile
         await tg.sink(dm("111", "sent while linking", platform="telegram"))
         await app.linking.wait_idle(30)
+        await app.drain()  # the outcome notice goes out through the outbox
         assert await app.drain(30)
         assert any(t.startswith("Linked:") for t in tg.texts("dm-111"))
         assert any(t.startswith("Linked:") for t in dc.texts("dm-222"))
@@ -145,6 +147,7 @@ async def test_expired_reused_and_wrong_codes_are_refused(config_for, fake_llm):
         out = await say(app, dc, dm("222", f"/link {code.lower()}", platform="discord"))
         assert out[0].startswith("Code accepted")
         await app.linking.wait_idle(30)
+        await app.drain()  # the outcome notice goes out through the outbox
         out = await say(app, dc, dm("999", f"/link {code}", platform="discord"))
         assert "unknown, expired or already used" in out[0]
         assert app.links.name_for("discord:999") is None
@@ -198,6 +201,7 @@ async def test_third_account_joins_existing_link_and_unlink_splits_going_forward
         code = code_in(await say(app, dc, dm("222", "/link", platform="discord")))
         assert (await say(app, tc, dm("777", f"/link {code}")))[0].startswith("Code accepted")
         await app.linking.wait_idle(30)
+        await app.drain()  # the outcome notice goes out through the outbox
         assert app.links.name_for("testchat:777") == name
         assert not tenant_dir(data, "testchat-777").exists()
         mem = await say(app, tc, dm("777", "/memory"))

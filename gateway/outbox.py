@@ -151,9 +151,10 @@ class Deliverer:
     """Sends the outbox: one worker per chat while it has unsent chunks, in chunk order."""
 
     def __init__(self, outbox: Outbox, adapters: Mapping[str, Adapter], metrics: Metrics, cfg: DeliveryConfig,
-                 *, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 *, clock: Callable[[], float] | None = None, wall: Callable[[], float] | None = None) -> None:
         self.outbox, self.adapters, self.metrics, self.cfg = outbox, adapters, metrics, cfg
-        self._clock, self._wall = clock, wall
+        self._clock = clock or (lambda: time.monotonic())
+        self._wall = wall or (lambda: time.time())
         self._workers: dict[tuple[str, str], asyncio.Task] = {}
         self._again: set[tuple[str, str]] = set()  # kicked while its worker was finishing
         self._waiting: set[tuple[str, str]] = set()  # workers sleeping in backoff

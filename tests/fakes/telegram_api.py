@@ -715,6 +715,7 @@ class FakeTelegram:
         msg = self._new_message(chat, dict(self.bot_user), text, **extra)
         record = dict(msg)
         record["_params"] = dict(params)
+        record["_at"] = time.monotonic()  # when the fake accepted it (the kill storm's window)
         self.sent.append(record)
         return self._ok("sendMessage", msg)
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from adapters.base import Adapter, InboundMessage, OutboundKind
+from adapters.base import Adapter, InboundMessage, OutboundKind, OutboundMessage
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
 from agent.tokens import TokenCounter
@@ -24,6 +24,7 @@ from gateway.access import Access
 from gateway.commands import HANDLERS, CommandContext, parse_command
 from gateway.config import Config
 from gateway.delivery import split_text
+from gateway.faults import storage_fault
 from gateway.inbox import Inbox
 from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
@@ -292,55 +293,94 @@ class GatewayApp:
 
     async def _run_lane(self, key: str, jobs: list[Job]) -> None:
         first, last = jobs[0], jobs[-1]
-        lane, place = first.lane, self.place_of(first.msg, first.lane)
-        platform, started = first.msg.platform, time.monotonic()
+        lane, platform, started = first.lane, first.msg.platform, time.monotonic()
         # ids of this turn go on its log lines explicitly (no context variable)
         tlog = turn_logger(log, turn_id=secrets.token_hex(6), platform=platform, tenant=lane.tenant_id)
         job_kind = "command" if parse_command(first.msg.text) is not None else "turn"
-        self.metrics.in_flight.add(1, platform=platform)
-        typing = asyncio.create_task(self._keep_typing(last.msg))
-        outcome = "replied"
-        try:
-            async with self.linking.use(first.msg, lane) as profile:
-                for job in jobs:
-                    log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
-                if lane.principal not in profile.principals and lane.kind == "person":
-                    await asyncio.to_thread(profile.add_principal, lane.principal)
-                command = parse_command(first.msg.text)
-                if command is not None:
-                    spec, args = command
-                    ctx = CommandContext(self, first.msg, lane, place, profile, args)
-                    text, kind = await HANDLERS[spec.name](ctx), "reply"
-                else:
-                    inputs = [UserInput(uid=input_uid(j.msg), text=self._input_text(j.msg),
-                                        user_name=j.msg.user_name,
-                                        meta={"platform": j.msg.platform, "message_id": j.msg.message_id,
-                                              "user": j.msg.principal})
-                              for j in jobs]
-                    result: TurnResult = await self.agent.run_turn(profile, lane, place, inputs,
-                                                                   notify=_Notifier(self, last.msg))
-                    text, kind = result.text, result.kind
-                    if kind == "error":
-                        outcome = "llm_error"
-                    elif kind == "covered":  # a replayed part of a coalesced batch: answered once, later
-                        outcome = "coalesced"
-        except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
-            await self._move_jobs(jobs, moved.lane)
-            return
-        except Exception:
-            tlog.exception("turn failed")
-            text, kind, outcome = ("Something went wrong on my side while answering; your message "
-                                   "was kept. Please try again."), "error", "error"
-        finally:
-            typing.cancel()
-            self.metrics.in_flight.add(-1, platform=platform)
-        # the answer's chunks and the turn's completion commit together; the deliverer sends them
-        await self.send(last.msg, text if kind != "covered" else "", kind="reply" if kind == "covered" else kind,
-                        finish=[(job.msg, outcome) for job in jobs])
+        for job in jobs:
+            log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
+        failures = 0
+        while True:  # a storage fault holds the lane (order) and retries until storage works again
+            try:
+                text, kind, outcome = await self._answer(jobs, tlog)
+                # the answer's chunks and the turn's completion commit together; the deliverer sends them
+                await self.send(last.msg, text if kind != "covered" else "",
+                                kind="reply" if kind == "covered" else kind,
+                                finish=[(job.msg, outcome) for job in jobs])
+                break
+            except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
+                await self._move_jobs(jobs, moved.lane)
+                return
+            except Exception as exc:
+                fault = storage_fault(exc)
+                if fault is None:
+                    raise
+                failures += 1
+                delay = min(self.cfg.delivery.retry_initial_s * 2 ** (failures - 1), self.cfg.delivery.retry_max_s)
+                tlog.error("storage fault (%s); the message stays pending, retrying in %.1f s", fault, delay)
+                if failures == 1:
+                    await self._tell_storage_fault(last.msg, fault)
+                await asyncio.sleep(delay)
         seconds = time.monotonic() - started
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
         tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
                   extra={"outcome": outcome, "duration_ms": round(seconds * 1000)})
+
+    async def _answer(self, jobs: list[Job], tlog: logging.LoggerAdapter) -> tuple[str, OutboundKind | str, str]:
+        """Run the command or agent turn of `jobs`: (text, kind, outcome). Raises LaneMoved,
+        and storage faults of an agent turn (retried by the caller); other failures become
+        an apology."""
+        first, last = jobs[0], jobs[-1]
+        lane, place = first.lane, self.place_of(first.msg, first.lane)
+        platform = first.msg.platform
+        self.metrics.in_flight.add(1, platform=platform)
+        typing = asyncio.create_task(self._keep_typing(last.msg))
+        command = parse_command(first.msg.text)
+        try:
+            async with self.linking.use(first.msg, lane) as profile:
+                if lane.principal not in profile.principals and lane.kind == "person":
+                    await asyncio.to_thread(profile.add_principal, lane.principal)
+                if command is not None:
+                    spec, args = command
+                    ctx = CommandContext(self, first.msg, lane, place, profile, args)
+                    return await HANDLERS[spec.name](ctx), "reply", "replied"
+                inputs = [UserInput(uid=input_uid(j.msg), text=self._input_text(j.msg), user_name=j.msg.user_name,
+                                    meta={"platform": j.msg.platform, "message_id": j.msg.message_id,
+                                          "user": j.msg.principal})
+                          for j in jobs]
+                result: TurnResult = await self.agent.run_turn(profile, lane, place, inputs,
+                                                               notify=_Notifier(self, last.msg))
+                outcome = {"error": "llm_error", "covered": "coalesced"}.get(result.kind, "replied")
+                return result.text, result.kind, outcome  # covered: a replayed part of a coalesced batch
+        except LaneMoved:
+            raise
+        except Exception as exc:
+            if command is None and storage_fault(exc) is not None:
+                raise
+            tlog.exception("turn failed")
+            return ("Something went wrong on my side while answering; your message was kept. "
+                    "Please try again."), "error", "error"
+        finally:
+            typing.cancel()
+            self.metrics.in_flight.add(-1, platform=platform)
+
+    async def _tell_storage_fault(self, msg: InboundMessage, fault: str) -> None:
+        """Say once why the answer is late: through the outbox, or straight to the platform
+        when gateway.db itself cannot take it."""
+        text = (f"I can't save anything right now ({fault} on my server), so your answer is delayed. "
+                "Your message is kept and I'll answer it as soon as storage works again.")
+        try:
+            await self.send(msg, text, kind="notice", reply=False)
+            return
+        except Exception:
+            log.warning("could not record the storage notice; sending it directly")
+        adapter = self.adapters.get(msg.platform)
+        if adapter is not None:
+            try:
+                await adapter.send(OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=text,
+                                                   kind="notice"))
+            except Exception:
+                log.warning("could not send the storage notice either", exc_info=True)
 
     async def _move_jobs(self, jobs: list[Job], lane: Lane) -> None:
         """Queue jobs whose tenant changed (a /link or /unlink) on the lane they belong to now."""

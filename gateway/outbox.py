@@ -21,7 +21,7 @@ import secrets
 import sqlite3
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from adapters.base import Adapter, DeliveryDeferred, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from gateway.config import DeliveryConfig
@@ -29,6 +29,7 @@ from gateway.inbox import Inbox
 from gateway.metrics import Metrics
 
 log = logging.getLogger("hermes.outbox")
+T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS outbox (
@@ -233,7 +234,7 @@ class Deliverer:
         failures = 0
         try:
             while True:
-                chunk = await self.outbox.next_for(platform, chat_id)
+                chunk = await self._db(lambda: self.outbox.next_for(platform, chat_id), key)
                 if chunk is None:
                     if key in self._again:
                         self._again.discard(key)
@@ -244,7 +245,7 @@ class Deliverer:
                 if self._age(chunk) > self.cfg.max_age_s:
                     log.error("gave up delivering a %s chunk after %.0f s (delivery.max_age_s)",
                               platform, self._age(chunk))
-                    await self.outbox.give_up(chunk.id, "expired")
+                    await self._db(lambda: self.outbox.give_up(chunk.id, "expired"), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="expired")
                     self._resolve(chunk.id, None)
                     continue
@@ -260,23 +261,41 @@ class Deliverer:
                     self.metrics.deliveries.inc(platform=platform, outcome="retried")
                     log.warning("%s delivery failed (%s); retrying in %.1f s", platform,
                                 exc if isinstance(exc, DeliveryDeferred) else type(exc).__name__, delay)
-                    self._waiting.add(key)
-                    try:
-                        await asyncio.sleep(delay)
-                    finally:
-                        self._waiting.discard(key)
+                    await self._pause(key, delay)
                     continue
                 failures = 0
+                # the platform has it: mark it at once (a crash before this line is the window
+                # README "Delivery" documents); a failing database is retried, never the send
                 if sent is None:
-                    await self.outbox.give_up(chunk.id, "refused")
+                    await self._db(lambda: self.outbox.give_up(chunk.id, "refused"), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="refused")
                 else:
-                    await self.outbox.mark_sent(chunk.id, sent.message_id)
+                    await self._db(lambda: self.outbox.mark_sent(chunk.id, sent.message_id), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="sent")
                 self._resolve(chunk.id, sent)
         finally:
             self._workers.pop(key, None)
             self._again.discard(key)
+
+    async def _pause(self, key: tuple[str, str], delay: float) -> None:
+        self._waiting.add(key)
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self._waiting.discard(key)
+
+    async def _db(self, op: Callable[[], Awaitable[T]], key: tuple[str, str]) -> T:
+        """Run a gateway.db step of the worker, retrying while the database fails (locked,
+        disk full): giving up here would lose the chunk or send it twice."""
+        failures = 0
+        while True:
+            try:
+                return await op()
+            except (sqlite3.Error, OSError) as exc:
+                failures += 1
+                delay = self._backoff(failures, None)
+                log.error("outbox: gateway.db failed (%s); retrying in %.1f s", exc, delay)
+                await self._pause(key, delay)
 
     def _backoff(self, failures: int, retry_after: float | None) -> float:
         if retry_after is not None and retry_after > 0:

@@ -357,10 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=int, default=100)
     ap.add_argument("--people", type=int, default=24)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--interval", type=float, default=0.15, help="seconds between two messages (all people)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="killstorm-") as tmp:
-        r = asyncio.run(storm(Path(tmp), cycles=args.cycles, people=args.people, seed=args.seed))
+        r = asyncio.run(storm(Path(tmp), cycles=args.cycles, people=args.people, seed=args.seed,
+                                  interval=args.interval))
     print(f"kills {r.cycles}, people {r.people}, inputs {r.inputs} (telegram {r.inputs_telegram}, discord "
           f"{r.inputs_discord}; discord missed while down {r.discord_missed}), answers {r.answers}, {r.seconds} s")
     print(f"lost {r.lost}; duplicated: window telegram {r.dup_window_telegram}, window discord "

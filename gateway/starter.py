@@ -56,6 +56,11 @@ limits:
   max_text_length: 16000
   max_queued_turns: 5
 
+delivery:                       # the outbox: unsent answers are retried, in order
+  max_age_s: 86400              # give an answer up after this long (log line + metric)
+  retry_initial_s: 1.0          # backoff between attempts (platform retry_after wins)
+  retry_max_s: 60.0
+
 platforms:
   telegram:
     enabled: false

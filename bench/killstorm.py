@@ -360,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=0.15, help="seconds between two messages (all people)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    import logging
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # a killed gateway's half requests
     with tempfile.TemporaryDirectory(prefix="killstorm-") as tmp:
         r = asyncio.run(storm(Path(tmp), cycles=args.cycles, people=args.people, seed=args.seed,
                                   interval=args.interval))

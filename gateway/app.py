@@ -177,6 +177,7 @@ class GatewayApp:
                 log.exception("%s adapter failed to stop cleanly", adapter.platform)
         await self.profiles.close_all()
         if self._started:
+            await self.outbox.close()
             await self.inbox.close()
             self._started = False
         if self._own_llm:

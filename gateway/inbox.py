@@ -40,7 +40,7 @@ class Inbox:
 
     def __init__(self, path: Path, *, fsync: str = "batch") -> None:
         self.path = path
-        self._fsync = fsync
+        self.fsync = fsync
         self._db: aiosqlite.Connection | None = None
 
     async def open(self) -> None:
@@ -48,7 +48,7 @@ class Inbox:
         # autocommit: each statement is its own durable transaction, one thread hop each
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute(f"PRAGMA synchronous={'FULL' if self._fsync == 'always' else 'NORMAL'}")
+        await self._db.execute(f"PRAGMA synchronous={'FULL' if self.fsync == 'always' else 'NORMAL'}")
         await self._db.execute("PRAGMA busy_timeout=5000")
         await self._db.executescript(_SCHEMA)
 
@@ -108,26 +108,26 @@ class Inbox:
     async def pending(self) -> list[InboundMessage]:
         """Messages recorded but never answered (a crash or stop mid-turn), oldest first."""
         out = []
-        async with self.db.execute(
-                "SELECT payload FROM inbound WHERE status='pending' ORDER BY received_at") as cur:
-            async for (payload,) in cur:
-                try:
-                    out.append(InboundMessage.model_validate(json.loads(payload)))
-                except (ValueError, TypeError):
-                    continue
+        # every read is one hop (execute_fetchall): a cursor left open across awaits would
+        # hold a stale snapshot for the statements other tasks run in between
+        rows = await self.db.execute_fetchall(
+            "SELECT payload FROM inbound WHERE status='pending' ORDER BY received_at")
+        for (payload,) in rows:
+            try:
+                out.append(InboundMessage.model_validate(json.loads(payload)))
+            except (ValueError, TypeError):
+                continue
         return out
 
     async def status(self, platform: str, chat_id: str, message_id: str) -> str | None:
-        async with self.db.execute(
-                "SELECT status FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
-                (platform, chat_id, message_id)) as cur:
-            row = await cur.fetchone()
-        return row[0] if row else None
+        rows = await self.db.execute_fetchall(
+            "SELECT status FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
+            (platform, chat_id, message_id))
+        return rows[0][0] if rows else None
 
     async def get(self, key: str) -> str | None:
-        async with self.db.execute("SELECT value FROM kv WHERE key=?", (key,)) as cur:
-            row = await cur.fetchone()
-        return row[0] if row else None
+        rows = await self.db.execute_fetchall("SELECT value FROM kv WHERE key=?", (key,))
+        return rows[0][0] if rows else None
 
     async def put(self, key: str, value: str | None) -> None:
         if value is None:

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping, Sequence, TypeVar
 
+import aiosqlite
+
 from adapters.base import Adapter, DeliveryDeferred, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from gateway.config import DeliveryConfig
 from gateway.inbox import Inbox
@@ -83,9 +85,24 @@ class Outbox:
 
     def __init__(self, inbox: Inbox) -> None:
         self.inbox = inbox
+        self._marks: aiosqlite.Connection | None = None
 
     async def open(self) -> None:
         await self.inbox.db.executescript(_SCHEMA)
+        # "accepted -> marked sent" is the duplicate window: marks get their own connection
+        # (and thread), so they never queue behind the inbox's statements
+        self._marks = await aiosqlite.connect(self.inbox.path, isolation_level=None)
+        await self._marks.execute("PRAGMA busy_timeout=5000")
+        await self._marks.execute(f"PRAGMA synchronous={'FULL' if self.inbox.fsync == 'always' else 'NORMAL'}")
+
+    async def close(self) -> None:
+        if self._marks is not None:
+            await self._marks.close()
+            self._marks = None
+
+    @property
+    def _mark_db(self) -> aiosqlite.Connection:
+        return self._marks or self.inbox.db
 
     async def record(self, drafts: Sequence[Draft], *,
                      finish: Sequence[tuple[InboundMessage, str]] = ()) -> list[int]:
@@ -109,38 +126,37 @@ class Outbox:
         return await self.inbox.atomically(write)
 
     async def mark_sent(self, chunk_id: int, sent_id: str) -> None:
-        await self.inbox.db.execute("UPDATE outbox SET status='sent', sent_id=?, text=NULL WHERE id=?",
+        await self._mark_db.execute("UPDATE outbox SET status='sent', sent_id=?, text=NULL WHERE id=?",
                                     (sent_id, chunk_id))
 
     async def give_up(self, chunk_id: int, status: str) -> None:
         """`refused` (the chat is gone for the bot) or `expired` (older than max_age_s)."""
-        await self.inbox.db.execute("UPDATE outbox SET status=?, text=NULL WHERE id=?", (status, chunk_id))
+        await self._mark_db.execute("UPDATE outbox SET status=?, text=NULL WHERE id=?", (status, chunk_id))
 
     async def next_for(self, platform: str, chat_id: str) -> Chunk | None:
         """The chat's oldest unsent chunk."""
-        async with self.inbox.db.execute(
+        rows = await self.inbox.db.execute_fetchall(
                 "SELECT id, platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce, created_at"
                 " FROM outbox WHERE status='pending' AND platform=? AND chat_id=? ORDER BY id LIMIT 1",
-                (platform, chat_id)) as cur:
-            row = await cur.fetchone()
+                (platform, chat_id))
+        row = rows[0] if rows else None
         return Chunk(*row[:7], row[7] or "", row[8], row[9]) if row else None
 
     async def sent_message(self, chunk_id: int) -> SentMessage | None:
         """Where chunk `chunk_id` landed, if it was sent."""
-        async with self.inbox.db.execute(
-                "SELECT chat_id, thread_id, sent_id FROM outbox WHERE id=? AND status='sent'", (chunk_id,)) as cur:
-            row = await cur.fetchone()
+        rows = await self.inbox.db.execute_fetchall(
+                "SELECT chat_id, thread_id, sent_id FROM outbox WHERE id=? AND status='sent'", (chunk_id,))
+        row = rows[0] if rows else None
         return SentMessage(chat_id=row[0], thread_id=row[1], message_id=row[2]) if row else None
 
     async def status(self, chunk_id: int) -> str | None:
-        async with self.inbox.db.execute("SELECT status FROM outbox WHERE id=?", (chunk_id,)) as cur:
-            row = await cur.fetchone()
-        return row[0] if row else None
+        rows = await self.inbox.db.execute_fetchall("SELECT status FROM outbox WHERE id=?", (chunk_id,))
+        return rows[0][0] if rows else None
 
     async def pending_chats(self) -> list[tuple[str, str]]:
-        async with self.inbox.db.execute(
-                "SELECT DISTINCT platform, chat_id FROM outbox WHERE status='pending'") as cur:
-            return [(p, c) for p, c in await cur.fetchall()]
+        rows = await self.inbox.db.execute_fetchall(
+            "SELECT DISTINCT platform, chat_id FROM outbox WHERE status='pending'")
+        return [(p, c) for p, c in rows]
 
     async def prune(self, older_than_s: float) -> int:
         cur = await self.inbox.db.execute("DELETE FROM outbox WHERE status!='pending' AND created_at < ?",
@@ -161,6 +177,8 @@ class Deliverer:
         self._waiting: set[tuple[str, str]] = set()  # workers sleeping in backoff
         self._waiters: dict[int, asyncio.Future] = {}
         self._first_seen: dict[int, tuple[float, float]] = {}  # chunk id -> (age then, clock then)
+        # chunks this run marked (recent ones): never sent again, whatever a stale read says
+        self._settled: dict[int, None] = {}
 
     # ----- the public face --------------------------------------------------------------
     def kick(self, platform: str, chat_id: str) -> None:
@@ -225,6 +243,9 @@ class Deliverer:
 
     def _resolve(self, chunk_id: int, sent: SentMessage | None) -> None:
         self._first_seen.pop(chunk_id, None)
+        self._settled[chunk_id] = None
+        if len(self._settled) > 4096:
+            del self._settled[next(iter(self._settled))]
         fut = self._waiters.pop(chunk_id, None)
         if fut is not None and not fut.done():
             fut.set_result(sent)
@@ -235,6 +256,9 @@ class Deliverer:
         try:
             while True:
                 chunk = await self._db(lambda: self.outbox.next_for(platform, chat_id), key)
+                if chunk is not None and chunk.id in self._settled:
+                    await asyncio.sleep(0.01)  # a read older than our own committed mark: read again
+                    continue
                 if chunk is None:
                     if key in self._again:
                         self._again.discard(key)

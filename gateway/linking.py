@@ -72,6 +72,7 @@ IDLE_TIMEOUT_S = 300.0
 CODE_LEN = 10
 _ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no 0/O/1/I
 RETIRED_MARKER = "merged-into.json"
+PENDING_MARKER = "link-pending.json"  # in a swapped-in merged profile until its link is recorded
 OVERFLOW_FILE = "merged-overflow.md"
 _MEMORY_FILES = {"memory": "MEMORY.md", "user": "USER.md"}
 
@@ -178,8 +179,36 @@ class Linking:
             await asyncio.wait(tasks, timeout=timeout)
 
     async def recover(self) -> None:
-        """At start: put back a profile a crash left set aside mid-merge."""
-        await asyncio.to_thread(_clean_staging, self.app.cfg.data_dir / "profiles")
+        """At start, after a crash mid-merge: a merged profile whose link was recorded is
+        kept (and finished), one whose link was not is swapped back for the profile from
+        before; both accounts are told which."""
+        profiles = self.app.cfg.data_dir / "profiles"
+        for marker in sorted(profiles.glob(f"*/{PENDING_MARKER}")) if profiles.is_dir() else []:
+            target = marker.parent
+            try:
+                info = json.loads(marker.read_text(encoding="utf-8"))
+                notify = [InboundMessage.model_validate(m) for m in info["notify"]]
+            except (OSError, ValueError, KeyError, TypeError):
+                log.exception("link: unreadable %s; leaving it for the operator", marker)
+                continue
+            old = profiles / f".link-old-{target.name}"
+            swap = _Swap(target, old if old.exists() else None)
+            if all(self.app.links.name_for(p) == info["name"] for p in info["joiners"]):
+                await asyncio.to_thread(swap.forget)
+                for source in info.get("sources", []):
+                    await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source),
+                                            info.get("target", target.name))
+                log.info("link: finished a merge a crash interrupted (%s)", target.name)
+                everyone = ", ".join(self.app.links.principals_of(info["name"]))
+                text = f"Linked: {everyone} are now one person for me, with one memory and all conversations kept."
+            else:
+                await asyncio.to_thread(swap)
+                log.warning("link: undid a merge a crash interrupted before the link was recorded (%s)", target.name)
+                text = ("Linking didn't work (I was restarted meanwhile); nothing was changed. Send /link from "
+                        "your other account to get a new code and try again.")
+            for msg in notify:
+                await self._tell(msg, text)
+        await asyncio.to_thread(_clean_staging, profiles)
 
     async def close(self, timeout: float = 30.0) -> None:
         await self.wait_idle(timeout)
@@ -422,6 +451,9 @@ class Linking:
             await asyncio.to_thread(merge_profiles, staging, sources, limits, plan.principals)
             async with SessionStore(staging, fsync=fsync):  # the merged profile opens cleanly
                 pass
+            pending = {"name": plan.name, "target": plan.target, "joiners": plan.joiners, "sources": plan.sources,
+                       "notify": [m.model_dump(mode="json") for m in plan.notify]}
+            await asyncio.to_thread(atomic_write, staging / PENDING_MARKER, json.dumps(pending))
             return await asyncio.to_thread(_Swap.apply, staging, target)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, staging, True)
@@ -493,6 +525,8 @@ class _Swap:
         fsync_dir(self.target.parent)
 
     def forget(self) -> None:
+        """The link is recorded: the merged profile stays, the one from before goes."""
+        (self.target / PENDING_MARKER).unlink(missing_ok=True)
         if self.old is not None:
             shutil.rmtree(self.old, ignore_errors=True)
 
@@ -627,7 +661,8 @@ def _merge_db(src: Path, target: Path) -> None:
 def _merge_files(src: Path, target: Path) -> None:
     """Provider files, exports and anything else: copy what's missing, append *.jsonl, keep
     both when two different files have one name."""
-    skip_top = {"tenant.json", "state.db", "state.db-wal", "state.db-shm", "state.db-journal", RETIRED_MARKER}
+    skip_top = {"tenant.json", "state.db", "state.db-wal", "state.db-shm", "state.db-journal", RETIRED_MARKER,
+                PENDING_MARKER}
     for root, dirs, files in os.walk(src):
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
         for name in files:

@@ -112,3 +112,86 @@ async def test_shutdown_mid_merge_finishes_the_merge_and_both_accounts_are_told(
         assert {"agent:main:telegram:dm:dm-111", "agent:main:discord:dm:dm-222"} <= set(linked)
     finally:
         await app.stop()
+
+
+async def _third_account_joins(app, dc, tc) -> None:
+    code = code_in(await say(app, dc, dm("222", "/link", platform="discord")))
+    assert (await say(app, tc, dm("777", f"/link {code}")))[0].startswith("Code accepted")
+    await app.linking.wait_idle(30)
+    assert await app.drain(10)
+
+
+class _Crash(BaseException):
+    """The process dies here (nothing after this line of the merge runs)."""
+
+
+async def test_crash_after_the_swap_before_the_link_is_recorded_is_undone_on_the_next_start(
+        config_for, fake_llm, monkeypatch):
+    fake_llm.responder = memory_saving_responder
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
+    app = await started(cfg, tg, dc, tc)
+    await say(app, tc, dm("777", "remember that carol uses testchat"))
+    await link(app, tg, dc)
+    name = app.links.name_for("telegram:111")
+    linked_dir = tenant_dir(cfg.data_dir, link_tenant_id(name))
+    carol_dir = tenant_dir(cfg.data_dir, "testchat-777")
+    await app.profiles.evict(link_tenant_id(name))
+    await app.profiles.evict("testchat-777")
+    before = snapshot(linked_dir), snapshot(carol_dir)
+
+    async def merge_then_die(self, plan):
+        await self._merge(plan)  # swapped in ...
+        raise _Crash()  # ... and the process is gone before the link is recorded
+
+    monkeypatch.setattr(linking_mod.Linking, "_merge_and_link", merge_then_die)
+    await _third_account_joins(app, dc, tc)
+    assert (linked_dir / linking_mod.PENDING_MARKER).exists()  # the crash state on disk
+    await app.stop()
+    monkeypatch.undo()
+
+    tc2 = RecordingAdapter("testchat")
+    app = GatewayApp(cfg, [RecordingAdapter("telegram"), RecordingAdapter("discord"), tc2])
+    await app.start()
+    try:
+        assert await app.drain(10)
+        assert app.links.name_for("testchat:777") is None
+        assert (snapshot(linked_dir), snapshot(carol_dir)) == before
+        assert not [p for p in (cfg.data_dir / "profiles").iterdir() if p.name.startswith(".link")]
+        assert any("restarted meanwhile" in t for t in tc2.texts())
+    finally:
+        await app.stop()
+
+
+async def test_crash_after_the_link_is_recorded_finishes_the_merge_on_the_next_start(
+        config_for, fake_llm, monkeypatch):
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
+    app = await started(cfg, tg, dc, tc)
+    await say(app, tc, dm("777", "hello from carol"))
+    await link(app, tg, dc)
+    name = app.links.name_for("telegram:111")
+    linked_dir = tenant_dir(cfg.data_dir, link_tenant_id(name))
+
+    def die(self):
+        raise _Crash()  # the link is recorded; the process dies before tidying up
+
+    monkeypatch.setattr(linking_mod._Swap, "forget", die)
+    await _third_account_joins(app, dc, tc)
+    await app.stop()
+    monkeypatch.undo()
+    assert (linked_dir / linking_mod.PENDING_MARKER).exists()
+
+    tc2 = RecordingAdapter("testchat")
+    app = GatewayApp(cfg, [RecordingAdapter("telegram"), RecordingAdapter("discord"), tc2])
+    await app.start()
+    try:
+        assert await app.drain(10)
+        assert app.links.name_for("testchat:777") == name
+        assert not (linked_dir / linking_mod.PENDING_MARKER).exists()
+        assert not [p for p in (cfg.data_dir / "profiles").iterdir() if p.name.startswith(".link")]
+        assert "agent:main:testchat:dm:dm-777" in routes(linked_dir)
+        assert not tenant_dir(cfg.data_dir, "testchat-777").exists()
+        assert any(t.startswith("Linked:") for t in tc2.texts())
+    finally:
+        await app.stop()

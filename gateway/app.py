@@ -129,7 +129,7 @@ class GatewayApp:
         self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
         await self.inbox.open()
         await self.outbox.open()
-        await self.linking.recover()  # a /link merge a crash interrupted: profiles as before
+        await self.linking.recover()  # a /link merge a crash interrupted: finished or undone
         self._started = True
         self._accepting = True
         await self.inbox.prune(DEDUPE_WINDOW_S)

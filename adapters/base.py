@@ -109,6 +109,18 @@ class OutboundMessage(BaseModel):
     text: str
     reply_to_message_id: str | None = None
     kind: OutboundKind = "reply"
+    #: idempotency key of this chunk (stable across resends): Discord's `nonce` with
+    #: `enforce_nonce`, so a resend returns the first message instead of posting twice
+    nonce: str | None = None
+
+
+class DeliveryDeferred(Exception):
+    """`send` could not deliver now but may later (5xx, network, long flood control): the
+    gateway's outbox retries the chunk, after `retry_after` seconds when the platform said so."""
+
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
 
 
 class SentMessage(BaseModel):
@@ -146,7 +158,8 @@ class Adapter(Protocol):
     async def stop(self) -> None: ...
 
     async def send(self, message: OutboundMessage) -> SentMessage | None:
-        """Send one chunk (already within the limit); None when the chat is gone."""
+        """Send one chunk (already within the limit); None when the chat is gone or refuses
+        it for good (never retried); raises when it may work later (retried by the outbox)."""
         ...
 
     async def edit(self, sent: SentMessage, text: str) -> bool: ...

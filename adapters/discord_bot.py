@@ -13,7 +13,10 @@ What this adapter decides (and nothing more):
 - delivery details: the first chunk references the person's message, every send carries
   `allowed_mentions = {"parse": []}` so model output can never ping anyone, and 429s are
   retried by discord.py itself (each POST carries a nonce with `enforce_nonce`, so a
-  retried request can never create a second message). There is no retry loop here.
+  retried request can never create a second message; the gateway's outbox passes the
+  chunk's own nonce, so its resends after a crash are deduplicated the same way). There
+  is no retry loop here: a 5xx after discord.py's own retries, or a network error, raises
+  `DeliveryDeferred` and the outbox retries later.
 
 Everything else (auth, dedupe of replayed events, lanes, splitting, typing cadence)
 is the gateway's job.
@@ -42,7 +45,15 @@ from discord import app_commands
 from discord.gateway import DiscordWebSocket
 from discord.http import Route
 
-from adapters.base import Attachment, DownloadError, InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.base import (
+    Attachment,
+    DeliveryDeferred,
+    DownloadError,
+    InboundMessage,
+    InboundSink,
+    OutboundMessage,
+    SentMessage,
+)
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from gateway.config import ConfigError, DiscordConfig
 
@@ -819,10 +830,18 @@ class DiscordAdapter:
             reference = discord.MessageReference(message_id=int(reply_to), channel_id=int(channel_id), fail_if_not_exists=False)
         channel = client.get_partial_messageable(int(channel_id))
         try:
-            sent_msg = await channel.send(content=text, reference=reference, allowed_mentions=NO_PINGS)  # type: ignore[arg-type]
+            sent_msg = await channel.send(content=text, reference=reference, allowed_mentions=NO_PINGS,  # type: ignore[arg-type]
+                                          nonce=message.nonce)  # None: discord.py draws one
         except (discord.Forbidden, discord.NotFound) as exc:
             self._warn_channel_once(channel_id, "send", exc)
             return None
+        except discord.DiscordServerError as exc:
+            raise DeliveryDeferred(f"discord {exc.status}") from None
+        except discord.HTTPException as exc:
+            log.warning("discord: message refused in channel %s (%s %s)", channel_id, exc.status, exc.code)
+            return None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise DeliveryDeferred(type(exc).__name__) from None
         self._own_messages.add(str(sent_msg.id))
         return SentMessage(chat_id=message.chat_id, thread_id=message.thread_id, message_id=str(sent_msg.id))
 

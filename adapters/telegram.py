@@ -36,7 +36,15 @@ from telegram.error import (
 from telegram.request import HTTPXRequest
 from telegram.warnings import PTBDeprecationWarning, PTBUserWarning
 
-from adapters.base import Attachment, DownloadError, InboundMessage, InboundSink, OutboundMessage, SentMessage
+from adapters.base import (
+    Attachment,
+    DeliveryDeferred,
+    DownloadError,
+    InboundMessage,
+    InboundSink,
+    OutboundMessage,
+    SentMessage,
+)
 from adapters.telegram_flood import FloodGate, FloodLimits
 from adapters.telegram_format import markdown_to_telegram_html
 from gateway.command_specs import COMMAND_SPECS
@@ -899,8 +907,8 @@ class TelegramAdapter:
                 # 429: Telegram did not send it, so sending the same chunk again cannot duplicate.
                 wait = _retry_after_seconds(exc)
                 if attempts >= self._max_send_attempts + 3 or flood_waited + wait > self._max_flood_wait:
-                    log.error("telegram: flood control in chat %s lasted too long; dropping a chunk", message.chat_id)
-                    return None
+                    log.warning("telegram: flood control in chat %s lasts long; the outbox retries later", message.chat_id)
+                    raise DeliveryDeferred("flood control", retry_after=wait) from None
                 log.warning("telegram: flood control (429) in chat %s; retrying in %.1fs", message.chat_id, wait)
                 flood_waited += wait
                 self._flood.hold(str(chat_id), wait)  # the next wait_turn sleeps it off
@@ -929,13 +937,11 @@ class TelegramAdapter:
                 if _never_sent(exc) and attempts < self._max_send_attempts:
                     await asyncio.sleep(min(self._backoff_initial * attempts, self._backoff_max))
                     continue
-                # The request may have reached Telegram: resending could post the chunk twice.
-                log.warning(
-                    "telegram: sendMessage to chat %s failed (%s); not retried to avoid a duplicate",
-                    message.chat_id,
-                    type(exc).__name__,
-                )
-                return None
+                # The request may have reached Telegram: the outbox resends it later, which can
+                # post the chunk twice (Telegram has no idempotency key; see README "Delivery").
+                log.warning("telegram: sendMessage to chat %s failed (%s); the outbox retries it",
+                            message.chat_id, type(exc).__name__)
+                raise DeliveryDeferred(type(exc).__name__) from None
             except TelegramError as exc:
                 log.warning("telegram: sendMessage to chat %s failed (%s)", message.chat_id, type(exc).__name__)
                 return None

@@ -65,7 +65,7 @@ class UserInput:
 @dataclass
 class TurnResult:
     text: str
-    kind: str  # "reply" | "error"
+    kind: str  # "reply" | "error" | "covered" (answered as part of a later message's turn)
     session_id: str
     replayed: bool = False
     tool_iterations: int = 0  # model requests of this turn that called tools (skill nudges)
@@ -286,6 +286,9 @@ class Agent:
         known = {m.uid for m in history} | {m.meta.get("copied_from") for m in history}
         fresh = [i for i in inputs if i.uid not in known]
         if not fresh:
+            if self._followed_by_user(history, inputs[-1].uid):
+                # a replayed part of a coalesced batch: the batch's last message carries its answer
+                return TurnResult("", "covered", session_id, replayed=True)
             replay = self._answer_after(history, inputs[-1].uid)
             if replay is not None:
                 return TurnResult(replay, "reply", session_id, replayed=True)
@@ -342,6 +345,19 @@ class Agent:
                     wire[i] = {**wire[i], "content": f"{wire[i]['content']}\n\n[Recalled from memory:\n{ctx.recall}]"}
                     break
         return wire
+
+    @staticmethod
+    def _followed_by_user(history: list[StoredMessage], uid: str) -> bool:
+        """True when a later user message follows message `uid` before any answer."""
+        seen = False
+        for m in history:
+            if uid in (m.uid, m.meta.get("copied_from")):
+                seen = True
+            elif seen and m.role == "user":
+                return True
+            elif seen and m.role == "assistant" and not m.tool_calls and m.content:
+                return False
+        return False
 
     @staticmethod
     def _answer_after(history: list[StoredMessage], uid: str) -> str | None:

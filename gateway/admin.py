@@ -423,8 +423,8 @@ def paired_principals(data_dir: Path, principals: Iterable[str]) -> list[str]:
 
 def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str, str]],
                      tenant_id: str | None = None) -> int:
-    """Remove a tenant's traces from gateway.db: kv rows naming its principals and inbox rows
-    of its DM chats (or pending rows from its principals), then VACUUM so no freed page
+    """Remove a tenant's traces from gateway.db: kv rows naming its principals, inbox and
+    outbox rows of its DM chats (or pending rows from its principals), then VACUUM so no freed page
     keeps them. The gateway must be stopped."""
     db = Path(data_dir) / "gateway.db"
     if not db.exists():
@@ -460,6 +460,10 @@ def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str,
                         conn.execute("DELETE FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
                                      (platform, chat, mid))
                         removed += 1
+            if "outbox" in tables:  # the chunks addressed to its chats (sent or not)
+                for platform, chat in chats:
+                    removed += conn.execute("DELETE FROM outbox WHERE platform=? AND chat_id=?",
+                                            (platform, chat)).rowcount
         conn.execute("VACUUM")
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:

@@ -1,7 +1,8 @@
 """The gateway: adapters in, turns out. Auth, dedupe, limits, lanes, commands, delivery.
 
 Data flows one way: adapter -> `handle_inbound` (record, admit) -> lane worker
-(command or agent turn, inside the tenant's profile) -> delivery back to the adapter.
+(command or agent turn, inside the tenant's profile) -> outbox (recorded together with the
+turn's completion) -> deliverer -> adapter.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from adapters.base import Adapter, InboundMessage, OutboundMessage, SentMessage
+from adapters.base import Adapter, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from agent.fileio import private_mkdir
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
@@ -27,6 +28,7 @@ from gateway.access import Access
 from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config
 from gateway.delivery import split_text
+from gateway.faults import storage_fault
 from gateway.inbox import Inbox
 from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
@@ -36,6 +38,7 @@ from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
 from gateway.reminders import ReminderScheduler, delivered_message, delivery_text, is_reminder
 from gateway.streaming import StreamingReply
+from gateway.outbox import Deliverer, Draft, Outbox
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
 from tenancy.profiles import ProfileManager
@@ -45,6 +48,18 @@ log = logging.getLogger("hermes.gateway")
 TYPING_INTERVAL_S = 4.0
 DEDUPE_WINDOW_S = 14 * 24 * 3600  # answered message ids are remembered this long
 HOUSEKEEPING_INTERVAL_S = 3600.0
+
+
+@dataclass
+class _Answer:
+    """What a lane's turn produced: the text to deliver and the inbox outcome."""
+
+    text: str
+    kind: OutboundKind
+    outcome: str
+    reply: bool = True  # the first chunk replies to the person's message
+    result: TurnResult | None = None
+    streamer: StreamingReply | None = None  # a streamed draft may already be in the chat
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,7 @@ class _Notifier:
 
     def __init__(self, app: "GatewayApp", msg: InboundMessage) -> None:
         self.app, self.msg = app, msg
-        self._progress: SentMessage | None = None
+        self._progress: int | None = None  # the outbox chunk of the start notice
 
     async def __call__(self, kind: str, text: str) -> None:
         if kind in ("progress", "progress_done") and not self.app.cfg.compression.progress_notices:
@@ -75,13 +90,13 @@ class _Notifier:
         if adapter is None:
             return
         if kind == "progress_done" and self._progress is not None and adapter.can_edit:
-            if await self.app.safe_edit(adapter, self._progress, text):
-                self._progress = None
-                return
-        sent = await self.app.send(self.msg, text, kind="notice" if kind.startswith("progress") else "error",
-                                   reply=False)
-        if kind == "progress":
-            self._progress = sent
+            await self.app.edit(self.msg, self._progress, text)  # the deliverer falls back to a new message
+            self._progress = None
+            return
+        ids = await self.app.send(self.msg, text, kind="notice" if kind.startswith("progress") else "error",
+                                  reply=False)
+        if kind == "progress" and len(ids) == 1:
+            self._progress = ids[0]
 
 
 class GatewayApp:
@@ -92,6 +107,7 @@ class GatewayApp:
         self.cfg = cfg
         self.adapters: dict[str, Adapter] = {a.platform: a for a in adapters}
         self.inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
+        self.outbox = Outbox(self.inbox)
         self.links = IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
         self.storage_pool = StoragePool(cfg.storage.io_threads)
         self.profiles = ProfileManager(
@@ -102,6 +118,7 @@ class GatewayApp:
         self.llm = llm or LLMClient.from_config(cfg.llm)
         self.tokens = tokens or TokenCounter.create(log)
         self.metrics = Metrics()
+        self.deliverer = Deliverer(self.outbox, self.adapters, self.metrics, cfg.delivery)
         self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
         self.agent = Agent(cfg, self.llm_monitor, self.tokens)
         self.media = MediaIntake(cfg)
@@ -119,6 +136,7 @@ class GatewayApp:
             self._run_lane, max_queued=cfg.limits.max_queued_turns,
             coalesce=self._mergeable if cfg.limits.busy_mode != "queue" else None,
             coalesce_wait_s=coalesce_ms / 1000)
+        self._background: set[asyncio.Task] = set()  # replies sent outside an adapter's sink
         self._turn_stops: dict[str, asyncio.Event] = {}  # lane key -> stop event of its running turn
         self.reminders = ReminderScheduler(lambda: self.inbox.db, cfg.data_dir, self._submit_reminder)
         self.agent.reminder_index = self.reminders.note  # the tool keeps the due-time index current
@@ -127,7 +145,6 @@ class GatewayApp:
         self.metrics.bind(platforms=self.adapters, open_profiles=lambda: self.profiles.open_count,
                           queue_depth=lambda: self.lanes.queued_by(lambda job: job.msg.platform),
                           adapters_up=self._adapters_up)
-        self._background: set[asyncio.Task] = set()
         self._housekeeping: asyncio.Task | None = None
         # lanes that ran turns in this process, newest last: flushed at shutdown (bounded)
         self._active_lanes: OrderedDict[tuple[str, str], tuple[InboundMessage, Lane, ChatPlace]] = OrderedDict()
@@ -141,6 +158,8 @@ class GatewayApp:
         self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
         await self.inbox.open()
         await self.reminders.open()
+        await self.outbox.open()
+        await self.linking.recover()  # a /link merge a crash interrupted: finished or undone
         self._started = True
         self._accepting = True
         await self.inbox.prune(DEDUPE_WINDOW_S)
@@ -160,6 +179,7 @@ class GatewayApp:
                 log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
         if self.cfg.reminders.enabled:
             self.reminders.start()
+        await self.deliverer.resume()  # what the previous run recorded but did not get sent
         if self.cfg.observability.listen:
             from gateway.observability import Observability
 
@@ -188,6 +208,7 @@ class GatewayApp:
             except TimeoutError:
                 log.warning("memory flush at shutdown did not finish in %.0fs", drain_timeout)
         await self.linking.close(drain_timeout)
+        await self.deliverer.close(drain_timeout)  # unsent chunks stay in the outbox for the next start
         for adapter in self.adapters.values():
             try:
                 await adapter.stop()
@@ -199,6 +220,7 @@ class GatewayApp:
         await self.profiles.close_all()
         await asyncio.to_thread(self.storage_pool.shutdown)
         if self._started:
+            await self.outbox.close()
             await self.inbox.close()
             self._started = False
         if self._own_llm:
@@ -216,6 +238,7 @@ class GatewayApp:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             try:
                 await self.inbox.prune(DEDUPE_WINDOW_S)
+                await self.outbox.prune(DEDUPE_WINDOW_S)
             except Exception:
                 log.exception("pruning gateway.db failed")
             now = time.monotonic()
@@ -225,10 +248,7 @@ class GatewayApp:
         """Wait until every queued turn and pending refusal has finished (tests, console)."""
         if not await self.lanes.drain(timeout):
             return False
-        if self._background:
-            done, pending = await asyncio.wait(list(self._background), timeout=timeout)
-            return not pending
-        return True
+        return await self.deliverer.drain(timeout)
 
     # ----- inbound --------------------------------------------------------------------
     async def handle_inbound(self, msg: InboundMessage) -> None:
@@ -354,25 +374,17 @@ class GatewayApp:
         except Exception:
             log.exception("could not send a refusal")
 
-    def _in_background(self, coro) -> None:
-        """Run a reply outside the adapter's sink, so a slow send (e.g. flood control)
-        never holds up receiving; stop() waits for these."""
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def _refuse_stranger(self, msg: InboundMessage) -> None:
         self.metrics.refused(msg.platform, "unauthorized")
         if msg.chat_type == "dm" and self.cfg.access.unauthorized_dm == "pair":
             code = await self.access.pairing_code(msg.principal)
             text = (f"Hi! I don't know you yet. Your pairing code is {code}. "
                     f"Ask the operator of this bot to approve it with /pair {code}.")
-            self._in_background(self._send_and_finish(msg, text, "notice", "unauthorized"))
+            await self._send_and_finish(msg, text, "notice", "unauthorized")
             return
         if msg.message_id.startswith("interaction-"):
             # a slash command waits visibly for an answer; plain group messages get silence
-            self._in_background(self._send_and_finish(
-                msg, "Sorry, you're not on this bot's list of users.", "error", "unauthorized"))
+            await self._send_and_finish(msg, "Sorry, you're not on this bot's list of users.", "error", "unauthorized")
             return
         await self.inbox.finish(msg, "unauthorized")
 
@@ -383,15 +395,20 @@ class GatewayApp:
         if quiet_key is None or now - self._limit_notified.get(quiet_key, -1e9) >= 60:
             if quiet_key is not None:
                 self._limit_notified[quiet_key] = now
-            self._in_background(self._send_and_finish(msg, text, "error", outcome))
+            await self._send_and_finish(msg, text, "error", outcome)
             return
         await self.inbox.finish(msg, outcome)
 
-    async def _send_and_finish(self, msg: InboundMessage, text: str, kind: str, outcome: str) -> None:
-        try:
-            await self.send(msg, text, kind=kind)
-        finally:
-            await self.inbox.finish(msg, outcome)
+    def _in_background(self, coro) -> None:
+        """Run work outside the adapter's sink, so a slow step never holds up receiving;
+        stop() waits for these."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_and_finish(self, msg: InboundMessage, text: str, kind: OutboundKind, outcome: str) -> None:
+        """Record the answer in the outbox and mark `msg` done, in one transaction."""
+        await self.send(msg, text, kind=kind, finish=[(msg, outcome)])
 
     # ----- the lane worker ------------------------------------------------------------
     def place_of(self, msg: InboundMessage, lane: Lane) -> ChatPlace:
@@ -400,88 +417,140 @@ class GatewayApp:
 
     async def _run_lane(self, key: str, jobs: list[Job]) -> None:
         first, last = jobs[0], jobs[-1]
-        lane, place = first.lane, self.place_of(first.msg, first.lane)
-        platform, started = first.msg.platform, time.monotonic()
+        lane, platform, started = first.lane, first.msg.platform, time.monotonic()
         # ids of this turn go on its log lines explicitly (no context variable)
         tlog = turn_logger(log, turn_id=secrets.token_hex(6), platform=platform, tenant=lane.tenant_id)
         reminder = is_reminder(first.msg)
         job_kind = "reminder" if reminder else "command" if parse_command(first.msg.text) is not None else "turn"
-        self.metrics.in_flight.add(1, platform=platform)
-        typing = asyncio.create_task(self._keep_typing(last.msg))
-        outcome = "replied"
-        result: TurnResult | None = None
-        streamer: StreamingReply | None = None
-        try:
-            async with self.linking.use(first.msg, lane) as profile:
-                for job in jobs:
-                    log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
-                if lane.principal not in profile.principals and lane.kind == "person":
-                    await asyncio.to_thread(profile.add_principal, lane.principal)
-                command = None if reminder else parse_command(first.msg.text)
-                if reminder:
-                    text, kind = await self._record_reminder(profile, lane, place, first.msg), "notice"
-                elif command is not None:
-                    spec, args = command
-                    ctx = CommandContext(self, first.msg, lane, place, profile, args,
-                                         chat_admin=self._chat_admin_check(first.msg))
-                    text, kind = await run_command(spec.name, ctx), "reply"
-                else:
-                    # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
-                    prepared = [await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path,
-                                                         input_uid(j.msg)) for j in jobs]
-                    inputs = [UserInput(uid=input_uid(j.msg), text=p.text, user_name=j.msg.user_name,
-                                        meta={"platform": j.msg.platform, "message_id": j.msg.message_id,
-                                              "user": j.msg.principal, **p.meta})
-                              for j, p in zip(jobs, prepared) if p.answerable]
-                    notices = [n for p in prepared for n in p.notices]
-                    if inputs:
-                        for notice in notices:
-                            await self.send(last.msg, notice, kind="notice", reply=False)
-                        stop = self._turn_stops[key] = asyncio.Event()
-                        streamer = self._streaming_reply(last.msg)
-                        try:
-                            result = await self.agent.run_turn(
-                                profile, lane, place, inputs, notify=_Notifier(self, last.msg), stop=stop,
-                                on_text=streamer.feed if streamer is not None else None,
-                                chat=ReminderChat(last.msg.platform, last.msg.chat_id, last.msg.chat_type,
-                                                  last.msg.thread_id, last.msg.user_id, last.msg.user_name))
-                        finally:
-                            if self._turn_stops.get(key) is stop:
-                                del self._turn_stops[key]
-                        text, kind = result.text, result.kind
-                        if kind == "error":
-                            outcome = "llm_error"
-                        elif result.interrupted:
-                            # the partial answer (if any) is shown marked as stopped
-                            text, outcome = (f"{text}\n\n(stopped)" if text else ""), "stopped"
-                    else:  # nothing the model could read: the notices are the answer
-                        text, kind, outcome = "\n\n".join(notices) or "I couldn't read that.", "error", "refused"
-        except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
-            await self._move_jobs(jobs, moved.lane)
-            return
-        except Exception:
-            tlog.exception("turn failed")
-            text, kind, outcome = ("Something went wrong on my side while answering; your message "
-                                   "was kept. Please try again."), "error", "error"
-        finally:
-            typing.cancel()
-            self.metrics.in_flight.add(-1, platform=platform)
-            if streamer is not None:
-                await streamer.close()
-        if streamer is not None and streamer.started:  # a draft is in the chat: the answer replaces it
-            sent = await streamer.finish(text or "(stopped)")
-        else:
-            sent = await self.send(last.msg, text, kind=kind, reply=not reminder) if text else None
-        if sent is None and text and last.msg.platform in self.adapters:
-            outcome = "undelivered" if outcome == "replied" else outcome
         for job in jobs:
-            await self.inbox.finish(job.msg, outcome)
-        if result is not None and result.kind == "reply" and not result.replayed:
-            self._after_reply(last.msg, lane, place, result)
+            log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
+        failures = 0
+        while True:  # a storage fault holds the lane (order) and retries until storage works again
+            try:
+                answer = await self._answer(key, jobs, tlog)
+                # the answer's chunks and the turn's completion commit together; the deliverer sends them
+                await self._deliver(last.msg, answer, finish=[(job.msg, answer.outcome) for job in jobs])
+                break
+            except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
+                await self._move_jobs(jobs, moved.lane)
+                return
+            except Exception as exc:
+                fault = storage_fault(exc)
+                if fault is None:
+                    raise
+                failures += 1
+                delay = min(self.cfg.delivery.retry_initial_s * 2 ** (failures - 1), self.cfg.delivery.retry_max_s)
+                tlog.error("storage fault (%s); the message stays pending, retrying in %.1f s", fault, delay)
+                if failures == 1:
+                    await self._tell_storage_fault(last.msg, fault)
+                await asyncio.sleep(delay)
+        outcome, result = answer.outcome, answer.result
+        if result is not None and result.kind == "reply" and not result.replayed and not result.interrupted:
+            self._after_reply(last.msg, lane, self.place_of(last.msg, lane), result)
         seconds = time.monotonic() - started
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
         tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
                   extra={"outcome": outcome, "duration_ms": round(seconds * 1000)})
+
+    async def _answer(self, key: str, jobs: list[Job], tlog: logging.LoggerAdapter) -> _Answer:
+        """Run the reminder, command or agent turn of `jobs`. Raises LaneMoved, and storage
+        faults of an agent turn (retried by the caller); other failures become an apology."""
+        first, last = jobs[0], jobs[-1]
+        lane, place = first.lane, self.place_of(first.msg, first.lane)
+        platform = first.msg.platform
+        reminder = is_reminder(first.msg)
+        self.metrics.in_flight.add(1, platform=platform)
+        typing = asyncio.create_task(self._keep_typing(last.msg))
+        command = None if reminder else parse_command(first.msg.text)
+        streamer: StreamingReply | None = None
+        try:
+            async with self.linking.use(first.msg, lane) as profile:
+                if lane.principal not in profile.principals and lane.kind == "person":
+                    await asyncio.to_thread(profile.add_principal, lane.principal)
+                if reminder:
+                    text = await self._record_reminder(profile, lane, place, first.msg)
+                    return _Answer(text, "notice", "replied", reply=False)
+                if command is not None:
+                    spec, args = command
+                    ctx = CommandContext(self, first.msg, lane, place, profile, args,
+                                         chat_admin=self._chat_admin_check(first.msg))
+                    return _Answer(await run_command(spec.name, ctx), "reply", "replied")
+                # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
+                prepared = [await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path,
+                                                     input_uid(j.msg)) for j in jobs]
+                inputs = [UserInput(uid=input_uid(j.msg), text=p.text, user_name=j.msg.user_name,
+                                    meta={"platform": j.msg.platform, "message_id": j.msg.message_id,
+                                          "user": j.msg.principal, **p.meta})
+                          for j, p in zip(jobs, prepared, strict=True) if p.answerable]
+                notices = [n for p in prepared for n in p.notices]
+                if not inputs:  # nothing the model could read: the notices are the answer
+                    return _Answer("\n\n".join(notices) or "I couldn't read that.", "error", "refused")
+                for notice in notices:
+                    await self.send(last.msg, notice, kind="notice", reply=False)
+                stop = self._turn_stops[key] = asyncio.Event()
+                streamer = self._streaming_reply(last.msg)
+                try:
+                    result = await self.agent.run_turn(
+                        profile, lane, place, inputs, notify=_Notifier(self, last.msg), stop=stop,
+                        on_text=streamer.feed if streamer is not None else None,
+                        chat=ReminderChat(last.msg.platform, last.msg.chat_id, last.msg.chat_type,
+                                          last.msg.thread_id, last.msg.user_id, last.msg.user_name))
+                finally:
+                    if self._turn_stops.get(key) is stop:
+                        del self._turn_stops[key]
+                    await streamer.close() if streamer is not None else None
+                if result.kind == "covered":  # a replayed part of a coalesced batch: answered already
+                    return _Answer("", "reply", "coalesced", result=result)
+                if result.kind == "error":
+                    return _Answer(result.text, "error", "llm_error", result=result, streamer=streamer)
+                if result.interrupted:  # the partial answer (if any) is shown marked as stopped
+                    text = f"{result.text}\n\n(stopped)" if result.text else ""
+                    return _Answer(text, "reply", "stopped", result=result, streamer=streamer)
+                return _Answer(result.text, "reply", "replied", result=result, streamer=streamer)
+        except LaneMoved:
+            raise
+        except Exception as exc:
+            if command is None and storage_fault(exc) is not None:
+                raise
+            tlog.exception("turn failed")
+            return _Answer("Something went wrong on my side while answering; your message was kept. "
+                           "Please try again.", "error", "error", streamer=streamer)
+        finally:
+            typing.cancel()
+            self.metrics.in_flight.add(-1, platform=platform)
+
+    async def _deliver(self, msg: InboundMessage, answer: _Answer,
+                       finish: Sequence[tuple[InboundMessage, str]]) -> None:
+        """Record the answer (and the turn's completion) in the outbox. A streamed draft in
+        the chat is edited into the final text, in the same transaction."""
+        streamer = answer.streamer
+        if streamer is None or not streamer.started:
+            await self.send(msg, answer.text, kind=answer.kind, reply=answer.reply, finish=finish)
+            return
+        drafts = []
+        for handle, chunk in streamer.placement(answer.text or "(stopped)"):
+            drafts.append(Draft(platform=msg.platform, chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk,
+                                kind=answer.kind, edit_of=int(handle.message_id) if handle is not None else None))
+        await self.outbox.record(drafts, finish=finish)
+        self.deliverer.kick(msg.platform, msg.chat_id)
+
+    async def _tell_storage_fault(self, msg: InboundMessage, fault: str) -> None:
+        """Say once why the answer is late: through the outbox, or straight to the platform
+        when gateway.db itself cannot take it."""
+        text = (f"I can't save anything right now ({fault} on my server), so your answer is delayed. "
+                "Your message is kept and I'll answer it as soon as storage works again.")
+        try:
+            await self.send(msg, text, kind="notice", reply=False)
+            return
+        except Exception:
+            log.warning("could not record the storage notice; sending it directly")
+        adapter = self.adapters.get(msg.platform)
+        if adapter is not None:
+            try:
+                await adapter.send(OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=text,
+                                                   kind="notice"))
+            except Exception:
+                log.warning("could not send the storage notice either", exc_info=True)
 
     async def _record_reminder(self, profile, lane: Lane, place: ChatPlace, msg: InboundMessage) -> str:
         """Keep a due reminder in the lane's history (once, by its uid), return its text."""
@@ -570,53 +639,50 @@ class GatewayApp:
             await asyncio.sleep(TYPING_INTERVAL_S)
 
     # ----- delivery -------------------------------------------------------------------
-    async def send(self, msg: InboundMessage, text: str, *, kind: str = "reply", reply: bool = True) -> SentMessage | None:
-        """Send `text` into `msg`'s chat, split at the platform limit; the first chunk
-        replies to `msg`. Returns the first sent chunk (None if nothing was delivered)."""
+    async def send(self, msg: InboundMessage, text: str, *, kind: OutboundKind = "reply", reply: bool = True,
+                   finish: Sequence[tuple[InboundMessage, str]] = ()) -> list[int]:
+        """Record `text` for `msg`'s chat in the outbox, split at the platform limit (the
+        first chunk replies to `msg`), mark `finish` done in the same transaction, and
+        hand it to the deliverer. Returns the chunk ids."""
         adapter = self.adapters.get(msg.platform)
-        if adapter is None:
+        chunks = split_text(text, adapter.max_message_length, adapter.measure) if adapter is not None else []
+        if adapter is None and text:
             log.warning("no adapter for platform %s; reply dropped", msg.platform)
-            return None
-        first: SentMessage | None = None
-        for i, chunk in enumerate(split_text(text, adapter.max_message_length, adapter.measure)):
-            out = OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind=kind,
-                                  reply_to_message_id=msg.message_id if (reply and i == 0) else None)
-            try:
-                sent = await adapter.send(out)
-            except Exception:
-                log.exception("%s send failed", msg.platform)
-                return first
-            if sent is None:
-                return first
-            first = first or sent
-        return first
+        drafts = [Draft(platform=msg.platform, chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind=kind,
+                        reply_to=msg.message_id if (reply and i == 0) else None)
+                  for i, chunk in enumerate(chunks)]
+        ids = await self.outbox.record(drafts, finish=finish)
+        if ids:
+            self.deliverer.kick(msg.platform, msg.chat_id)
+        return ids
 
     def _streaming_reply(self, msg: InboundMessage) -> StreamingReply | None:
         """A streamed reply to `msg` when `delivery.streaming` covers its chat and the
-        platform can edit messages; None: the answer is sent when it is complete."""
+        platform can edit messages; None: the answer is sent when it is complete. Drafts go
+        through the outbox like every other message (a handle's message_id is its chunk id)."""
         mode, adapter = self.cfg.delivery.streaming, self.adapters.get(msg.platform)
         if adapter is None or not adapter.can_edit or mode == "off" or (mode == "dm" and msg.chat_type != "dm"):
             return None
 
         async def send(chunk: str, first: bool) -> SentMessage | None:
-            out = OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind="reply",
-                                  reply_to_message_id=msg.message_id if first else None)
-            try:
-                return await adapter.send(out)
-            except Exception:
-                log.exception("%s send failed", msg.platform)
-                return None
+            ids = await self.send(msg, chunk, kind="reply", reply=first)
+            return SentMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, message_id=str(ids[0])) if ids else None
 
-        return StreamingReply(send, lambda sent, text: self.safe_edit(adapter, sent, text),
-                              lambda text: split_text(text, adapter.max_message_length, adapter.measure),
+        async def edit(handle: SentMessage, text: str) -> bool:
+            await self.edit(msg, int(handle.message_id), text)
+            return True
+
+        return StreamingReply(send, edit, lambda text: split_text(text, adapter.max_message_length, adapter.measure),
                               interval_s=self.cfg.delivery.stream_edit_interval_s)
 
-    async def safe_edit(self, adapter: Adapter, sent: SentMessage, text: str) -> bool:
-        try:
-            return await adapter.edit(sent, text)
-        except Exception:
-            log.debug("edit failed", exc_info=True)
-            return False
+    async def edit(self, msg: InboundMessage, chunk_id: int, text: str) -> int:
+        """Record new text for the message chunk `chunk_id` became (sent as a new message
+        if it cannot be edited); it keeps its place in the chat's order."""
+        [edit_id] = await self.outbox.record([Draft(platform=msg.platform, chat_id=msg.chat_id,
+                                                    thread_id=msg.thread_id, text=text, kind="notice",
+                                                    edit_of=chunk_id)])
+        self.deliverer.kick(msg.platform, msg.chat_id)
+        return edit_id
 
     # ----- identity links (the /link command) -----------------------------------------
     async def link_command(self, msg: InboundMessage, args: str) -> str:

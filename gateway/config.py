@@ -210,6 +210,14 @@ class TranscriptionConfig(_Section):
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
+class DeliveryConfig(_Section):
+    """The outbox: how long and how often an unsent chunk is retried (README "Delivery")."""
+
+    max_age_s: float = Field(default=24 * 3600, gt=0)
+    retry_initial_s: float = Field(default=1.0, gt=0)
+    retry_max_s: float = Field(default=60.0, gt=0)
+
+
 class WebhookConfig(_Section):
     listen: str = "127.0.0.1"
     port: int = Field(default=8443, ge=1, le=65535)

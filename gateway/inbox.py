@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 import aiosqlite
 
 from adapters.base import InboundMessage
 from agent.fileio import private_file, private_mkdir
+
+T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inbound (
@@ -84,7 +87,7 @@ class Inbox:
 
     def __init__(self, path: Path, *, fsync: str = "batch") -> None:
         self.path = path
-        self._fsync = fsync
+        self.fsync = fsync
         self._db: aiosqlite.Connection | None = None
         self._records: WriteCombiner[InboundMessage, bool] = WriteCombiner(self._record_batch)
         self._finishes: WriteCombiner[tuple[InboundMessage, str], None] = WriteCombiner(self._finish_batch)
@@ -95,7 +98,7 @@ class Inbox:
         # autocommit: each statement is its own durable transaction, one thread hop each
         self._db = await aiosqlite.connect(self.path, isolation_level=None)
         await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute(f"PRAGMA synchronous={'FULL' if self._fsync == 'always' else 'NORMAL'}")
+        await self._db.execute(f"PRAGMA synchronous={'FULL' if self.fsync == 'always' else 'NORMAL'}")
         await self._db.execute("PRAGMA busy_timeout=5000")
         await self._db.executescript(_SCHEMA)
 
@@ -154,29 +157,52 @@ class Inbox:
             "WHERE inbound.platform=v.p AND inbound.chat_id=v.c AND inbound.message_id=v.m", params)
         return [None] * len(items)
 
+    @staticmethod
+    def finish_sync(con: sqlite3.Connection, msg: InboundMessage, outcome: str) -> None:
+        """`finish` as one statement inside a caller's transaction (see `atomically`)."""
+        con.execute("UPDATE inbound SET status='done', outcome=?, payload=NULL"
+                    " WHERE platform=? AND chat_id=? AND message_id=?",
+                    (outcome, msg.platform, msg.chat_id, msg.message_id))
+
+    async def atomically(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn(connection)` as one transaction in a single hop to the database thread,
+        so no other statement on this connection can interleave; rolled back if it raises."""
+        def run(con: sqlite3.Connection) -> T:
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(con)
+                con.execute("COMMIT")
+                return result
+            except BaseException:
+                if con.in_transaction:  # SQLite may have rolled back itself (e.g. disk full)
+                    con.execute("ROLLBACK")
+                raise
+
+        return await self.db._execute(run, self.db._conn)  # aiosqlite's own thread hop
+
     async def pending(self) -> list[InboundMessage]:
         """Messages recorded but never answered (a crash or stop mid-turn), oldest first."""
         out = []
-        async with self.db.execute(
-                "SELECT payload FROM inbound WHERE status='pending' ORDER BY received_at") as cur:
-            async for (payload,) in cur:
-                try:
-                    out.append(InboundMessage.model_validate(json.loads(payload)))
-                except (ValueError, TypeError):
-                    continue
+        # every read is one hop (execute_fetchall): a cursor left open across awaits would
+        # hold a stale snapshot for the statements other tasks run in between
+        rows = await self.db.execute_fetchall(
+            "SELECT payload FROM inbound WHERE status='pending' ORDER BY received_at")
+        for (payload,) in rows:
+            try:
+                out.append(InboundMessage.model_validate(json.loads(payload)))
+            except (ValueError, TypeError):
+                continue
         return out
 
     async def status(self, platform: str, chat_id: str, message_id: str) -> str | None:
-        async with self.db.execute(
-                "SELECT status FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
-                (platform, chat_id, message_id)) as cur:
-            row = await cur.fetchone()
-        return row[0] if row else None
+        rows = await self.db.execute_fetchall(
+            "SELECT status FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
+            (platform, chat_id, message_id))
+        return rows[0][0] if rows else None
 
     async def get(self, key: str) -> str | None:
-        async with self.db.execute("SELECT value FROM kv WHERE key=?", (key,)) as cur:
-            row = await cur.fetchone()
-        return row[0] if row else None
+        rows = await self.db.execute_fetchall("SELECT value FROM kv WHERE key=?", (key,))
+        return rows[0][0] if rows else None
 
     async def put(self, key: str, value: str | None) -> None:
         if value is None:

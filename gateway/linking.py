@@ -82,6 +82,7 @@ IDLE_TIMEOUT_S = 300.0
 CODE_LEN = 10
 _ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no 0/O/1/I
 RETIRED_MARKER = "merged-into.json"
+PENDING_MARKER = "link-pending.json"  # in a swapped-in merged profile until its link is recorded
 OVERFLOW_FILE = "merged-overflow.md"
 _MEMORY_FILES = {"memory": "MEMORY.md", "user": "USER.md"}
 
@@ -210,6 +211,38 @@ class Linking:
         tasks = list(self._tasks)
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
+
+    async def recover(self) -> None:
+        """At start, after a crash mid-merge: a merged profile whose link was recorded is
+        kept (and finished), one whose link was not is swapped back for the profile from
+        before; both accounts are told which."""
+        profiles = self.app.cfg.data_dir / "profiles"
+        for marker in sorted(profiles.glob(f"*/{PENDING_MARKER}")) if profiles.is_dir() else []:
+            target = marker.parent
+            try:
+                info = json.loads(marker.read_text(encoding="utf-8"))
+                notify = [InboundMessage.model_validate(m) for m in info["notify"]]
+            except (OSError, ValueError, KeyError, TypeError):
+                log.exception("link: unreadable %s; leaving it for the operator", marker)
+                continue
+            old = profiles / f".link-old-{target.name}"
+            swap = _Swap(target, old if old.exists() else None)
+            if all(self.app.links.name_for(p) == info["name"] for p in info["joiners"]):
+                await asyncio.to_thread(swap.forget)
+                for source in info.get("sources", []):
+                    await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source),
+                                            info.get("target", target.name))
+                log.info("link: finished a merge a crash interrupted (%s)", target.name)
+                everyone = ", ".join(self.app.links.principals_of(info["name"]))
+                text = f"Linked: {everyone} are now one person for me, with one memory and all conversations kept."
+            else:
+                await asyncio.to_thread(swap)
+                log.warning("link: undid a merge a crash interrupted before the link was recorded (%s)", target.name)
+                text = ("Linking didn't work (I was restarted meanwhile); nothing was changed. Send /link from "
+                        "your other account to get a new code and try again.")
+            for msg in notify:
+                await self._tell(msg, text)
+        await asyncio.to_thread(_clean_staging, profiles)
 
     async def close(self, timeout: float = 30.0) -> None:
         await self.wait_idle(timeout)
@@ -407,8 +440,10 @@ class Linking:
         return f"Confirmed. Joining this account with {principal} now; I'll confirm here in a moment."
 
     async def _run_merge(self, plan: _Plan, tenants: list[str]) -> None:
-        links = self.app.links
-        linked: list[str] = []
+        """Wait for the accounts to be idle, then merge and link as one step that a shutdown
+        does not interrupt: the profiles end up either exactly as before or merged and
+        linked, and both accounts are told which (through the outbox, so even a notice
+        recorded during shutdown goes out on the next start)."""
         try:
             redeem = plan.notify[0]
             deadline = time.monotonic() + self.idle_timeout_s
@@ -418,42 +453,67 @@ class Linking:
                     raise TimeoutError("the accounts stayed busy")
                 await asyncio.sleep(0.02)
             await self._wait_idle(tenants)
-            await self._merge(plan)
+            step = asyncio.ensure_future(self._merge_and_link(plan))
+            try:
+                await asyncio.shield(step)
+            except asyncio.CancelledError:
+                if not step.done():
+                    log.info("link: shutting down; finishing the merge into %s first", plan.target)
+                    await asyncio.wait([step])
+                if step.cancelled() or step.exception() is not None:
+                    raise
+                await self._after_merge(plan)
+                raise
+        except BaseException as err:
+            self._ungate(tenants)
+            self._busy -= set(plan.principals)
+            self.app.metrics.links.inc(kind="merge", outcome="error")
+            if isinstance(err, asyncio.CancelledError):
+                log.warning("link: merge into %s cancelled; nothing was linked", plan.target)
+                reason = "I was restarted meanwhile"
+            else:
+                log.exception("link: merge into %s failed; nothing was linked", plan.target)
+                reason = "the accounts stayed busy" if isinstance(err, TimeoutError) else "an internal error"
+            for target in plan.notify:
+                await self._tell(target, f"Linking didn't work ({reason}); nothing was changed. Send /link "
+                                         "from your other account to get a new code and try again.")
+            if isinstance(err, asyncio.CancelledError):
+                raise
+            return
+        self._ungate(tenants)
+        self._busy -= set(plan.principals)
+        await self._after_merge(plan)
+
+    async def _merge_and_link(self, plan: _Plan) -> None:
+        """Merge the profiles, then record the link; if recording fails, the merged profile
+        is swapped back for the one from before."""
+        links = self.app.links
+        undo = await self._merge(plan)
+        linked: list[str] = []
+        try:
             for p in plan.joiners:
                 if links.link(plan.name, p):
                     linked.append(p)
             await asyncio.to_thread(links.save)
-        except BaseException as err:
+        except BaseException:
             for p in linked:
                 try:
                     links.unlink(p)
                 except ValueError:
                     pass
-            if linked:
-                try:
-                    await asyncio.to_thread(links.save)
-                except Exception:
-                    log.exception("link: could not save links.json after a failed merge")
-            self.app.metrics.links.inc(kind="merge", outcome="error")
-            if isinstance(err, asyncio.CancelledError):
-                log.warning("link: merge into %s cancelled; nothing was linked", plan.target)
-                raise
-            log.exception("link: merge into %s failed; nothing was linked", plan.target)
-            reason = "the accounts stayed busy" if isinstance(err, TimeoutError) else "an internal error"
-            for target in plan.notify:
-                await self._tell(target, f"Linking didn't work ({reason}); nothing was changed. Send /link "
-                                         "from your other account to get a new code and try again.")
-            return
-        else:
-            for source in plan.sources:  # merged and linked: the old personal profiles go
-                try:
-                    await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source), plan.target)
-                except Exception:
-                    log.exception("link: could not remove a merged profile (`profiles delete` of the link "
-                                  "removes it)")
-        finally:
-            self._ungate(tenants)
-            self._busy -= set(plan.principals)
+            await asyncio.to_thread(undo)
+            raise
+        await asyncio.to_thread(undo.forget)
+
+    async def _after_merge(self, plan: _Plan) -> None:
+        """Merged and linked: retire the old personal profiles and tell both accounts."""
+        links = self.app.links
+        for source in plan.sources:
+            try:
+                await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source), plan.target)
+            except Exception:
+                log.exception("link: could not remove a merged profile (`profiles delete` of the link "
+                              "removes it)")
         self.app.metrics.links.inc(kind="merge", outcome="ok")
         log.info("link: merged %d profile(s) into %s", len(plan.sources), plan.target)
         everyone = ", ".join(links.principals_of(plan.name))
@@ -467,7 +527,10 @@ class Linking:
         except Exception:
             log.exception("link: could not send a notice")
 
-    async def _merge(self, plan: _Plan) -> None:
+    async def _merge(self, plan: _Plan) -> "_Swap":
+        """Merge into a staging copy of the target (a fresh profile, or a copy of the linked
+        one), check it opens, then swap it in. A failure leaves every profile untouched.
+        Returns the swap, which can still be undone until the link is recorded."""
         cfg = self.app.cfg
         data_dir = cfg.data_dir
         fsync = cfg.storage.fsync
@@ -480,25 +543,27 @@ class Linking:
                     pass
                 sources.append(path)
         target = tenant_dir(data_dir, plan.target)
-        await asyncio.to_thread(_clean_staging, data_dir / "profiles")
-        staging = None
-        if not target.exists():
-            staging = data_dir / "profiles" / f".link-{secrets.token_hex(6)}"
-            await asyncio.to_thread(_init_profile, staging, plan.target)
-            work = staging
-        else:
-            work = target
-        async with SessionStore(work, fsync=fsync):  # schema (new) or reconcile (existing)
-            pass
+        merging = {tenant_dir(data_dir, t).name for t in self._gates if t != plan.target}
+        await asyncio.to_thread(_clean_staging, data_dir / "profiles", keep=merging)
+        staging = data_dir / "profiles" / f".link-{secrets.token_hex(6)}"
         try:
-            await asyncio.to_thread(merge_profiles, work, sources, limits, plan.principals)
-            async with SessionStore(work, fsync=fsync):  # the merged profile opens cleanly
+            if target.exists():
+                async with SessionStore(target, fsync=fsync):  # reconcile before copying
+                    pass
+                await asyncio.to_thread(shutil.copytree, target, staging)
+            else:
+                await asyncio.to_thread(_init_profile, staging, plan.target)
+            async with SessionStore(staging, fsync=fsync):  # schema (new) or reconcile (copy)
                 pass
-            if staging is not None:
-                await asyncio.to_thread(os.replace, staging, target)
+            await asyncio.to_thread(merge_profiles, staging, sources, limits, plan.principals)
+            async with SessionStore(staging, fsync=fsync):  # the merged profile opens cleanly
+                pass
+            pending = {"name": plan.name, "target": plan.target, "joiners": plan.joiners, "sources": plan.sources,
+                       "notify": [m.model_dump(mode="json") for m in plan.notify]}
+            await asyncio.to_thread(atomic_write, staging / PENDING_MARKER, json.dumps(pending))
+            return await asyncio.to_thread(_Swap.apply, staging, target)
         except BaseException:
-            if staging is not None:
-                await asyncio.to_thread(shutil.rmtree, staging, True)
+            await asyncio.to_thread(shutil.rmtree, staging, True)
             raise
 
     async def unlink_command(self, msg: InboundMessage, args: str = "") -> str:
@@ -555,8 +620,51 @@ def _init_profile(path: Path, tenant_id: str) -> None:
                           "created_at": time.time(), "schema_version": SCHEMA_VERSION})
 
 
-def _clean_staging(profiles: Path, older_than_s: float = 3600.0) -> None:
-    """Remove staging directories a crash mid-merge left behind."""
+class _Swap:
+    """Staging put in place of a target profile: the old one is kept aside (`.link-old-`)
+    until the link is recorded, so a failure can put it back."""
+
+    def __init__(self, target: Path, old: Path | None) -> None:
+        self.target, self.old = target, old
+
+    @classmethod
+    def apply(cls, staging: Path, target: Path) -> "_Swap":
+        old = None
+        if target.exists():
+            old = target.parent / f".link-old-{target.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+        os.replace(staging, target)
+        fsync_dir(target.parent)
+        return cls(target, old)
+
+    def __call__(self) -> None:
+        """Undo: the profile from before goes back in place."""
+        shutil.rmtree(self.target, ignore_errors=True)
+        if self.old is not None:
+            os.replace(self.old, self.target)
+        fsync_dir(self.target.parent)
+
+    def forget(self) -> None:
+        """The link is recorded: the merged profile stays, the one from before goes."""
+        (self.target / PENDING_MARKER).unlink(missing_ok=True)
+        if self.old is not None:
+            shutil.rmtree(self.old, ignore_errors=True)
+
+
+def _clean_staging(profiles: Path, older_than_s: float = 3600.0, keep: set[str] = frozenset()) -> None:
+    """Remove staging directories a crash mid-merge left behind; a profile set aside by a
+    swap that a crash interrupted goes back in place (not those of merges in `keep`)."""
+    if not profiles.is_dir():
+        return
+    for old in profiles.glob(".link-old-*"):
+        target = profiles / old.name[len(".link-old-"):]
+        if target.name in keep:
+            continue
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, target)
     now = time.time()
     for path in profiles.glob(".link-*"):
         try:
@@ -674,7 +782,8 @@ def _merge_db(src: Path, target: Path) -> None:
 def _merge_files(src: Path, target: Path) -> None:
     """Provider files, exports and anything else: copy what's missing, append *.jsonl, keep
     both when two different files have one name."""
-    skip_top = {"tenant.json", "state.db", "state.db-wal", "state.db-shm", "state.db-journal", RETIRED_MARKER}
+    skip_top = {"tenant.json", "state.db", "state.db-wal", "state.db-shm", "state.db-journal", RETIRED_MARKER,
+                PENDING_MARKER}
     for root, dirs, files in os.walk(src):
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
         for name in files:

@@ -184,6 +184,9 @@ class Metrics:
                                     "Messages refused by the per-person rate limit.", ["platform"])
         self.links = Counter("hermes_identity_links_total", "Identity link operations by kind and outcome.",
                              ["kind", "outcome"])
+        self.deliveries = Counter("hermes_deliveries_total",
+                                  "Outbox chunks by outcome: sent, refused (chat gone), expired (given up "
+                                  "after delivery.max_age_s), retried (a failed attempt).", ["platform", "outcome"])
         self.in_flight = Gauge("hermes_turns_in_progress", "Lane jobs running now.", ["platform"])
         self._gauges: list[Gauge] = []
         self._platforms: tuple[str, ...] = ()
@@ -243,7 +246,8 @@ class Metrics:
         """The Prometheus text exposition (format 0.0.4)."""
         lines: list[str] = []
         for metric in (self.inbound, self.turns, self.turn_seconds, self.llm_requests, self.llm_errors,
-                       self.compressions, self.reviews, self.refusals, self.rate_limited, self.links, self.in_flight,
+                       self.compressions, self.reviews, self.refusals, self.rate_limited, self.links,
+                       self.deliveries, self.in_flight,
                        *self._gauges):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

@@ -83,6 +83,11 @@ delivery:
 #   model: whisper-1
 #   api_key_env: null
 
+delivery:                       # the outbox: unsent answers are retried, in order
+  max_age_s: 86400              # give an answer up after this long (log line + metric)
+  retry_initial_s: 1.0          # backoff between attempts (platform retry_after wins)
+  retry_max_s: 60.0
+
 platforms:
   telegram:
     enabled: false

@@ -84,6 +84,12 @@ class StreamingReply:
         await self._show(text, final=True)
         return self._sent[0][0] if self._sent else None
 
+    def placement(self, text: str) -> list[tuple[SentMessage | None, str]]:
+        """Where the final `text` goes, chunk by chunk: the draft message it replaces, or
+        None for a new message past the drafts (for a caller that records them at once)."""
+        chunks = self._split(text)
+        return [(self._sent[i][0] if i < len(self._sent) else None, chunk) for i, chunk in enumerate(chunks)]
+
     async def _show(self, text: str, *, final: bool) -> None:
         async with self._lock:
             if self._closed and not final:

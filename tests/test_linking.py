@@ -54,6 +54,7 @@ async def confirm(app, adapter, msg) -> list[str]:
     out = await say(app, adapter, msg)
     assert out and out[0].startswith("Confirmed"), out
     await app.linking.wait_idle(30)
+    await app.drain()  # the outcome notice goes out through the outbox
     assert await app.drain(30)
     return out
 
@@ -78,6 +79,7 @@ async def test_linking_joins_memory_and_sessions_and_nobody_elses(config_for, fa
         # a message sent while the merge runs waits, then lands in the linked profile
         await tg.sink(dm("111", "sent while linking", platform="telegram"))
         await app.linking.wait_idle(30)
+        await app.drain()  # the outcome notice goes out through the outbox
         assert await app.drain(30)
         assert any(t.startswith("Linked:") for t in tg.texts("dm-111"))
         assert any(t.startswith("Linked:") for t in dc.texts("dm-222"))

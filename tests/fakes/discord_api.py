@@ -116,6 +116,7 @@ class FakeDiscord:
         self._fail_after_create: list[int] = []  # statuses to answer after creating a message
         self.attachment_files: dict[str, bytes] = {}  # attachment id -> bytes served at its url
         self.attachment_downloads: list[dict[str, Any]] = []  # {"id", "authorization"} per GET
+        self._fail_creates: list[int] = []  # statuses to answer instead of creating a message
         self.identify_count = 0
         self.resume_count = 0
         self.connection_count = 0
@@ -401,6 +402,11 @@ class FakeDiscord:
         """The next `count` POSTs matching `path_regex` answer 429 with Discord's headers."""
         for _ in range(count):
             self._rate_limits.append((path_regex, retry_after, is_global))
+
+    def fail_creates(self, status: int = 503, count: int = 1) -> None:
+        """The next `count` channel message POSTs answer `status` without creating anything
+        (an outage: 500/502/504 are retried by discord.py itself, 503 is not)."""
+        self._fail_creates.extend([status] * count)
 
     def fail_after_create_next(self, status: int = 502) -> None:
         """The next channel message POST creates the message but answers `status`
@@ -1004,6 +1010,8 @@ class FakeDiscord:
                 return self._json({"message": "Invalid Form Body", "code": 50035,
                                    "errors": {"message_reference": {"_errors": [{"code": "REPLIES_UNKNOWN_MESSAGE", "message": "Unknown message"}]}}}, status=400)
             reference = None
+        if self._fail_creates:
+            return self._error(self._fail_creates.pop(0), 0, "fake: outage")
         nonce = body.get("nonce")
         if nonce is not None and body.get("enforce_nonce"):
             seen = self._nonces.get(str(nonce))

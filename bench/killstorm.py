@@ -1,0 +1,383 @@
+"""Kill storm: the real `hermes-gateway run` under steady traffic, SIGKILLed at random
+moments and restarted, then audited.
+
+    python -m bench.killstorm [--cycles 100] [--people 24] [--seed 1] [--json out.json]
+
+Telegram (fake Bot API, polling), Discord (fake REST + gateway websocket) and the model
+(fake OpenAI-compatible server, slow, sometimes writing memory) run in this process; the
+gateway is a subprocess. People send steadily from DMs and two Telegram groups. After the
+last cycle the gateway runs until everything is answered, then the audit counts:
+
+- lost: inputs the gateway took in (every Telegram update; Discord messages it recorded)
+  that never got an answer;
+- duplicated answers, split into "window" (the copies come from different process lives:
+  the platform accepted the send and the process died before marking it sent) and "other";
+- per-chat order violations (per person and chat: answers in the order of the inputs);
+- journal/SQLite mismatches per profile and failed `PRAGMA integrity_check`s.
+
+Discord messages sent while the gateway is down or mid-crash before they were recorded
+are reported as "missed": Discord does not redeliver gateway events (any bot misses them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import sqlite3
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.fakes.discord_api import FakeDiscord  # noqa: E402
+from tests.fakes.llm import FakeLLM, last_user_text, reply, tool_call  # noqa: E402
+from tests.fakes.telegram_api import FakeTelegram  # noqa: E402
+
+TG_TOKEN = "123456:AAEkillstormFAKEtoken_-storm"
+BOT = "hermes_storm_bot"
+TOKEN_RE = re.compile(r"\b([td]k\d+x\d+)\b")
+BIN = Path(sys.executable).parent / "hermes-gateway"
+
+
+@dataclass
+class StormResult:
+    cycles: int = 0
+    people: int = 0
+    inputs: int = 0
+    inputs_telegram: int = 0
+    inputs_discord: int = 0
+    discord_missed: int = 0
+    answers: int = 0
+    lost: int = 0
+    dup_window_telegram: int = 0
+    dup_window_discord: int = 0
+    dup_other: int = 0
+    order_violations: int = 0
+    journal_mismatches: int = 0
+    integrity_failures: int = 0
+    window_ms: list[float] = field(default_factory=list)  # first copy accepted -> SIGKILL
+    restart_s: list[float] = field(default_factory=list)  # spawn -> first getUpdates
+    seconds: float = 0.0
+    details: list[str] = field(default_factory=list)
+
+    def targets_met(self) -> bool:
+        return (self.lost == 0 and self.dup_other == 0 and self.dup_window_discord == 0
+                and self.order_violations == 0 and self.journal_mismatches == 0 and self.integrity_failures == 0)
+
+
+def _responder(rng: random.Random):
+    async def respond(request: dict[str, Any]):
+        await asyncio.sleep(rng.random() * 0.15)  # a slow model
+        messages = request.get("messages") or []
+        text = last_user_text(request)
+        tokens = TOKEN_RE.findall(text)
+        token = tokens[-1] if tokens else "none"
+        if messages and messages[-1].get("role") == "tool":
+            return reply(f"ok: {token} (noted)")
+        offered = {t.get("function", {}).get("name") for t in request.get("tools") or []}
+        if "remember" in text and "memory" in offered:
+            return tool_call("memory", {"action": "add", "target": "memory", "content": f"note {token}"})
+        return reply(f"ok: {token}")
+    return respond
+
+
+def _config(path: Path, data: Path, llm: FakeLLM, tg: FakeTelegram, dc: FakeDiscord) -> None:
+    path.write_text(json.dumps({
+        "data_dir": str(data),
+        "llm": {"base_url": llm.base_url, "model": "fake", "timeout_s": 10, "max_retries": 2},
+        "storage": {"fsync": "batch"},
+        "limits": {"rate_limit_per_minute": 10_000, "max_queued_turns": 1000},
+        "delivery": {"retry_initial_s": 0.2, "retry_max_s": 1.0},
+        "logging": {"level": "WARNING"},
+        "platforms": {
+            "telegram": {"enabled": True, "token_env": "HERMES_STORM_TG", "base_url": tg.base_url,
+                         "poll_timeout_s": 1},
+            "discord": {"enabled": True, "token_env": "HERMES_STORM_DC", "api_base": dc.api_base,
+                        "gateway_url": dc.gateway_url, "sync_slash_commands": False},
+        },
+    }))  # JSON is YAML
+
+
+class Storm:
+    def __init__(self, workdir: Path, *, cycles: int, people: int, seed: int, min_up: float, max_up: float,
+                 interval: float, say=print) -> None:
+        self.workdir, self.cycles, self.people, self.seed = workdir, cycles, people, seed
+        self.min_up, self.max_up, self.interval, self.say = min_up, max_up, interval, say
+        self.rng = random.Random(seed)
+        self.result = StormResult(cycles=cycles, people=people)
+        # token -> (platform, chat key, sender, index in that person's chat)
+        self.pushed: dict[str, tuple[str, str, str, int]] = {}
+        self.discord_pushed: dict[str, str] = {}  # discord message id -> token
+        self.kills: list[float] = []  # monotonic time of each SIGKILL
+        self.tg_bounds: list[int] = []  # len(tg.sent) at each kill
+        self.dc_bounds: list[int] = []
+        self.sending = True
+
+    async def run(self) -> StormResult:
+        started = time.monotonic()
+        data, config = self.workdir / "data", self.workdir / "gw.yaml"
+        async with FakeLLM() as llm, FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg, FakeDiscord() as dc:
+            llm.responder = _responder(random.Random(self.seed + 1))
+            _config(config, data, llm, tg, dc)
+            env = dict(os.environ, HERMES_STORM_TG=TG_TOKEN, HERMES_STORM_DC=dc.token,
+                       PYTHONPATH=str(ROOT))
+            self.tg, self.dc = tg, dc
+            n_dc = max(2, self.people // 3)
+            n_tg = self.people - n_dc
+            self.tg_users = [5000 + i for i in range(n_tg)]
+            self.groups = [-1002000000001, -1002000000002]
+            self.group_members = {g: self.tg_users[i::len(self.groups)][:4] for i, g in enumerate(self.groups)}
+            self.dc_users = [dc.add_user(f"storm{i}") for i in range(n_dc)]
+            traffic = asyncio.create_task(self._traffic())
+            log = open(self.workdir / "gateway.log", "ab")
+            try:
+                for cycle in range(self.cycles):
+                    proc = await self._spawn(env, config, log)
+                    if self.rng.random() < 0.9:  # mostly while serving, sometimes mid-start or mid-replay
+                        await self._wait_up(proc)
+                    await asyncio.sleep(self.rng.uniform(self.min_up, self.max_up))
+                    proc.send_signal(signal.SIGKILL)
+                    await proc.wait()
+                    self.kills.append(time.monotonic())
+                    self.tg_bounds.append(len(tg.sent))
+                    self.dc_bounds.append(len(self._dc_bot_messages()))
+                    if (cycle + 1) % 10 == 0:
+                        self.say(f"  {cycle + 1}/{self.cycles} kills, {len(self.pushed)} inputs so far")
+                self.sending = False
+                await traffic
+                proc = await self._spawn(env, config, log)
+                await self._settle(data)
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), 60)
+                except asyncio.TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+                    self.result.details.append("the final gateway did not stop on SIGTERM within 60 s")
+            finally:
+                self.sending = False
+                if not traffic.done():
+                    traffic.cancel()
+                log.close()
+            self._audit(data)
+        self.result.seconds = round(time.monotonic() - started, 1)
+        return self.result
+
+    async def _spawn(self, env: dict[str, str], config: Path, log) -> asyncio.subprocess.Process:
+        t0, calls = time.monotonic(), len(self.tg.calls)
+        self._polling = asyncio.Event()
+        proc = await asyncio.create_subprocess_exec(str(BIN), "run", "-c", str(config), env=env,
+                                                    stdout=log, stderr=log, cwd=str(self.workdir))
+        asyncio.create_task(self._time_restart(t0, calls))
+        return proc
+
+    async def _wait_up(self, proc: asyncio.subprocess.Process) -> None:
+        """Until the new process polls Telegram and its Discord session is up (bounded)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30 and proc.returncode is None:
+            if self._polling.is_set() and self.dc.connected:
+                return
+            await asyncio.sleep(0.02)
+
+    async def _time_restart(self, t0: float, calls: int) -> None:
+        while time.monotonic() - t0 < 30:
+            if any(m == "getUpdates" for m, _ in self.tg.calls[calls:]):
+                self.result.restart_s.append(round(time.monotonic() - t0, 2))
+                self._polling.set()
+                return
+            await asyncio.sleep(0.02)
+
+    async def _traffic(self) -> None:
+        """Steady messages from everyone, whether the gateway is up or not (Telegram queues
+        them; Discord only delivers to a connected bot)."""
+        counters: dict[tuple[str, str], int] = defaultdict(int)
+        n = 0
+        while self.sending:
+            await asyncio.sleep(self.interval)
+            n += 1
+            kind = self.rng.random()
+            remember = self.rng.random() < 0.1
+            if kind < 0.55:
+                user = self.rng.choice(self.tg_users)
+                chat, key = user, f"tg:{user}"
+            elif kind < 0.75:
+                chat = self.rng.choice(self.groups)
+                user = self.rng.choice(self.group_members[chat])
+                key = f"tg:{chat}"
+            else:
+                if not self.dc.connected:
+                    continue
+                user = self.rng.choice(self.dc_users)
+                chat, key = user, f"dc:{user}"
+            idx = counters[(key, str(user))]
+            counters[(key, str(user))] += 1
+            token = f"{'t' if key.startswith('tg') else 'd'}k{n}x{idx}"
+            text = f"please remember {token}" if remember else f"hello {token}"
+            if key.startswith("dc"):
+                try:
+                    msg = self.dc.push_dm(user, text)
+                except RuntimeError:
+                    continue
+                self.discord_pushed[msg["id"]] = token
+            elif chat in self.groups:
+                self.tg.push_group(chat, user, f"@{BOT} {text}")
+            else:
+                self.tg.push_private(user, text)
+            self.pushed[token] = (key[:2], key, str(user), idx)
+
+    def _dc_bot_messages(self) -> list[dict[str, Any]]:
+        return self.dc.sent_messages()
+
+    def _answers(self) -> list[tuple[str, str, int, float | None]]:
+        """(platform, token, process life, accepted at) of every answer, in send order."""
+        out = []
+        for i, m in enumerate(self.tg.sent):
+            life = sum(1 for b in self.tg_bounds if b <= i)
+            for token in TOKEN_RE.findall(m.get("text", "")):
+                out.append(("tg", token, life, m.get("_at")))
+        for i, m in enumerate(self._dc_bot_messages()):
+            life = sum(1 for b in self.dc_bounds if b <= i)
+            for token in TOKEN_RE.findall(m.get("content", "")):
+                out.append(("dc", token, life, None))
+        return out
+
+    def _taken_discord(self, data: Path) -> set[str]:
+        """Discord inputs the gateway recorded (the others it never saw)."""
+        con = sqlite3.connect(data / "gateway.db")
+        try:
+            ids = {mid for (mid,) in con.execute("SELECT message_id FROM inbound WHERE platform='discord'")}
+        finally:
+            con.close()
+        return {tok for mid, tok in self.discord_pushed.items() if mid in ids}
+
+    async def _settle(self, data: Path) -> None:
+        """Let the last gateway answer everything it took in (no progress for 20 s: stop)."""
+        last, since = -1, time.monotonic()
+        while time.monotonic() - since < 20:
+            await asyncio.sleep(0.5)
+            if not (data / "gateway.db").exists():
+                continue
+            try:
+                taken = self._taken_discord(data)
+            except sqlite3.Error:
+                continue
+            answered = {t for _, t, _, _ in self._answers()}
+            want = {t for t, (p, *_rest) in self.pushed.items() if p == "tg"} | taken
+            if want <= answered and not self.tg.updates:
+                return
+            if len(answered) != last:
+                last, since = len(answered), time.monotonic()
+
+    def _audit(self, data: Path) -> None:
+        from tests.test_crash_recovery import db_messages, journal_uids
+
+        r = self.result
+        taken_dc = self._taken_discord(data)
+        tg_inputs = {t for t, (p, *_rest) in self.pushed.items() if p == "tg"}
+        r.inputs_telegram, r.inputs_discord = len(tg_inputs), len(taken_dc)
+        r.discord_missed = len(self.discord_pushed) - len(taken_dc)
+        r.inputs = r.inputs_telegram + r.inputs_discord
+        answers = self._answers()
+        r.answers = len(answers)
+        copies: dict[str, list[tuple[str, int, float | None]]] = defaultdict(list)
+        for platform, token, life, at in answers:
+            copies[token].append((platform, life, at))
+        lost = (tg_inputs | taken_dc) - set(copies)
+        r.lost = len(lost)
+        r.details += [f"lost: {t} {self.pushed.get(t)}" for t in sorted(lost)[:20]]
+        for token, seen in copies.items():
+            for (platform, life, at), (_, life2, _) in zip(seen, seen[1:]):
+                if life2 > life:  # a kill between the two copies: the documented window
+                    if platform == "tg":
+                        r.dup_window_telegram += 1
+                        kill = self.kills[life] if life < len(self.kills) else None
+                        if at is not None and kill is not None:
+                            r.window_ms.append(round((kill - at) * 1000, 1))
+                    else:
+                        r.dup_window_discord += 1
+                else:
+                    r.dup_other += 1
+                    r.details.append(f"duplicate within one process life: {token}")
+        # order: per person and chat, first answers follow the inputs
+        firsts: dict[tuple[str, str], list[int]] = defaultdict(list)
+        seen_tokens: set[str] = set()
+        for _, token, _, _ in answers:
+            if token in seen_tokens or token not in self.pushed:
+                continue
+            seen_tokens.add(token)
+            _, key, sender, idx = self.pushed[token]
+            firsts[(key, sender)].append(idx)
+        for key, idxs in firsts.items():
+            bad = sum(1 for a, b in zip(idxs, idxs[1:]) if b < a)
+            if bad:
+                r.order_violations += bad
+                r.details.append(f"order: {key} answered {idxs}")
+        for profile in sorted((data / "profiles").iterdir()) if (data / "profiles").is_dir() else []:
+            if not (profile / "state.db").exists():
+                continue
+            if journal_uids(profile) != set(db_messages(profile)):
+                r.journal_mismatches += 1
+                r.details.append(f"journal and SQLite differ in {profile.name}")
+        for db in data.rglob("*.db"):
+            con = sqlite3.connect(db)
+            try:
+                if con.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
+                    r.integrity_failures += 1
+                    r.details.append(f"integrity_check failed: {db}")
+            finally:
+                con.close()
+
+
+async def storm(workdir: Path, *, cycles: int = 100, people: int = 24, seed: int = 1, min_up: float = 0.4,
+                max_up: float = 2.5, interval: float = 0.15, say=print) -> StormResult:
+    return await Storm(workdir, cycles=cycles, people=people, seed=seed, min_up=min_up, max_up=max_up,
+                       interval=interval, say=say).run()
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    v = sorted(values)
+    return f"min {v[0]}, median {v[len(v) // 2]}, max {v[-1]} (n={len(v)})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cycles", type=int, default=100)
+    ap.add_argument("--people", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--interval", type=float, default=0.15, help="seconds between two messages (all people)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    import logging
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # a killed gateway's half requests
+    with tempfile.TemporaryDirectory(prefix="killstorm-") as tmp:
+        r = asyncio.run(storm(Path(tmp), cycles=args.cycles, people=args.people, seed=args.seed,
+                                  interval=args.interval))
+    print(f"kills {r.cycles}, people {r.people}, inputs {r.inputs} (telegram {r.inputs_telegram}, discord "
+          f"{r.inputs_discord}; discord missed while down {r.discord_missed}), answers {r.answers}, {r.seconds} s")
+    print(f"lost {r.lost}; duplicated: window telegram {r.dup_window_telegram}, window discord "
+          f"{r.dup_window_discord}, other {r.dup_other}; order violations {r.order_violations}; "
+          f"journal/SQLite mismatches {r.journal_mismatches}; integrity_check failures {r.integrity_failures}")
+    print(f"telegram window (accepted -> SIGKILL) ms: {_spread(r.window_ms)}")
+    print(f"restart (spawn -> polling) s: {_spread(r.restart_s)}")
+    for line in r.details[:30]:
+        print("  " + line)
+    if args.json:
+        args.json.write_text(json.dumps(asdict(r), indent=2))
+    return 0 if r.targets_met() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The delivery outbox (`outbox` table in `<data_dir>/gateway.db`, next to the inbox).
+
+Every reply, notice and refusal is recorded here per chunk, in the same transaction that
+marks its inbound message(s) answered, before the first send. A `Deliverer` then sends
+each chat's chunks in order and marks each one sent the moment the platform accepted it;
+a chunk that fails is retried with backoff (honouring the platform's `retry_after`) while
+the gateway runs and after a restart, and given up only after `delivery.max_age_s`. A
+chunk the platform refuses for good (the bot was removed from the chat) is not retried.
+
+An edit of a sent chunk (progress notices; streaming later) is a row too (`edit_of`), so
+it keeps its place in the chat's order. Like the inbox, the text is erased once it is
+sent: this shared database holds no tenant's conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Mapping, Sequence, TypeVar
+
+import aiosqlite
+
+from adapters.base import Adapter, DeliveryDeferred, InboundMessage, OutboundKind, OutboundMessage, SentMessage
+from gateway.config import DeliveryConfig
+from gateway.inbox import Inbox
+from gateway.metrics import Metrics
+
+log = logging.getLogger("hermes.outbox")
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the chunk id; the order within a chat
+    platform TEXT NOT NULL,
+    chat_id TEXT NOT NULL,
+    thread_id TEXT,
+    kind TEXT NOT NULL,
+    reply_to TEXT,
+    edit_of INTEGER,                 -- an edit of that chunk instead of a new message
+    text TEXT,                       -- while unsent, then NULL
+    nonce TEXT NOT NULL,             -- idempotency key, the same on every resend
+    created_at REAL NOT NULL,        -- wall clock, only for the age across restarts
+    status TEXT NOT NULL,            -- pending | sent | refused | expired
+    sent_id TEXT                     -- the platform's message id once sent
+);
+CREATE INDEX IF NOT EXISTS outbox_pending ON outbox(status, platform, chat_id, id);
+"""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One chunk to record: a new message, or (with `edit_of`) new text for a sent one."""
+
+    platform: str
+    chat_id: str
+    thread_id: str | None
+    text: str
+    kind: OutboundKind = "reply"
+    reply_to: str | None = None
+    edit_of: int | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    id: int
+    platform: str
+    chat_id: str
+    thread_id: str | None
+    kind: OutboundKind
+    reply_to: str | None
+    edit_of: int | None
+    text: str
+    nonce: str
+    created_at: float
+
+
+class Outbox:
+    """The ledger. Shares the inbox's connection, so a turn's completion and its chunks
+    commit in one transaction."""
+
+    def __init__(self, inbox: Inbox) -> None:
+        self.inbox = inbox
+        self._marks: aiosqlite.Connection | None = None
+
+    async def open(self) -> None:
+        await self.inbox.db.executescript(_SCHEMA)
+        # "accepted -> marked sent" is the duplicate window: marks get their own connection
+        # (and thread), so they never queue behind the inbox's statements
+        self._marks = await aiosqlite.connect(self.inbox.path, isolation_level=None)
+        await self._marks.execute("PRAGMA busy_timeout=5000")
+        await self._marks.execute(f"PRAGMA synchronous={'FULL' if self.inbox.fsync == 'always' else 'NORMAL'}")
+
+    async def close(self) -> None:
+        if self._marks is not None:
+            await self._marks.close()
+            self._marks = None
+
+    @property
+    def _mark_db(self) -> aiosqlite.Connection:
+        return self._marks or self.inbox.db
+
+    async def record(self, drafts: Sequence[Draft], *,
+                     finish: Sequence[tuple[InboundMessage, str]] = ()) -> list[int]:
+        """Record `drafts` as pending chunks and mark `finish` answered, atomically.
+        Returns the chunk ids in order."""
+        now = time.time()
+
+        def write(con: sqlite3.Connection) -> list[int]:
+            ids = []
+            for d in drafts:
+                cur = con.execute(
+                    "INSERT INTO outbox(platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce,"
+                    " created_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
+                    (d.platform, d.chat_id, d.thread_id, d.kind, d.reply_to, d.edit_of, d.text,
+                     str(secrets.randbits(63)), now))
+                ids.append(int(cur.lastrowid))
+            for msg, outcome in finish:
+                Inbox.finish_sync(con, msg, outcome)
+            return ids
+
+        return await self.inbox.atomically(write)
+
+    async def mark_sent(self, chunk_id: int, sent_id: str) -> None:
+        await self._mark_db.execute("UPDATE outbox SET status='sent', sent_id=?, text=NULL WHERE id=?",
+                                    (sent_id, chunk_id))
+
+    async def give_up(self, chunk_id: int, status: str) -> None:
+        """`refused` (the chat is gone for the bot) or `expired` (older than max_age_s)."""
+        await self._mark_db.execute("UPDATE outbox SET status=?, text=NULL WHERE id=?", (status, chunk_id))
+
+    async def next_for(self, platform: str, chat_id: str) -> Chunk | None:
+        """The chat's oldest unsent chunk."""
+        rows = await self.inbox.db.execute_fetchall(
+                "SELECT id, platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce, created_at"
+                " FROM outbox WHERE status='pending' AND platform=? AND chat_id=? ORDER BY id LIMIT 1",
+                (platform, chat_id))
+        row = rows[0] if rows else None
+        return Chunk(*row[:7], row[7] or "", row[8], row[9]) if row else None
+
+    async def sent_message(self, chunk_id: int) -> SentMessage | None:
+        """Where chunk `chunk_id` landed, if it was sent."""
+        rows = await self.inbox.db.execute_fetchall(
+                "SELECT chat_id, thread_id, sent_id FROM outbox WHERE id=? AND status='sent'", (chunk_id,))
+        row = rows[0] if rows else None
+        return SentMessage(chat_id=row[0], thread_id=row[1], message_id=row[2]) if row else None
+
+    async def status(self, chunk_id: int) -> str | None:
+        rows = await self.inbox.db.execute_fetchall("SELECT status FROM outbox WHERE id=?", (chunk_id,))
+        return rows[0][0] if rows else None
+
+    async def pending_chats(self) -> list[tuple[str, str]]:
+        rows = await self.inbox.db.execute_fetchall(
+            "SELECT DISTINCT platform, chat_id FROM outbox WHERE status='pending'")
+        return [(p, c) for p, c in rows]
+
+    async def prune(self, older_than_s: float) -> int:
+        cur = await self.inbox.db.execute("DELETE FROM outbox WHERE status!='pending' AND created_at < ?",
+                                          (time.time() - older_than_s,))
+        return cur.rowcount
+
+
+class Deliverer:
+    """Sends the outbox: one worker per chat while it has unsent chunks, in chunk order."""
+
+    def __init__(self, outbox: Outbox, adapters: Mapping[str, Adapter], metrics: Metrics, cfg: DeliveryConfig,
+                 *, clock: Callable[[], float] | None = None, wall: Callable[[], float] | None = None) -> None:
+        self.outbox, self.adapters, self.metrics, self.cfg = outbox, adapters, metrics, cfg
+        self._clock = clock or (lambda: time.monotonic())
+        self._wall = wall or (lambda: time.time())
+        self._workers: dict[tuple[str, str], asyncio.Task] = {}
+        self._again: set[tuple[str, str]] = set()  # kicked while its worker was finishing
+        self._waiting: set[tuple[str, str]] = set()  # workers sleeping in backoff
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._first_seen: dict[int, tuple[float, float]] = {}  # chunk id -> (age then, clock then)
+        # chunks this run marked (recent ones): never sent again, whatever a stale read says
+        self._settled: dict[int, None] = {}
+
+    # ----- the public face --------------------------------------------------------------
+    def kick(self, platform: str, chat_id: str) -> None:
+        """Make sure the chat's chunks are being sent."""
+        key = (platform, chat_id)
+        if key in self._workers:
+            self._again.add(key)
+            return
+        self._workers[key] = asyncio.create_task(self._work(key), name="deliver")
+
+    async def resume(self) -> None:
+        """After a start: send what a previous run left unsent."""
+        chats = await self.outbox.pending_chats()
+        if chats:
+            log.info("resuming delivery in %d chat(s)", len(chats))
+        for platform, chat_id in chats:
+            self.kick(platform, chat_id)
+
+    async def wait(self, chunk_id: int, timeout: float) -> SentMessage | None:
+        """Where chunk `chunk_id` landed, waiting up to `timeout` for it to be sent."""
+        fut = self._waiters.setdefault(chunk_id, asyncio.get_running_loop().create_future())
+        status = await self.outbox.status(chunk_id)
+        if status is not None and status != "pending":
+            self._waiters.pop(chunk_id, None)
+            return await self.outbox.sent_message(chunk_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            self._waiters.pop(chunk_id, None)
+            return None
+
+    @property
+    def busy(self) -> bool:
+        """True while some chat has chunks being sent (not merely waiting out a backoff)."""
+        return any(key not in self._waiting for key in self._workers)
+
+    async def drain(self, timeout: float | None) -> bool:
+        """Wait until nothing is being sent (workers only in backoff count as idle)."""
+        deadline = None if timeout is None else self._clock() + timeout
+        while self.busy:
+            if deadline is not None and self._clock() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def close(self, timeout: float) -> None:
+        """Let sends in progress finish (bounded), then stop; the rest goes on next start."""
+        await self.drain(timeout)
+        tasks = list(self._workers.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ----- the worker -------------------------------------------------------------------
+    def _age(self, chunk: Chunk) -> float:
+        """Seconds since the chunk was recorded: the wall clock only bridges a restart;
+        within a run, monotonic time counts, so a clock jump neither expires nor keeps it."""
+        seen = self._first_seen.get(chunk.id)
+        if seen is None:
+            seen = self._first_seen[chunk.id] = (max(0.0, self._wall() - chunk.created_at), self._clock())
+        return seen[0] + (self._clock() - seen[1])
+
+    def _resolve(self, chunk_id: int, sent: SentMessage | None) -> None:
+        self._first_seen.pop(chunk_id, None)
+        self._settled[chunk_id] = None
+        if len(self._settled) > 4096:
+            del self._settled[next(iter(self._settled))]
+        fut = self._waiters.pop(chunk_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(sent)
+
+    async def _work(self, key: tuple[str, str]) -> None:
+        platform, chat_id = key
+        failures = 0
+        try:
+            while True:
+                chunk = await self._db(lambda: self.outbox.next_for(platform, chat_id), key)
+                if chunk is not None and chunk.id in self._settled:
+                    await asyncio.sleep(0.01)  # a read older than our own committed mark: read again
+                    continue
+                if chunk is None:
+                    if key in self._again:
+                        self._again.discard(key)
+                        continue
+                    return
+                self._again.discard(key)
+                adapter = self.adapters.get(platform)
+                if self._age(chunk) > self.cfg.max_age_s:
+                    log.error("gave up delivering a %s chunk after %.0f s (delivery.max_age_s)",
+                              platform, self._age(chunk))
+                    await self._db(lambda: self.outbox.give_up(chunk.id, "expired"), key)
+                    self.metrics.deliveries.inc(platform=platform, outcome="expired")
+                    self._resolve(chunk.id, None)
+                    continue
+                try:
+                    if adapter is None:
+                        raise DeliveryDeferred(f"no {platform} adapter running")
+                    sent = await self._deliver(adapter, chunk)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    failures += 1
+                    delay = self._backoff(failures, getattr(exc, "retry_after", None))
+                    self.metrics.deliveries.inc(platform=platform, outcome="retried")
+                    log.warning("%s delivery failed (%s); retrying in %.1f s", platform,
+                                exc if isinstance(exc, DeliveryDeferred) else type(exc).__name__, delay)
+                    await self._pause(key, delay)
+                    continue
+                failures = 0
+                # the platform has it: mark it at once (a crash before this line is the window
+                # README "Delivery" documents); a failing database is retried, never the send
+                if sent is None:
+                    await self._db(lambda: self.outbox.give_up(chunk.id, "refused"), key)
+                    self.metrics.deliveries.inc(platform=platform, outcome="refused")
+                else:
+                    await self._db(lambda: self.outbox.mark_sent(chunk.id, sent.message_id), key)
+                    self.metrics.deliveries.inc(platform=platform, outcome="sent")
+                self._resolve(chunk.id, sent)
+        finally:
+            self._workers.pop(key, None)
+            self._again.discard(key)
+
+    async def _pause(self, key: tuple[str, str], delay: float) -> None:
+        self._waiting.add(key)
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self._waiting.discard(key)
+
+    async def _db(self, op: Callable[[], Awaitable[T]], key: tuple[str, str]) -> T:
+        """Run a gateway.db step of the worker, retrying while the database fails (locked,
+        disk full): giving up here would lose the chunk or send it twice."""
+        failures = 0
+        while True:
+            try:
+                return await op()
+            except (sqlite3.Error, OSError) as exc:
+                failures += 1
+                delay = self._backoff(failures, None)
+                log.error("outbox: gateway.db failed (%s); retrying in %.1f s", exc, delay)
+                await self._pause(key, delay)
+
+    def _backoff(self, failures: int, retry_after: float | None) -> float:
+        if retry_after is not None and retry_after > 0:
+            return float(retry_after)
+        base = min(self.cfg.retry_initial_s * 2 ** (failures - 1), self.cfg.retry_max_s)
+        return base * (0.8 + 0.4 * random.random())
+
+    async def _deliver(self, adapter: Adapter, chunk: Chunk) -> SentMessage | None:
+        """One attempt: send the chunk, or edit the message it edits (falling back to a
+        new message when the edit does not work)."""
+        if chunk.edit_of is not None:
+            target = await self.outbox.sent_message(chunk.edit_of)
+            if target is not None and adapter.can_edit and await _safe_edit(adapter, target, chunk.text):
+                return target
+        out = OutboundMessage(chat_id=chunk.chat_id, thread_id=chunk.thread_id, text=chunk.text, kind=chunk.kind,
+                              reply_to_message_id=chunk.reply_to, nonce=chunk.nonce)
+        return await adapter.send(out)
+
+
+async def _safe_edit(adapter: Adapter, sent: SentMessage, text: str) -> bool:
+    try:
+        return await adapter.edit(sent, text)
+    except Exception:
+        log.debug("edit failed", exc_info=True)
+        return False

@@ -180,16 +180,6 @@ class LimitsConfig(_Section):
         return self
 
 
-class DeliveryConfig(_Section):
-    """How replies reach the chat: `streaming` edits one message as the answer is generated
-    (`dm`: in private chats only, `all`: everywhere, `off`: send the finished answer)."""
-
-    streaming: Literal["dm", "all", "off"] = "dm"
-    # the least time between two edits of a streamed message (Telegram and Discord allow
-    # about one edit a second per message before rate limiting)
-    stream_edit_interval_s: float = Field(default=1.0, ge=0.1, le=60)
-
-
 class RemindersConfig(_Section):
     """The `reminders` tool and `/reminders`; delivered by the gateway's scheduler."""
 
@@ -211,8 +201,14 @@ class TranscriptionConfig(_Section):
 
 
 class DeliveryConfig(_Section):
-    """The outbox: how long and how often an unsent chunk is retried (README "Delivery")."""
+    """How replies reach the chat. `streaming` edits one message as the answer is generated
+    (`dm`: in private chats only, `all`: everywhere, `off`: send the finished answer); the
+    outbox retries an unsent chunk for `max_age_s` with backoff (README "Delivery")."""
 
+    streaming: Literal["dm", "all", "off"] = "dm"
+    # the least time between two edits of a streamed message (Telegram and Discord allow
+    # about one edit a second per message before rate limiting)
+    stream_edit_interval_s: float = Field(default=1.0, ge=0.1, le=60)
     max_age_s: float = Field(default=24 * 3600, gt=0)
     retry_initial_s: float = Field(default=1.0, gt=0)
     retry_max_s: float = Field(default=60.0, gt=0)

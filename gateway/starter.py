@@ -74,16 +74,14 @@ reminders:
   enabled: true
   max_per_tenant: 50            # reminders one person (or group) may have at once
 
-delivery:
-  streaming: dm                 # edit the answer in as it is written: dm | all | off
-  stream_edit_interval_s: 1.0   # at most one edit per message this often
-
 # transcription:                # voice notes: an OpenAI-compatible /v1/audio/transcriptions
 #   base_url: http://127.0.0.1:8080/v1   # whisper.cpp server, faster-whisper server, hosted API
 #   model: whisper-1
 #   api_key_env: null
 
 delivery:                       # the outbox: unsent answers are retried, in order
+  streaming: dm                 # edit the answer in as it is written: dm | all | off
+  stream_edit_interval_s: 1.0   # at most one edit per message this often
   max_age_s: 86400              # give an answer up after this long (log line + metric)
   retry_initial_s: 1.0          # backoff between attempts (platform retry_after wins)
   retry_max_s: 60.0

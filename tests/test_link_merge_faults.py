@@ -62,6 +62,7 @@ async def test_failed_merge_into_an_existing_link_leaves_both_profiles_as_they_w
         monkeypatch.setattr(linking_mod, "merge_profiles", copies_then_fails)
         code = code_in(await say(app, dc, dm("222", "/link", platform="discord")))
         assert (await say(app, tc, dm("777", f"/link {code}")))[0].startswith("Code accepted")
+        assert (await say(app, dc, dm("222", "/link confirm", platform="discord")))[0].startswith("Confirmed")
         await app.linking.wait_idle(30)
         assert await app.drain(10)
         assert app.links.name_for("testchat:777") is None
@@ -94,6 +95,7 @@ async def test_shutdown_mid_merge_finishes_the_merge_and_both_accounts_are_told(
     monkeypatch.setattr(linking_mod, "merge_profiles", slow)
     code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
     assert (await say(app, dc, dm("222", f"/link {code}", platform="discord")))[0].startswith("Code accepted")
+    assert (await say(app, tg, dm("111", "/link confirm", platform="telegram")))[0].startswith("Confirmed")
     while not merging.is_set():
         await asyncio.sleep(0.01)
     await app.stop(drain_timeout=0.05)  # shutdown cuts in mid-merge
@@ -117,6 +119,7 @@ async def test_shutdown_mid_merge_finishes_the_merge_and_both_accounts_are_told(
 async def _third_account_joins(app, dc, tc) -> None:
     code = code_in(await say(app, dc, dm("222", "/link", platform="discord")))
     assert (await say(app, tc, dm("777", f"/link {code}")))[0].startswith("Code accepted")
+    await say(app, dc, dm("222", "/link confirm", platform="discord"))  # the merge may crash meanwhile
     await app.linking.wait_idle(30)
     assert await app.drain(10)
 

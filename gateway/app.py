@@ -248,6 +248,10 @@ class GatewayApp:
         """Wait until every queued turn and pending refusal has finished (tests, console)."""
         if not await self.lanes.drain(timeout):
             return False
+        if self._background:  # refusals and notices sent outside the sink record into the outbox
+            _, late = await asyncio.wait(list(self._background), timeout=timeout)
+            if late:
+                return False
         return await self.deliverer.drain(timeout)
 
     # ----- inbound --------------------------------------------------------------------
@@ -369,8 +373,10 @@ class GatewayApp:
                 "Please send it again as plain text.")))
 
     async def _send_quietly(self, msg: InboundMessage, text: str) -> None:
+        """A refusal of a message that is never stored: nothing of it (not even its id as
+        the reply target) goes into gateway.db."""
         try:
-            await self.send(msg, text, kind="error")
+            await self.send(msg, text, kind="error", reply=False)
         except Exception:
             log.exception("could not send a refusal")
 
@@ -429,7 +435,7 @@ class GatewayApp:
             try:
                 answer = await self._answer(key, jobs, tlog)
                 # the answer's chunks and the turn's completion commit together; the deliverer sends them
-                await self._deliver(last.msg, answer, finish=[(job.msg, answer.outcome) for job in jobs])
+                chunk_ids = await self._deliver(last.msg, answer, finish=[(job.msg, answer.outcome) for job in jobs])
                 break
             except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
                 await self._move_jobs(jobs, moved.lane)
@@ -446,7 +452,8 @@ class GatewayApp:
                 await asyncio.sleep(delay)
         outcome, result = answer.outcome, answer.result
         if result is not None and result.kind == "reply" and not result.replayed and not result.interrupted:
-            self._after_reply(last.msg, lane, self.place_of(last.msg, lane), result)
+            self._after_reply(last.msg, lane, self.place_of(last.msg, lane), result,
+                              last_chunk=chunk_ids[-1] if chunk_ids else None)
         seconds = time.monotonic() - started
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
         tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
@@ -520,19 +527,19 @@ class GatewayApp:
             self.metrics.in_flight.add(-1, platform=platform)
 
     async def _deliver(self, msg: InboundMessage, answer: _Answer,
-                       finish: Sequence[tuple[InboundMessage, str]]) -> None:
-        """Record the answer (and the turn's completion) in the outbox. A streamed draft in
-        the chat is edited into the final text, in the same transaction."""
+                       finish: Sequence[tuple[InboundMessage, str]]) -> list[int]:
+        """Record the answer (and the turn's completion) in the outbox; its chunk ids. A
+        streamed draft in the chat is edited into the final text, in the same transaction."""
         streamer = answer.streamer
         if streamer is None or not streamer.started:
-            await self.send(msg, answer.text, kind=answer.kind, reply=answer.reply, finish=finish)
-            return
+            return await self.send(msg, answer.text, kind=answer.kind, reply=answer.reply, finish=finish)
         drafts = []
         for handle, chunk in streamer.placement(answer.text or "(stopped)"):
             drafts.append(Draft(platform=msg.platform, chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk,
                                 kind=answer.kind, edit_of=int(handle.message_id) if handle is not None else None))
-        await self.outbox.record(drafts, finish=finish)
+        ids = await self.outbox.record(drafts, finish=finish)
         self.deliverer.kick(msg.platform, msg.chat_id)
+        return ids
 
     async def _tell_storage_fault(self, msg: InboundMessage, fault: str) -> None:
         """Say once why the answer is late: through the outbox, or straight to the platform
@@ -564,8 +571,10 @@ class GatewayApp:
         return stored.content or ""
 
     # ----- background memory review (agent/review.py) ------------------------------------
-    def _after_reply(self, msg: InboundMessage, lane: Lane, place: ChatPlace, result: TurnResult) -> None:
-        """The reply is out: count the turn and start a review in the background when due."""
+    def _after_reply(self, msg: InboundMessage, lane: Lane, place: ChatPlace, result: TurnResult, *,
+                     last_chunk: int | None = None) -> None:
+        """The reply is recorded: count the turn and start a review in the background when
+        due; it waits until the reply's last chunk was sent, so it never delays the answer."""
         key = (lane.tenant_id, lane.session_key)
         self._active_lanes[key] = (msg, lane, place)
         self._active_lanes.move_to_end(key)
@@ -573,11 +582,13 @@ class GatewayApp:
             self._active_lanes.popitem(last=False)
         memory, skills = self.agent.reviewer.note_turn(lane, result.tool_iterations)
         if memory or skills:
-            self._in_background(self._review(msg, lane, place, result.session_id, memory, skills))
+            self._in_background(self._review(msg, lane, place, result.session_id, memory, skills, last_chunk))
 
     async def _review(self, msg: InboundMessage, lane: Lane, place: ChatPlace, session_id: str,
-                      memory: bool, skills: bool) -> None:
+                      memory: bool, skills: bool, last_chunk: int | None = None) -> None:
         try:
+            if last_chunk is not None:
+                await self.deliverer.wait(last_chunk, timeout=self.cfg.memory.review_timeout_s)
             async with self.linking.use(msg, lane) as profile:
                 history = await profile.sessions.history(session_id)
                 await self.agent.reviewer.review(profile, lane, place, history, memory=memory,

@@ -83,9 +83,9 @@ async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> i
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, console.interrupt)
     try:
-        await app.start()
-        if console.interactive:
+        if console.interactive:  # before start: the console's prompt is drawn once it starts
             print(_banner(cfg, user, room), flush=True)
+        await app.start()
         await console.finished.wait()
     finally:
         # after Ctrl-C do not wait for the reply: the turn is cancelled and its message stays

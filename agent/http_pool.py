@@ -78,4 +78,5 @@ def env_proxy_applies(url: str) -> bool:
     proxies = urllib.request.getproxies_environment()
     if not (proxies.get(parts.scheme) or proxies.get("all")):
         return False
-    return not urllib.request.proxy_bypass_environment(parts.hostname or "", proxies)
+    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]  # not in typeshed
+    return not bypass(parts.hostname or "", proxies)

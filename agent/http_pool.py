@@ -45,8 +45,9 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     """`shards` httpx transports; a request goes to the least busy one."""
 
     def __init__(self, shards: int = SHARDS, *, trust_env: bool = True) -> None:
-        limits = httpx.Limits(max_connections=MAX_CONNECTIONS // shards,
-                              max_keepalive_connections=max(1, MAX_KEEPALIVE // shards))
+        limits = httpx.Limits(
+            max_connections=MAX_CONNECTIONS // shards, max_keepalive_connections=max(1, MAX_KEEPALIVE // shards)
+        )
         self._pools = [httpx.AsyncHTTPTransport(limits=limits, trust_env=trust_env) for _ in range(shards)]
         self.in_flight = [0] * shards  # requests sent and not yet closed, per shard
 
@@ -63,8 +64,9 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             release()
             raise
         assert isinstance(resp.stream, httpx.AsyncByteStream)
-        return httpx.Response(resp.status_code, headers=resp.headers, stream=_Released(resp.stream, release),
-                              extensions=resp.extensions)
+        return httpx.Response(
+            resp.status_code, headers=resp.headers, stream=_Released(resp.stream, release), extensions=resp.extensions
+        )
 
     async def aclose(self) -> None:
         for pool in self._pools:

@@ -67,8 +67,16 @@ async def test_a_dropped_connection_frees_its_slot(llm: FakeLLM) -> None:
 
 
 def test_a_proxy_from_the_environment_leaves_the_transport_to_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
-                 "NO_PROXY", "no_proxy"):
+    for name in (
+        "HTTP_PROXY",
+        "http_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+        "NO_PROXY",
+        "no_proxy",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert not env_proxy_applies("https://api.example.invalid/v1")
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")

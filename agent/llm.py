@@ -21,6 +21,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from agent.http_pool import ShardedTransport, env_proxy_applies
+
 if TYPE_CHECKING:
     from gateway.config import LLMConfig
 
@@ -275,10 +277,13 @@ class LLMClient:
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
+        own_transport = transport is None and not env_proxy_applies(self.base_url)
         self._http = httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 10.0)),
-            transport=transport,
+            # small pools instead of one big one (see agent/http_pool.py); httpx's own when a
+            # proxy from the environment applies
+            transport=ShardedTransport() if own_transport else transport,
             follow_redirects=False,
             trust_env=transport is None,
         )

@@ -378,7 +378,10 @@ async def cmd_export(ctx: CommandContext) -> str:
     data = await ctx.profile.sessions.export()
     memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is not None:
-        data["memory"] = {t: await memory.entries(t) for t in ("memory", "user")}
+        # each entry with its visibility, as /memory shows it (private entries never reach a group)
+        data["memory"] = {t: [] for t in ("memory", "user")}
+        for target, entry, visibility in await _numbered(memory):
+            data["memory"][target].append({"entry": entry, "visibility": visibility})
     skills = ctx.app.agent.lane_skills(ctx.profile, ctx.lane)
     if skills is not None:
         data["skills"] = [{"name": info.name, "description": info.description,

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from adapters.base import InboundMessage
 from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
+from agent.memory_files import BASELINE_FILE, Baselines, digest
 from agent.sessions import SessionStore
 from agent.visibility import VISIBILITY_FILE, Marks, entry_key
 from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
@@ -683,7 +684,7 @@ def _merge_files(src: Path, target: Path) -> None:
             rel = full.relative_to(src)
             if (len(rel.parts) == 1 and name in skip_top) or name == ".lock" or name.endswith(".tmp") \
                     or full.is_symlink() or rel.parts[0] == "sessions" \
-                    or (rel.parts[0] == "memories" and name in (*_MEMORY_FILES.values(), VISIBILITY_FILE)):
+                    or (rel.parts[0] == "memories" and name in (*_MEMORY_FILES.values(), VISIBILITY_FILE, BASELINE_FILE)):
                 continue
             dest = target / rel
             private_mkdir(dest.parent)
@@ -757,7 +758,9 @@ def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> N
             if not any(lists[1:]):
                 continue
             kept, dropped = combine_entries(lists, limits[target_name], today)
-            atomic_write(mem_dir / fname, ENTRY_DELIMITER.join(kept))
+            data = ENTRY_DELIMITER.join(kept).encode("utf-8")
+            atomic_write(mem_dir / fname, data)
+            Baselines(mem_dir).set(fname, digest(data))  # the merge is the store's own write, not drift
             marks[target_name] = combine_marks(target_name, kept, lists, source_marks)
             if dropped:
                 with open_private(mem_dir / OVERFLOW_FILE, "a") as fh:

@@ -455,3 +455,33 @@ def test_merge_keeps_an_entry_private_when_any_copy_was_private():
              {"memory": {entry_key("memory", "only-b"): "shared"}}]
     out = combine_marks("memory", ["both", "only-a", "only-b"], lists, marks)
     assert out == {entry_key("memory", "only-a"): "shared", entry_key("memory", "only-b"): "shared"}
+
+
+async def test_forget_right_after_a_link_merge_erases_the_entry(config_for, fake_llm):
+    """A merge into an existing link is the store's own write: the next /forget N (or memory
+    tool write) is not refused as a hand edit, and the entry leaves every prompt."""
+    from tests.fakes.llm import canaries_in, canary_repeater
+
+    fake_llm.responder = canary_repeater()
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
+    app = await started(cfg, tg, dc, tc)
+    try:
+        await link(app, tg, dc)
+        await say(app, dc, dm("222", "remember CANARY-link0", platform="discord"))  # the link's own write
+        await say(app, tc, dm("777", "remember CANARY-joiner1"))
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        await say(app, tc, dm("777", f"/link {code}"))
+        await confirm(app, tg, dm("111", "/link confirm", platform="telegram"))  # merged into the link
+        listing = (await say(app, dc, dm("222", "/memory", platform="discord")))[0]
+        assert "2. [private] CANARY-joiner1" in listing
+        out = await say(app, dc, dm("222", "remember CANARY-after2", platform="discord"))
+        assert "Entry added" in out[-1], out
+        out = await say(app, dc, dm("222", "/forget 2", platform="discord"))
+        assert out[0].startswith("Done: I forgot"), out
+        await say(app, tc, dm("777", "/new"))
+        n = len(fake_llm.requests)
+        await say(app, tc, dm("777", "what do you know?"))
+        assert "CANARY-joiner1" not in canaries_in(fake_llm.requests[n:])
+    finally:
+        await app.stop()

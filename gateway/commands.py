@@ -243,6 +243,7 @@ async def _set_visibility(ctx: CommandContext, memory: MemoryStore, arg: str, va
     target, entry, _ = picked
     if not await memory.set_visibility(target, entry, value):
         return "That entry changed meanwhile; send /memory to see the current list."
+    await _provider_mark(ctx, target, entry, value)
     if value == "shared":
         return (f"Shared: \"{_short(entry)}\". I may use it in group chats, where everyone "
                 "there can read my replies.")
@@ -364,6 +365,19 @@ async def _provider_forget(ctx: CommandContext, entries: list[tuple[str, str]]) 
             await provider.on_memory_write("remove", target, entry, visibility=access.mark)
         except Exception:  # the entry is forgotten in memory either way
             logging.getLogger("hermes.commands").exception("memory provider on_memory_write failed")
+
+
+async def _provider_mark(ctx: CommandContext, target: str, entry: str, value: str) -> None:
+    """Tell the memory provider an entry was shared or unshared, so a group lane's recall
+    follows the entry's visibility."""
+    provider = ctx.profile.provider
+    if provider is None:
+        return
+    try:
+        await provider.on_memory_write("share" if value == "shared" else "unshare", target, entry,
+                                       visibility=value)
+    except Exception:  # the mark is changed in memory either way
+        logging.getLogger("hermes.commands").exception("memory provider on_memory_write failed")
 
 
 async def cmd_undo(ctx: CommandContext) -> str:

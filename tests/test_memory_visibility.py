@@ -413,3 +413,31 @@ async def test_export_shows_each_entry_with_its_visibility(config_for, fake_llm,
     with tarfile.open(archive) as tar:
         marks = json.loads(tar.extractfile("profile/memories/visibility.json").read())
     assert list(marks["entries"]["memory"].values()) == ["shared"]
+
+
+async def test_unshared_entry_is_never_recalled_in_a_group_lane(config_for, fake_llm):
+    """The provider hears /memory unshare: what was said in a group and saved as shared is
+    not recalled in a group lane any more once the person made it private."""
+    fake_llm.responder = canary_repeater()
+    adapter = RecordingAdapter()
+    cfg = config_for(memory={"provider": "local"})
+    app = await started(cfg, adapter)
+    try:
+        await say(app, adapter, group("g1", "alice", "remember CANARY-cake3 is the garden cake"))
+        await say(app, adapter, group("g2", "alice", "/new"))
+        assert "CANARY-cake3" in (await say(app, adapter, group("g2", "alice", "what about the garden?")))[-1]
+        listing = (await say(app, adapter, dm("alice", "/memory")))[0]
+        assert "1. [shared] CANARY-cake3" in listing
+        assert "Private again" in (await say(app, adapter, dm("alice", "/memory unshare 1")))[0]
+        await say(app, adapter, group("g2", "alice", "/new"))
+        n = len(fake_llm.requests)
+        assert "CANARY" not in (await say(app, adapter, group("g2", "alice", "what about the garden?")))[-1]
+        assert not canaries_in(fake_llm.requests[n:])
+        # the private chat still recalls it; sharing it again lets groups recall it again
+        await say(app, adapter, dm("alice", "/new"))
+        assert "CANARY-cake3" in (await say(app, adapter, dm("alice", "the garden?")))[-1]
+        await say(app, adapter, dm("alice", "/memory share 1"))
+        await say(app, adapter, group("g2", "alice", "/new"))
+        assert "CANARY-cake3" in (await say(app, adapter, group("g2", "alice", "what about the garden?")))[-1]
+    finally:
+        await app.stop()

@@ -449,7 +449,7 @@ async def _play(actions: list) -> None:
 _actions = st.one_of([a.strategy() for a in ACTIONS] + [Link.strategy(), Link.strategy(), Remember.strategy()])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(_actions, min_size=1, max_size=20))
 def test_no_canary_ever_crosses_its_audience(actions):
     asyncio.run(_play(actions))

@@ -26,6 +26,9 @@ tenant the account maps to: its own, or its link's):
   link's conversations of its lanes are its own again.
 - A link code seen in a group is burnt: redeeming it afterwards links nothing.
 
+No memory provider is configured here (its recall of group chatter follows its own rules;
+tests/test_memory_visibility.py covers it).
+
 To add an action: write a frozen dataclass with a `strategy()` classmethod and an
 `async run(world)` method, and append it to ACTIONS.
 """

@@ -136,6 +136,9 @@ class SentMessage(BaseModel):
 # The gateway's entry point: awaiting it returns once the message is durably recorded,
 # so an adapter may acknowledge the platform (e.g. Telegram's offset) right after.
 InboundSink = Callable[[InboundMessage], Awaitable[None]]
+#: (platform, text) of a group message the adapter drops unanswered (no mention): the gateway
+#: still looks at it (a link code posted where others read it is burnt); set by the gateway
+OverheardHook = Callable[[str, str], Awaitable[None]]
 
 
 class Adapter(Protocol):

@@ -52,6 +52,7 @@ from adapters.base import (
     InboundMessage,
     InboundSink,
     OutboundMessage,
+    OverheardHook,
     SentMessage,
 )
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
@@ -244,6 +245,7 @@ class DiscordAdapter:
         self._client: _Client | None = None
         self._tree: app_commands.CommandTree | None = None
         self._sink: InboundSink | None = None
+        self.overheard: OverheardHook | None = None  # guild text dropped unanswered (link-code screen)
         self._inbound: asyncio.Queue[Any] = asyncio.Queue()
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -594,10 +596,27 @@ class DiscordAdapter:
                 msg = item if isinstance(item, InboundMessage) else await self._normalise(item)
                 if msg is not None and self._sink is not None:
                     await self._sink(msg)
+                elif msg is None and not isinstance(item, InboundMessage):
+                    await self._overhear(item)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - one bad message must not stop the stream
                 log.exception("discord: failed to hand an inbound message to the gateway")
+
+    async def _overhear(self, message: Any) -> None:
+        """Show the text of a server message dropped unanswered (no mention, another bot's
+        post) to `overheard`, so a link code pasted there is still burnt. Never the bot's
+        own messages, never a DM."""
+        client = self._client
+        content = getattr(message, "content", None)
+        if self.overheard is None or client is None or client.user is None or not content:
+            return
+        if getattr(message, "guild", None) is None or message.author.id == client.user.id:
+            return
+        try:
+            await self.overheard("discord", content)
+        except Exception:  # noqa: BLE001 - screening must never stop the stream
+            log.exception("discord: could not screen an unanswered server message")
 
     async def _place(self, channel: Any, channel_id: int | None, guild_id: int | None, *,
                      private_context: bool = False) -> tuple[str, str, str | None, bool]:

@@ -43,6 +43,7 @@ from adapters.base import (
     InboundMessage,
     InboundSink,
     OutboundMessage,
+    OverheardHook,
     SentMessage,
 )
 from adapters.telegram_flood import FloodGate, FloodLimits
@@ -267,6 +268,7 @@ class TelegramAdapter:
         self.bot_id: int | None = None
         self.bot_username: str | None = None
         self._sink: InboundSink | None = None
+        self.overheard: OverheardHook | None = None  # group text dropped unanswered (link-code screen)
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
@@ -549,6 +551,7 @@ class TelegramAdapter:
             )
             return True
         if msg is None:
+            await self._overhear(raw)
             return True
         assert self._sink is not None
         async with self._sink_lock:
@@ -562,6 +565,22 @@ class TelegramAdapter:
                 )
                 return False
         return True
+
+    async def _overhear(self, raw: dict[str, Any]) -> None:
+        """Show the text of a group message dropped unanswered (no mention, an edit, another
+        bot's post) to `overheard`, so a link code pasted there is still burnt."""
+        if self.overheard is None:
+            return
+        message = next((raw[k] for k in ("message", "edited_message", "channel_post", "edited_channel_post")
+                        if isinstance(raw.get(k), dict)), {})
+        chat = message.get("chat") if isinstance(message.get("chat"), dict) else {}
+        text = message.get("text") or message.get("caption") or ""
+        if chat.get("type") in (None, "private") or not isinstance(text, str) or not text:
+            return
+        try:
+            await self.overheard("telegram", text)
+        except Exception:  # noqa: BLE001 - screening must never stop the update stream
+            log.exception("telegram: could not screen an unanswered group message")
 
     async def _ack_final_offset(self) -> None:
         """Tell Telegram about updates recorded since the last poll, so a restart does not

@@ -184,7 +184,7 @@ class MemoryStore:
             return False
         result = await self._write(self._check_target(target), lambda entries: (
             ([e for e in entries if e != entry], {"success": True}) if entry in entries
-            else (None, {"success": False})))
+            else (None, {"success": False})), force=True)  # an explicit erase by the person
         return bool(result.get("success"))
 
     def _visible(self, target: str) -> list[str]:

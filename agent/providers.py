@@ -33,6 +33,9 @@ class ProviderAccess:
     mark: Visibility  # the visibility of what this lane stores
 
 
+#: on_memory_write actions that change an entry's visibility (`/memory share|unshare`)
+VISIBILITY_ACTIONS = ("share", "unshare")
+
 NO_ACCESS = ProviderAccess(read=False, write=False, shared_only=True, mark="shared")
 
 
@@ -64,7 +67,9 @@ class MemoryProvider:
         """Called with the messages about to be summarised away, so nothing learned is lost."""
 
     async def on_memory_write(self, action: str, target: str, content: str, *,
-                              visibility: Visibility = "private") -> None: ...
+                              visibility: Visibility = "private") -> None:
+        """`action` is add|replace|remove from the memory tool, or share|unshare when the
+        person changes an entry's visibility (`visibility` is then the entry's new one)."""
 
     async def shutdown(self) -> None: ...
 
@@ -117,14 +122,23 @@ class LocalNotesProvider(MemoryProvider):
         # a removed (forgotten) entry is never recalled again, nor any record quoting it
         removed = [str(r.get("content") or "") for r in records
                    if r.get("kind") == "memory_write" and r.get("action") == "remove" and r.get("content")]
+        # an entry the person unshared (`/memory unshare`) is private again: a group lane
+        # recalls no record quoting it, whatever visibility the record was stored with
+        marks: dict[str, str] = {}
+        for r in records:
+            if r.get("kind") == "memory_write" and r.get("action") in VISIBILITY_ACTIONS and r.get("content"):
+                marks[str(r["content"])] = str(r["action"])
+        unshared = [content for content, action in marks.items() if action == "unshare"]
         hits: list[str] = []
         for rec in records:
-            if rec.get("kind") == "memory_write" and rec.get("action") == "remove":
+            if rec.get("kind") == "memory_write" and rec.get("action") in ("remove", *VISIBILITY_ACTIONS):
                 continue
             if shared_only and rec.get("visibility") != "shared":
                 continue
             text = str(rec.get("user") or rec.get("content") or "")
             if any(gone in text for gone in removed):
+                continue
+            if shared_only and any(hidden in text for hidden in unshared):
                 continue
             if words & set(re.findall(r"\w{4,}", text.lower())):
                 hits.append(text[:200])

@@ -4,6 +4,8 @@ Each skill is `<profile>/skills/<name>/SKILL.md`: a small front matter (`name`,
 `description`, `visibility`) and the procedure. A skill written in a private chat is
 `private`; one written in a group lane is `shared`, and a group lane only ever sees shared
 skills (index, view, update, delete), so a private chat's procedures never reach a group.
+An update takes the visibility of where it was written: a shared skill updated in a private
+chat becomes private (it may now hold private details), as a replaced memory entry does.
 Every write is threat-scanned and size-limited like memory; the `skill_manage` tool returns
 a short JSON result.
 """
@@ -168,7 +170,10 @@ class SkillStore:
             if loaded is None:
                 return _fail(f"No skill named {name!r}. Use action 'list' to see the skills.")
             info, body = loaded
-            new = SkillInfo(name, description.strip() if description else info.description, info.visibility)
+            # the text written takes the visibility of the place it was written in (as memory
+            # does): a shared skill updated in a private chat may now hold private details
+            visibility = "shared" if shared_only else "private"
+            new = SkillInfo(name, description.strip() if description else info.description, visibility)
             atomic_write(self.skills_dir / name / SKILL_FILE, _render(new, content if content else body))
             return {"success": True, "message": f"Skill {name!r} updated."}
 

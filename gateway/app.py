@@ -173,6 +173,8 @@ class GatewayApp:
             except Exception:  # one bad record must not stop the gateway from starting
                 log.exception("could not replay a %s message; it stays pending", msg.platform)
         for adapter in self.adapters.values():
+            if hasattr(adapter, "overheard"):  # group text the adapter drops unanswered is still screened
+                adapter.overheard = self._overheard
             try:
                 await adapter.start(self.handle_inbound)
             except Exception:
@@ -278,6 +280,13 @@ class GatewayApp:
             except Exception:
                 log.exception("could not forget the record; the message is replayed on the next start")
             raise
+
+    async def _overheard(self, platform: str, text: str) -> None:
+        """A group message the adapter does not answer (no mention): nothing is recorded or
+        said, but a live link code in it is burnt like anywhere else outside a private chat."""
+        msg = InboundMessage(platform=platform, chat_id="overheard", chat_type="group", user_id="overheard",
+                             message_id="overheard", text=text)
+        await self.linking.screen(msg)
 
     async def _admit(self, msg: InboundMessage, *, replay: bool = False) -> None:
         try:  # a link code typed where others can read it is burnt, whoever sent it

@@ -243,6 +243,7 @@ async def _set_visibility(ctx: CommandContext, memory: MemoryStore, arg: str, va
     target, entry, _ = picked
     if not await memory.set_visibility(target, entry, value):
         return "That entry changed meanwhile; send /memory to see the current list."
+    await _provider_mark(ctx, target, entry, value)
     if value == "shared":
         return (f"Shared: \"{_short(entry)}\". I may use it in group chats, where everyone "
                 "there can read my replies.")
@@ -366,6 +367,19 @@ async def _provider_forget(ctx: CommandContext, entries: list[tuple[str, str]]) 
             logging.getLogger("hermes.commands").exception("memory provider on_memory_write failed")
 
 
+async def _provider_mark(ctx: CommandContext, target: str, entry: str, value: str) -> None:
+    """Tell the memory provider an entry was shared or unshared, so a group lane's recall
+    follows the entry's visibility."""
+    provider = ctx.profile.provider
+    if provider is None:
+        return
+    try:
+        await provider.on_memory_write("share" if value == "shared" else "unshare", target, entry,
+                                       visibility=value)
+    except Exception:  # the mark is changed in memory either way
+        logging.getLogger("hermes.commands").exception("memory provider on_memory_write failed")
+
+
 async def cmd_undo(ctx: CommandContext) -> str:
     session_id = await ctx.profile.sessions.route(ctx.lane.session_key)
     count = await ctx.profile.sessions.undo_last_turn(session_id) if session_id else 0
@@ -378,7 +392,10 @@ async def cmd_export(ctx: CommandContext) -> str:
     data = await ctx.profile.sessions.export()
     memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is not None:
-        data["memory"] = {t: await memory.entries(t) for t in ("memory", "user")}
+        # each entry with its visibility, as /memory shows it (private entries never reach a group)
+        data["memory"] = {t: [] for t in ("memory", "user")}
+        for target, entry, visibility in await _numbered(memory):
+            data["memory"][target].append({"entry": entry, "visibility": visibility})
     skills = ctx.app.agent.lane_skills(ctx.profile, ctx.lane)
     if skills is not None:
         data["skills"] = [{"name": info.name, "description": info.description,

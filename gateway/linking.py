@@ -65,7 +65,9 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from adapters.base import InboundMessage
 from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
+from agent.memory_files import BASELINE_FILE, Baselines, digest
 from agent.sessions import SessionStore
+from agent.visibility import VISIBILITY_FILE, Marks, entry_key
 from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
 from tenancy.profiles import SCHEMA_VERSION, write_manifest
 
@@ -791,7 +793,7 @@ def _merge_files(src: Path, target: Path) -> None:
             rel = full.relative_to(src)
             if (len(rel.parts) == 1 and name in skip_top) or name == ".lock" or name.endswith(".tmp") \
                     or full.is_symlink() or rel.parts[0] == "sessions" \
-                    or (rel.parts[0] == "memories" and name in _MEMORY_FILES.values()):
+                    or (rel.parts[0] == "memories" and name in (*_MEMORY_FILES.values(), VISIBILITY_FILE, BASELINE_FILE)):
                 continue
             dest = target / rel
             private_mkdir(dest.parent)
@@ -853,6 +855,8 @@ def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> N
     fd = os.open(mem_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        source_marks = [Marks(d / "memories").load() for d in (target, *sources)]
+        marks = dict(source_marks[0])
         for target_name, fname in _MEMORY_FILES.items():
             lists = []
             for d in (target, *sources):
@@ -863,14 +867,31 @@ def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> N
             if not any(lists[1:]):
                 continue
             kept, dropped = combine_entries(lists, limits[target_name], today)
-            atomic_write(mem_dir / fname, ENTRY_DELIMITER.join(kept))
+            data = ENTRY_DELIMITER.join(kept).encode("utf-8")
+            atomic_write(mem_dir / fname, data)
+            Baselines(mem_dir).set(fname, digest(data))  # the merge is the store's own write, not drift
+            marks[target_name] = combine_marks(target_name, kept, lists, source_marks)
             if dropped:
                 with open_private(mem_dir / OVERFLOW_FILE, "a") as fh:
                     fh.write(f"## {fname}, set aside when accounts were linked on {today}\n\n")
                     fh.write(ENTRY_DELIMITER.join(dropped) + "\n\n")
                     fh.flush()
                     os.fsync(fh.fileno())
+        Marks(mem_dir).save(marks)  # after the memory files: a crash in between leaves entries private
     finally:
         os.close(fd)
+
+
+def combine_marks(target: str, kept: list[str], lists: list[list[str]],
+                  marks: list[dict[str, dict[str, str]]]) -> dict[str, str]:
+    """The visibility marks of merged entries: an entry stays shared when every profile that
+    held it had it shared (one private copy keeps it private: the safe side)."""
+    out: dict[str, str] = {}
+    for entry in kept:
+        key = entry_key(target, entry)
+        holders = [m.get(target, {}) for m, entries in zip(marks, lists) if entry in entries]
+        if holders and all(h.get(key) == "shared" for h in holders):
+            out[key] = "shared"
+    return out
 
 

@@ -382,3 +382,25 @@ async def test_link_code_posted_in_a_discord_thread_is_burnt(rig, fake, fake_llm
     fake.push_dm(fake.bob, f"/link {code}")
     (refused,) = await r.replies(fake.dm_channel(fake.bob), 1)
     assert "unknown, expired or already used" in refused["content"]
+
+
+async def test_link_code_pasted_in_a_server_without_mention_is_burnt(rig, fake, fake_llm):
+    """The adapter drops server messages that don't mention the bot (the default), but a
+    live link code in one is still burnt; the bot's own DM with the code burns nothing."""
+    from tests.test_linking import CODE_RE
+
+    r = await rig()
+    fake.push_dm(fake.alice, "/link")
+    (issued,) = await r.replies(fake.dm_channels[fake.alice], 1)
+    code = CODE_RE.search(issued["content"]).group(1)
+    fake.push_guild_message(fake.general, fake.alice, f"my code: {code}")  # no mention
+    notices = await r.replies(fake.dm_channels[fake.alice], 2)
+    assert "cancelled" in notices[-1]["content"]
+    # a fresh code, shown only in the private chat, stays good
+    fake.push_dm(fake.alice, "/link")
+    sent = await r.replies(fake.dm_channels[fake.alice], 3)
+    code = CODE_RE.search(sent[-1]["content"]).group(1)
+    fake.push_guild_message(fake.general, fake.bob, "unrelated chatter")
+    fake.push_dm(fake.bob, f"/link {code}")
+    (accepted,) = await r.replies(fake.dm_channels[fake.bob], 1)
+    assert accepted["content"].startswith("Code accepted")

@@ -417,3 +417,73 @@ async def test_whoami_in_a_group_never_shows_linked_accounts(config_for, fake_ll
         assert "discord:222" in out[0] and tenant in out[0]
     finally:
         await app.stop()
+
+
+async def test_link_merge_keeps_each_entrys_visibility(config_for, fake_llm):
+    from tests.fakes.llm import canaries_in, canary_repeater
+
+    fake_llm.responder = canary_repeater()
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = await started(cfg, tg, dc)
+    try:
+        await say(app, tg, group("g1", "111", "remember CANARY-tgshared1", platform="telegram"))
+        await say(app, tg, dm("111", "remember CANARY-tgprivate2", platform="telegram"))
+        await say(app, dc, group("chan", "222", "remember CANARY-dcshared3", platform="discord"))
+        await say(app, dc, dm("222", "remember CANARY-dcprivate4", platform="discord"))
+        await link(app, tg, dc)
+        listing = (await say(app, tg, dm("111", "/memory", platform="telegram")))[0]
+        for canary, vis in (("tgshared1", "shared"), ("tgprivate2", "private"),
+                            ("dcshared3", "shared"), ("dcprivate4", "private")):
+            assert f"[{vis}] CANARY-{canary}" in listing, listing
+        # a new group lane of either account loads the shared entries of both, never a private one
+        n = len(fake_llm.requests)
+        await say(app, dc, group("chan2", "222", "hello", platform="discord"))
+        seen = canaries_in(fake_llm.requests[n:])
+        assert seen == {"CANARY-tgshared1", "CANARY-dcshared3"}, seen
+        name = app.links.name_for("telegram:111")
+        memories = tenant_dir(cfg.data_dir, link_tenant_id(name)) / "memories"
+        assert not list(memories.glob("visibility.from-*"))
+    finally:
+        await app.stop()
+
+
+def test_merge_keeps_an_entry_private_when_any_copy_was_private():
+    from gateway.linking import combine_marks
+    from agent.visibility import entry_key
+
+    lists = [["both", "only-a"], ["both", "only-b"]]
+    marks = [{"memory": {entry_key("memory", "both"): "shared", entry_key("memory", "only-a"): "shared"}},
+             {"memory": {entry_key("memory", "only-b"): "shared"}}]
+    out = combine_marks("memory", ["both", "only-a", "only-b"], lists, marks)
+    assert out == {entry_key("memory", "only-a"): "shared", entry_key("memory", "only-b"): "shared"}
+
+
+async def test_forget_right_after_a_link_merge_erases_the_entry(config_for, fake_llm):
+    """A merge into an existing link is the store's own write: the next /forget N (or memory
+    tool write) is not refused as a hand edit, and the entry leaves every prompt."""
+    from tests.fakes.llm import canaries_in, canary_repeater
+
+    fake_llm.responder = canary_repeater()
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
+    app = await started(cfg, tg, dc, tc)
+    try:
+        await link(app, tg, dc)
+        await say(app, dc, dm("222", "remember CANARY-link0", platform="discord"))  # the link's own write
+        await say(app, tc, dm("777", "remember CANARY-joiner1"))
+        code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
+        await say(app, tc, dm("777", f"/link {code}"))
+        await confirm(app, tg, dm("111", "/link confirm", platform="telegram"))  # merged into the link
+        listing = (await say(app, dc, dm("222", "/memory", platform="discord")))[0]
+        assert "2. [private] CANARY-joiner1" in listing
+        out = await say(app, dc, dm("222", "remember CANARY-after2", platform="discord"))
+        assert "Entry added" in out[-1], out
+        out = await say(app, dc, dm("222", "/forget 2", platform="discord"))
+        assert out[0].startswith("Done: I forgot"), out
+        await say(app, tc, dm("777", "/new"))
+        n = len(fake_llm.requests)
+        await say(app, tc, dm("777", "what do you know?"))
+        assert "CANARY-joiner1" not in canaries_in(fake_llm.requests[n:])
+    finally:
+        await app.stop()

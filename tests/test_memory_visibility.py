@@ -386,3 +386,58 @@ async def test_group_view_writes_keep_hidden_entries_in_place(tmp_path):
     marks = Marks(tmp_path / "memories")
     assert marks.of("memory", await private.entries("memory")) == ["private", "private"]
     assert (tmp_path / "memories" / "MEMORY.md").read_text() == "private one\n§\nprivate three"
+
+
+async def test_export_shows_each_entry_with_its_visibility(config_for, fake_llm, tmp_path):
+    import tarfile
+
+    from gateway.admin import export_profile, find_tenant
+
+    fake_llm.responder = memory_saving_responder
+    cfg = config_for()
+    adapter = RecordingAdapter()
+    app = await started(cfg, adapter)
+    try:
+        await say(app, adapter, dm("alice", "remember CANARY-mine1"))
+        await say(app, adapter, group("g1", "alice", "remember CANARY-ours2"))
+        out = (await say(app, adapter, dm("alice", "/export")))[0]
+        assert out.startswith("Exported")
+    finally:
+        await app.stop()
+    exports = sorted((profile_dir(cfg, "alice") / "exports").glob("export-*.json"))
+    memory = json.loads(exports[-1].read_text())["memory"]["memory"]
+    assert memory == [{"entry": "CANARY-mine1", "visibility": "private"},
+                      {"entry": "CANARY-ours2", "visibility": "shared"}]
+    # the operator's archive carries the marks beside the memory files
+    archive = export_profile(cfg, find_tenant(cfg, "testchat:alice"), tmp_path / "out")
+    with tarfile.open(archive) as tar:
+        marks = json.loads(tar.extractfile("profile/memories/visibility.json").read())
+    assert list(marks["entries"]["memory"].values()) == ["shared"]
+
+
+async def test_unshared_entry_is_never_recalled_in_a_group_lane(config_for, fake_llm):
+    """The provider hears /memory unshare: what was said in a group and saved as shared is
+    not recalled in a group lane any more once the person made it private."""
+    fake_llm.responder = canary_repeater()
+    adapter = RecordingAdapter()
+    cfg = config_for(memory={"provider": "local"})
+    app = await started(cfg, adapter)
+    try:
+        await say(app, adapter, group("g1", "alice", "remember CANARY-cake3 is the garden cake"))
+        await say(app, adapter, group("g2", "alice", "/new"))
+        assert "CANARY-cake3" in (await say(app, adapter, group("g2", "alice", "what about the garden?")))[-1]
+        listing = (await say(app, adapter, dm("alice", "/memory")))[0]
+        assert "1. [shared] CANARY-cake3" in listing
+        assert "Private again" in (await say(app, adapter, dm("alice", "/memory unshare 1")))[0]
+        await say(app, adapter, group("g2", "alice", "/new"))
+        n = len(fake_llm.requests)
+        assert "CANARY" not in (await say(app, adapter, group("g2", "alice", "what about the garden?")))[-1]
+        assert not canaries_in(fake_llm.requests[n:])
+        # the private chat still recalls it; sharing it again lets groups recall it again
+        await say(app, adapter, dm("alice", "/new"))
+        assert "CANARY-cake3" in (await say(app, adapter, dm("alice", "the garden?")))[-1]
+        await say(app, adapter, dm("alice", "/memory share 1"))
+        await say(app, adapter, group("g2", "alice", "/new"))
+        assert "CANARY-cake3" in (await say(app, adapter, group("g2", "alice", "what about the garden?")))[-1]
+    finally:
+        await app.stop()

@@ -158,3 +158,20 @@ async def test_skills_enabled_false_removes_the_tool_and_the_index(config_for, f
         await say(app, adapter, dm("eli", "hello"))
         assert "skill_manage" not in offered_tools(fake_llm.requests[-1])
         assert "skill_manage" not in fake_llm.requests[-1]["messages"][0]["content"]
+
+
+async def test_skill_updated_in_a_private_chat_never_reaches_a_group(store: SkillStore) -> None:
+    await manage(store, shared=True, action="create", name="garden", description="Garden routine",
+                 content="1. water")
+    assert (await manage(store, shared=True, action="view", name="garden"))["success"] is True
+    # the person's private chat folds a private detail into the shared skill ...
+    await manage(store, action="update", name="garden", content="1. water 2. skip the CANARY-allergy7 bed")
+    # ... so a group lane sees it no more (index, view, update, delete)
+    assert await store.index(shared_only=True) == []
+    assert (await manage(store, shared=True, action="view", name="garden"))["success"] is False
+    assert (await manage(store, shared=True, action="update", name="garden", content="x"))["success"] is False
+    assert "CANARY-allergy7" in (await manage(store, action="view", name="garden"))["content"]
+    # a group lane's update of a shared skill keeps it shared
+    await manage(store, shared=True, action="create", name="team", description="Team", content="a")
+    await manage(store, shared=True, action="update", name="team", content="b")
+    assert [s.name for s in await store.index(shared_only=True)] == ["team"]

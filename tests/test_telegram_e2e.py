@@ -400,3 +400,22 @@ async def test_link_code_pasted_in_a_telegram_group_is_burnt(tg, fake_llm, confi
         [refused] = await answered(tg, app, 1, 2)
         assert "unknown, expired or already used" in refused["text"]
         assert app.links.as_dict() == {}
+
+
+async def test_link_code_pasted_in_a_group_without_mention_is_burnt(tg, fake_llm, config_for):
+    """The adapter drops group messages that don't mention the bot (the default), but a live
+    link code in one is still burnt, and nothing is answered or recorded for it."""
+    from tests.test_linking import CODE_RE
+
+    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+        tg.push_private(111, "/link", username="alice")
+        [issued] = await answered(tg, app, 1, 111)
+        code = CODE_RE.search(issued["text"]).group(1)
+        tg.push_group(-100200, 111, f"here is my code {code} for you")  # no mention of the bot
+        notices = await answered(tg, app, 2, 111)
+        assert "cancelled" in notices[-1]["text"]
+        assert tg.sent_messages(-100200) == []  # the group gets no answer
+        tg.push_private(222, f"/link {code}", username="mallory")
+        [refused] = await answered(tg, app, 1, 222)
+        assert "unknown, expired or already used" in refused["text"]
+        assert app.links.name_for("telegram:222") is None

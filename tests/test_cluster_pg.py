@@ -47,6 +47,7 @@ from gateway.cluster.leases import (
 )
 from gateway.cluster.migrations import LATEST, migrate, schema_version
 from gateway.cluster.outbox import finish_turn, mark_sent, unsent_replies
+from gateway.cluster.wakeups import InboxWakeups
 from gateway.config import parse_config
 
 DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -330,6 +331,24 @@ async def test_claim_with_100k_pending_rows_uses_the_claimable_index(pool):
             "EXPLAIN (FORMAT JSON) SELECT id FROM inbox WHERE lane = 'lane-1' AND done_at IS NULL ORDER BY id LIMIT 100"
         )).fetchone()
     assert "inbox_pending_by_lane" in str(plan)
+
+
+async def test_a_recorded_message_wakes_a_listening_node_of_the_same_schema_only(pool, schema):
+    other_schema = f"{schema}_other"
+    async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as admin:
+        await admin.execute(f'CREATE SCHEMA "{other_schema}"')
+    other = await open_pool(DSN, schema=other_schema)
+    try:
+        await migrate(other)
+        async with InboxWakeups(DSN, schema=schema) as wakeups:
+            await record_inbound(other, _msg("L", "elsewhere"))  # another installation's inbox
+            assert not await wakeups.wait(timeout_s=0.5)
+            await record_inbound(pool, _msg("L", "1"))
+            assert await wakeups.wait(timeout_s=30)
+    finally:
+        await other.close()
+        async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as admin:
+            await admin.execute(f'DROP SCHEMA "{other_schema}" CASCADE')
 
 
 # --- outbox ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from gateway.cluster.db import ClusterError, Conn, Pool
+from gateway.cluster.wakeups import NOTIFY_SQL
 
 
 class NotClaimed(ClusterError):
@@ -70,6 +71,7 @@ async def record_inbound(pool: Pool, msg: Inbound) -> int | None:
             """INSERT INTO lanes AS l (lane, tenant, head_id) VALUES (%s, %s, %s)
                ON CONFLICT (lane) DO UPDATE SET head_id = coalesce(l.head_id, EXCLUDED.head_id)""",
             (msg.lane, msg.tenant, row["id"]))
+        await conn.execute(NOTIFY_SQL)  # delivered on commit: idle nodes wake up and claim
         return int(row["id"])
 
 
@@ -145,4 +147,5 @@ async def release_lane(pool: Pool, node_id: str, lane: str) -> bool:
             return False
         await refresh_lane_head(conn, lane)
         await conn.execute("UPDATE lanes SET claimed_by = NULL, claimed_at = NULL WHERE lane = %s", (lane,))
+        await conn.execute(NOTIFY_SQL)  # the lane may still have work for another node
         return True

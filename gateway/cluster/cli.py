@@ -6,12 +6,10 @@ import argparse
 import asyncio
 import sys
 
-import psycopg
-
-from gateway.cluster.db import ClusterError, dsn_from_env, open_pool, probe
-from gateway.cluster.migrations import LATEST, migrate, schema_version
-from gateway.cluster.status import format_status, read_status
 from gateway.config import Config
+
+# psycopg and the rest of gateway/cluster are imported only when a cluster command runs:
+# every other command (and a single node) neither pays for nor needs them.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_cluster_command(cfg: Config, args: argparse.Namespace) -> int:
+    import psycopg
+
+    from gateway.cluster.db import ClusterError
     if not cfg.cluster.postgres_dsn_env:
         print("error: cluster.postgres_dsn_env is not set in the config; cluster commands need "
               "the name of the environment variable that holds the PostgreSQL DSN", file=sys.stderr)
@@ -39,6 +40,10 @@ def run_cluster_command(cfg: Config, args: argparse.Namespace) -> int:
 
 
 async def _run(cfg: Config, command: str) -> int:
+    from gateway.cluster.db import ClusterError, dsn_from_env, open_pool, probe
+    from gateway.cluster.migrations import LATEST, migrate, schema_version
+    from gateway.cluster.status import format_status, read_status
+
     dsn = dsn_from_env(cfg.cluster.postgres_dsn_env or "")
     await probe(dsn)  # libpq's reason in one line, before the pool would retry in the background
     pool = await open_pool(dsn, max_size=1)

@@ -26,14 +26,14 @@ def dsn_from_env(env_name: str) -> str:
     return dsn
 
 
-def _conn_kwargs(schema: str | None) -> dict[str, object]:
+def connect_kwargs(schema: str | None) -> dict[str, object]:
     kwargs: dict[str, object] = {"row_factory": dict_row, "autocommit": True, "connect_timeout": 5}
     if schema is not None:  # tests and side-by-side installs: every table lives in this schema
         kwargs["options"] = f"-c search_path={schema}"
     return kwargs
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
 
@@ -42,9 +42,9 @@ async def probe(dsn: str, schema: str | None = None) -> None:
     """Connect once and close, so that an unreachable server is reported with libpq's reason
     (a pool would only say it timed out)."""
     try:
-        conn = await psycopg.AsyncConnection.connect(dsn, **_conn_kwargs(schema))  # type: ignore[arg-type]
+        conn = await psycopg.AsyncConnection.connect(dsn, **connect_kwargs(schema))  # type: ignore[arg-type]
     except psycopg.Error as err:
-        raise ClusterError(f"cannot reach PostgreSQL: {_one_line(err)}") from None
+        raise ClusterError(f"cannot reach PostgreSQL: {one_line(err)}") from None
     await conn.close()
 
 
@@ -53,7 +53,7 @@ async def open_pool(dsn: str, *, schema: str | None = None, min_size: int = 1, m
     """An open pool whose connections are checked on checkout: after a server restart the
     dead ones are dropped and replaced instead of failing the next query."""
     pool: Pool = AsyncConnectionPool(
-        dsn, connection_class=Conn, kwargs=_conn_kwargs(schema), min_size=min_size, max_size=max_size, open=False,
+        dsn, connection_class=Conn, kwargs=connect_kwargs(schema), min_size=min_size, max_size=max_size, open=False,
         check=AsyncConnectionPool.check_connection, timeout=timeout_s, reconnect_timeout=300.0)
     try:
         await pool.open(wait=True, timeout=timeout_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
-from gateway.cluster.db import ClusterError, _conn_kwargs, _one_line
+from gateway.cluster.db import ClusterError, connect_kwargs, one_line
 
 CHANNEL_PREFIX = "hermes_inbox:"
 
@@ -22,9 +22,9 @@ class InboxWakeups:
 
     async def __aenter__(self) -> InboxWakeups:
         try:
-            self._conn = await psycopg.AsyncConnection.connect(self._dsn, **_conn_kwargs(self._schema))  # type: ignore[arg-type]
+            self._conn = await psycopg.AsyncConnection.connect(self._dsn, **connect_kwargs(self._schema))  # type: ignore[arg-type]
         except psycopg.Error as err:
-            raise ClusterError(f"cannot reach PostgreSQL: {_one_line(err)}") from None
+            raise ClusterError(f"cannot reach PostgreSQL: {one_line(err)}") from None
         row = await (await self._conn.execute("SELECT current_schema() AS s")).fetchone()
         channel = CHANNEL_PREFIX + str(row["s"] if row else "")  # type: ignore[call-overload]
         await self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))

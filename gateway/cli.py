@@ -214,6 +214,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from gateway.doctor import run_doctor
         setup_logging(cfg, quiet=True)
         return asyncio.run(run_doctor(cfg))
+    if args.command in ("run", "chat") and cfg.cluster.postgres_dsn_env:
+        raise ConfigError(f"{args.config}: cluster.postgres_dsn_env is set, but cluster mode is not available "
+                          "yet in this version; only `hermes-gateway cluster migrate|status` use it "
+                          "(remove the cluster section to run a single node)")
     if args.command == "chat":
         setup_logging(cfg, quiet=True)
         # the conversation is on stdout; retries and warnings would only clutter the terminal
@@ -241,6 +245,15 @@ def _register_admin(sub) -> None:
 
 
 _EXTRA_COMMANDS.append(_register_admin)
+
+
+def _register_cluster(sub) -> None:
+    from gateway.cluster.cli import register
+
+    register(sub)
+
+
+_EXTRA_COMMANDS.append(_register_cluster)
 
 if __name__ == "__main__":
     sys.exit(main())

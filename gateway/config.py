@@ -278,6 +278,28 @@ class LoggingConfig(_Section):
     include_text: bool = False
 
 
+class ClusterConfig(_Section):
+    """Several nodes on one PostgreSQL (preview: only `hermes-gateway cluster migrate|status`
+    use it so far; `run` refuses a config that sets `postgres_dsn_env`)."""
+
+    postgres_dsn_env: str | None = None  # env var holding the DSN; None = single node (the default)
+    node_id: str | None = None  # None = "<hostname>-<pid>"
+    lease_ttl_s: float = Field(default=15.0, ge=1, le=3600)
+
+    @field_validator("postgres_dsn_env", "node_id")
+    @classmethod
+    def _not_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty (leave the key out instead)")
+        return v
+
+    def node_name(self) -> str:
+        """This process's node id: the configured one, else hostname and pid."""
+        import socket
+
+        return self.node_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
 class Config(_Section):
     data_dir: Path = Path("./data")
     agent_name: str = "Hermes"
@@ -296,6 +318,7 @@ class Config(_Section):
     platforms: PlatformsConfig = PlatformsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     logging: LoggingConfig = LoggingConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
 
 def _describe(err: ValidationError) -> str:

@@ -1,0 +1,155 @@
+"""Versioned schema migrations, applied by the gateway itself (`hermes-gateway cluster migrate`).
+
+Each migration runs once, in order, recorded in `schema_migrations`. All of them run in one
+transaction under an advisory lock keyed by the schema, so two nodes migrating at the same
+time apply each version exactly once and never see a half-made schema. Migrations are only
+ever appended; an applied one is never edited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.cluster.db import ClusterError, Pool, fetch_one
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "nodes, leases, inbox, lanes, outbox, pairing and links", """
+CREATE TABLE nodes (
+    node_id          text PRIMARY KEY,
+    started_at       timestamptz NOT NULL DEFAULT now(),
+    heartbeat_at     timestamptz NOT NULL DEFAULT now(),
+    lease_expires_at timestamptz NOT NULL
+);
+
+-- A tenant (profile) is opened only under its lease. `epoch` grows on every takeover and
+-- fences the old holder out; a released lease keeps its row so the epoch never restarts.
+CREATE TABLE tenant_leases (
+    tenant      text PRIMARY KEY,
+    holder      text NOT NULL,
+    epoch       bigint NOT NULL,
+    acquired_at timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz NOT NULL
+);
+
+-- Every inbound message, committed before the platform is acknowledged. `answered_at`: the
+-- turn ran and its reply is in the outbox; `done_at`: every reply chunk was sent.
+CREATE TABLE inbox (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    platform     text NOT NULL,
+    chat_id      text NOT NULL,
+    message_id   text NOT NULL,
+    lane         text NOT NULL,
+    tenant       text NOT NULL,
+    payload      jsonb NOT NULL,
+    received_at  timestamptz NOT NULL DEFAULT now(),
+    answered_at  timestamptz,
+    done_at      timestamptz,
+    done_epoch   bigint,
+    UNIQUE (platform, chat_id, message_id)
+);
+-- a lane's pending messages in arrival order (the head of each lane is the first entry)
+CREATE INDEX inbox_pending_by_lane ON inbox (lane, id) WHERE done_at IS NULL;
+
+-- One row per lane that ever had work. `head_id` is the lane's oldest pending inbox id
+-- (NULL: nothing pending); `claimed_by` the node running the lane, NULL when free.
+CREATE TABLE lanes (
+    lane       text PRIMARY KEY,
+    tenant     text NOT NULL,
+    head_id    bigint,
+    claimed_by text,
+    claimed_at timestamptz
+);
+-- the claim query: free lanes with work, oldest head first
+CREATE INDEX lanes_claimable ON lanes (head_id) WHERE claimed_by IS NULL AND head_id IS NOT NULL;
+-- reaping the claims of a node whose lease expired
+CREATE INDEX lanes_by_claimer ON lanes (claimed_by) WHERE claimed_by IS NOT NULL;
+
+-- Replies, one row per chunk, recorded before sending and in the same transaction that
+-- marks the turn answered.
+CREATE TABLE outbox (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    inbox_id    bigint NOT NULL REFERENCES inbox (id) ON DELETE CASCADE,
+    seq         integer NOT NULL,
+    lane        text NOT NULL,
+    tenant      text NOT NULL,
+    platform    text NOT NULL,
+    chat_id     text NOT NULL,
+    body        jsonb NOT NULL,
+    epoch       bigint NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    sent_at     timestamptz,
+    sent_epoch  bigint,
+    UNIQUE (inbox_id, seq)
+);
+CREATE INDEX outbox_unsent_by_lane ON outbox (lane, inbox_id, seq) WHERE sent_at IS NULL;
+
+CREATE TABLE pairing_codes (
+    code       text PRIMARY KEY,
+    platform   text NOT NULL,
+    user_id    text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    expires_at timestamptz NOT NULL
+);
+
+CREATE TABLE link_codes (
+    code       text PRIMARY KEY,
+    principal  text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    expires_at timestamptz NOT NULL
+);
+
+CREATE TABLE identity_links (
+    principal  text PRIMARY KEY,
+    link_name  text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX identity_links_by_name ON identity_links (link_name);
+"""),
+)
+
+LATEST = MIGRATIONS[-1].version
+
+_LOCK = "SELECT pg_advisory_xact_lock(hashtext('hermes-gateway migrate ' || current_schema()))"
+
+
+async def migrate(pool: Pool) -> list[int]:
+    """Apply the missing migrations; returns the versions applied now (empty: up to date)."""
+    async with pool.connection() as conn, conn.transaction():
+        schema = (await fetch_one(conn, "SELECT current_schema() AS s"))["s"]
+        if schema is None:
+            raise ClusterError("no schema to migrate into: the search_path names no existing schema")
+        await conn.execute(_LOCK)
+        await conn.execute("""CREATE TABLE IF NOT EXISTS schema_migrations (
+            version integer PRIMARY KEY, name text NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT now())""")
+        done = {r["version"] for r in await (await conn.execute("SELECT version FROM schema_migrations")).fetchall()}
+        newest = max(done, default=0)
+        if newest > LATEST:
+            raise ClusterError(f"the database schema is at version {newest}, newer than this gateway "
+                               f"knows ({LATEST}); upgrade hermes-gateway on this node")
+        applied = []
+        for m in MIGRATIONS:
+            if m.version in done:
+                continue
+            await conn.execute(m.sql)
+            await conn.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", (m.version, m.name))
+            applied.append(m.version)
+        return applied
+
+
+async def schema_version(pool: Pool) -> int:
+    """The newest applied migration, 0 for an empty database."""
+    async with pool.connection() as conn:
+        exists = await fetch_one(conn, "SELECT to_regclass('schema_migrations') IS NOT NULL AS e")
+        if not exists["e"]:
+            return 0
+        row = await fetch_one(conn, "SELECT coalesce(max(version), 0) AS v FROM schema_migrations")
+        return int(row["v"])

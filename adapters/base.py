@@ -88,9 +88,15 @@ class InboundMessage(BaseModel):
         model, so the gateway refuses it instead of failing on it."""
         bad = []
         values: list[tuple[str, str | None]] = [
-            ("platform", self.platform), ("chat_id", self.chat_id), ("thread_id", self.thread_id),
-            ("user_id", self.user_id), ("user_name", self.user_name), ("message_id", self.message_id),
-            ("text", self.text), ("reply_to_message_id", self.reply_to_message_id)]
+            ("platform", self.platform),
+            ("chat_id", self.chat_id),
+            ("thread_id", self.thread_id),
+            ("user_id", self.user_id),
+            ("user_name", self.user_name),
+            ("message_id", self.message_id),
+            ("text", self.text),
+            ("reply_to_message_id", self.reply_to_message_id),
+        ]
         for a in self.attachments:
             values += [("attachments", a.type), ("attachments", a.name), ("attachments", a.url)]
         for name, value in values:
@@ -174,6 +180,7 @@ class Adapter(Protocol):
     # Optional (platforms with files): `async def download(attachment, max_bytes) -> bytes`
     # fetches one attachment through the platform's client library, raising `DownloadError`
     # (too_big when over `max_bytes`). The gateway calls it; the inbound path never does.
+
 
 class ChatAdmins(Protocol):
     """Optional adapter capability: whether a user moderates a chat on the platform

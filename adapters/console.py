@@ -27,11 +27,18 @@ class ConsoleAdapter:
     max_message_length = 100_000
     can_edit = False
 
-    def __init__(self, user: str, room: str | None = None, *, stdin: TextIO | None = None,
-                 stdout: TextIO | None = None, agent_name: str = "Hermes",
-                 after_line: Callable[[], Awaitable[object]] | None = None,
-                 interactive: bool | None = None,
-                 explain_error: Callable[[], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        user: str,
+        room: str | None = None,
+        *,
+        stdin: TextIO | None = None,
+        stdout: TextIO | None = None,
+        agent_name: str = "Hermes",
+        after_line: Callable[[], Awaitable[object]] | None = None,
+        interactive: bool | None = None,
+        explain_error: Callable[[], str | None] | None = None,
+    ) -> None:
         self.user = user
         self.room = room
         self._stdin = stdin or sys.stdin
@@ -63,9 +70,15 @@ class ConsoleAdapter:
 
     def _message(self, text: str) -> InboundMessage:
         return InboundMessage(
-            platform="console", chat_id=self.chat_id, chat_type="group" if self.room else "dm",
-            user_id=self.user, user_name=self.user, message_id=f"{self._run_id}-{next(self._ids)}",
-            text=text, mentions_bot=True)
+            platform="console",
+            chat_id=self.chat_id,
+            chat_type="group" if self.room else "dm",
+            user_id=self.user,
+            user_name=self.user,
+            message_id=f"{self._run_id}-{next(self._ids)}",
+            text=text,
+            mentions_bot=True,
+        )
 
     async def start(self, sink: InboundSink) -> None:
         self._task = asyncio.create_task(self._read(sink))

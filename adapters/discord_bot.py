@@ -322,13 +322,16 @@ class DiscordAdapter:
         self._runner = asyncio.create_task(self._run(), name="discord-gateway")
 
         ready = asyncio.create_task(self._ready.wait())
-        done, _ = await asyncio.wait({ready, self._runner}, timeout=self._ready_timeout, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {ready, self._runner}, timeout=self._ready_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
         if ready not in done:
             ready.cancel()
         if not self._ready.is_set() and not self._status.startswith("failed"):
             log.error(
                 "discord: not connected after %.0fs (%s); still trying in the background",
-                self._ready_timeout, self.last_error or "no READY from the gateway yet",
+                self._ready_timeout,
+                self.last_error or "no READY from the gateway yet",
             )
 
     def _new_client(self) -> _Client:
@@ -387,7 +390,9 @@ class DiscordAdapter:
                     _, url, _ = await client.http.get_bot_gateway()
                     DiscordWebSocket.DEFAULT_GATEWAY = yarl.URL(url)
                 except Exception as exc:  # noqa: BLE001 - fall back to Discord's gateway
-                    log.warning("discord: GET /gateway/bot on %s failed (%r); using %s", self._api_base, exc, DISCORD_GATEWAY)
+                    log.warning(
+                        "discord: GET /gateway/bot on %s failed (%r); using %s", self._api_base, exc, DISCORD_GATEWAY
+                    )
             await client.connect(reconnect=True)
         except discord.PrivilegedIntentsRequired:
             self._fail(INTENT_HINT)
@@ -452,8 +457,12 @@ class DiscordAdapter:
         self._ready.set()
         if first:
             user = self._client.user if self._client else None
-            log.info("discord: connected as %s (id %s) in %d guild(s)", user, getattr(user, "id", "?"),
-                     len(self._client.guilds) if self._client else 0)
+            log.info(
+                "discord: connected as %s (id %s) in %d guild(s)",
+                user,
+                getattr(user, "id", "?"),
+                len(self._client.guilds) if self._client else 0,
+            )
             if self.cfg.sync_slash_commands:
                 self._tasks.append(asyncio.create_task(self._sync_commands(), name="discord-sync-commands"))
 
@@ -517,7 +526,8 @@ class DiscordAdapter:
 
             def shape(d: dict[str, Any]) -> tuple[Any, ...]:
                 opts = tuple(
-                    (o.get("name"), int(o.get("type", 0)), bool(o.get("required", False))) for o in d.get("options", []) or []
+                    (o.get("name"), int(o.get("type", 0)), bool(o.get("required", False)))
+                    for o in d.get("options", []) or []
                 )
                 perms = d.get("default_member_permissions")
                 return (d.get("description"), opts, int(perms) if perms is not None else None)
@@ -535,15 +545,22 @@ class DiscordAdapter:
 
     async def _on_interaction(self, interaction: discord.Interaction, name: str, args: str | None) -> None:
         try:
-            if interaction.guild_id is not None and self._allowed_guilds and str(interaction.guild_id) not in self._allowed_guilds:
+            if (
+                interaction.guild_id is not None
+                and self._allowed_guilds
+                and str(interaction.guild_id) not in self._allowed_guilds
+            ):
                 await interaction.response.send_message("This bot is not enabled in this server.", ephemeral=True)
                 return
             if interaction.user.bot:
                 return
             context = getattr(interaction, "context", None)
             chat_type, chat_id, thread_id, private = await self._place(
-                interaction.channel, interaction.channel_id, interaction.guild_id,
-                private_context=bool(context is not None and context.private_channel))
+                interaction.channel,
+                interaction.channel_id,
+                interaction.guild_id,
+                private_context=bool(context is not None and context.private_channel),
+            )
             spec = find_command(name)
             ephemeral = chat_type != "dm" and spec is not None and spec.ephemeral
             await interaction.response.defer(thinking=True, ephemeral=ephemeral)
@@ -618,8 +635,9 @@ class DiscordAdapter:
         except Exception:  # noqa: BLE001 - screening must never stop the stream
             log.exception("discord: could not screen an unanswered server message")
 
-    async def _place(self, channel: Any, channel_id: int | None, guild_id: int | None, *,
-                     private_context: bool = False) -> tuple[str, str, str | None, bool]:
+    async def _place(
+        self, channel: Any, channel_id: int | None, guild_id: int | None, *, private_context: bool = False
+    ) -> tuple[str, str, str | None, bool]:
         """(chat_type, chat_id, thread_id, private thread) for a channel. Only a one-to-one
         DM with the bot is `dm`: a group DM (channel type 3) or any other context a
         user-installed app is used in (`private_context`) is a group."""
@@ -647,7 +665,7 @@ class DiscordAdapter:
         return "group", cid, None, False
 
     async def _private_kind(self, channel: Any, cid: str) -> str:
-        """"dm" for a one-to-one DM with the bot, "group" for a group DM. discord.py builds
+        """ "dm" for a one-to-one DM with the bot, "group" for a group DM. discord.py builds
         a DMChannel for every guildless message, so the channel is fetched once to see its
         real type; if that fails the chat counts as a group (never wrongly private)."""
         known = self._private_kinds.get(cid)
@@ -707,8 +725,10 @@ class DiscordAdapter:
                 replied_to_bot = True
             # the quoted text only as Discord sent it with this message (never fetched)
             if isinstance(resolved, discord.Message) and resolved.content:
-                quoted = {"reply_to_text": self._readable_mentions(resolved.content, resolved),
-                          "reply_to_author": "you" if replied_to_bot else resolved.author.display_name}
+                quoted = {
+                    "reply_to_text": self._readable_mentions(resolved.content, resolved),
+                    "reply_to_author": "you" if replied_to_bot else resolved.author.display_name,
+                }
 
         text = re.sub(rf"[ \t]*{mention_rx.pattern}[ \t]*", " ", content)
         if role_rx is not None:
@@ -722,8 +742,14 @@ class DiscordAdapter:
                 return None
 
         attachments = tuple(
-            Attachment(type=_attachment_kind(a.content_type), name=a.filename, size=a.size, url=a.url,
-                       file_id=str(a.id), mime_type=a.content_type or "")
+            Attachment(
+                type=_attachment_kind(a.content_type),
+                name=a.filename,
+                size=a.size,
+                url=a.url,
+                file_id=str(a.id),
+                mime_type=a.content_type or "",
+            )
             for a in message.attachments
         )
         if not text and not attachments:
@@ -785,8 +811,12 @@ class DiscordAdapter:
     def _warn_channel_once(self, channel_id: str, what: str, exc: Exception) -> None:
         if channel_id not in self._warned_channels:
             self._warned_channels.add(channel_id)
-            log.warning("discord: cannot %s in channel %s (%s); is the bot still there with Send Messages?",
-                        what, channel_id, getattr(exc, "text", "") or type(exc).__name__)
+            log.warning(
+                "discord: cannot %s in channel %s (%s); is the bot still there with Send Messages?",
+                what,
+                channel_id,
+                getattr(exc, "text", "") or type(exc).__name__,
+            )
 
     def _interaction_for(self, message: OutboundMessage) -> _PendingInteraction | None:
         key = (message.chat_id, message.thread_id)
@@ -828,8 +858,9 @@ class DiscordAdapter:
         pend = self._interaction_for(message)
         if pend is not None:
             try:
-                sent = await pend.interaction.followup.send(content=text, wait=True, allowed_mentions=NO_PINGS,
-                                                            ephemeral=pend.ephemeral)
+                sent = await pend.interaction.followup.send(
+                    content=text, wait=True, allowed_mentions=NO_PINGS, ephemeral=pend.ephemeral
+                )
             except discord.NotFound:
                 if pend.ephemeral:
                     return None  # a private answer is never posted in the channel instead
@@ -846,11 +877,17 @@ class DiscordAdapter:
         reference = None
         reply_to = message.reply_to_message_id
         if reply_to and reply_to.isdigit():
-            reference = discord.MessageReference(message_id=int(reply_to), channel_id=int(channel_id), fail_if_not_exists=False)
+            reference = discord.MessageReference(
+                message_id=int(reply_to), channel_id=int(channel_id), fail_if_not_exists=False
+            )
         channel = client.get_partial_messageable(int(channel_id))
         try:
-            sent_msg = await channel.send(content=text, reference=reference, allowed_mentions=NO_PINGS,  # type: ignore[arg-type]
-                                          nonce=message.nonce)  # None: discord.py draws one
+            sent_msg = await channel.send(
+                content=text,
+                reference=reference,
+                allowed_mentions=NO_PINGS,  # type: ignore[arg-type]
+                nonce=message.nonce,
+            )  # None: discord.py draws one
         except (discord.Forbidden, discord.NotFound) as exc:
             self._warn_channel_once(channel_id, "send", exc)
             return None
@@ -872,7 +909,9 @@ class DiscordAdapter:
         try:
             pend = self._followup_messages.get(sent.message_id)
             if pend is not None and pend.usable():
-                await pend.interaction.followup.edit_message(int(sent.message_id), content=text, allowed_mentions=NO_PINGS)
+                await pend.interaction.followup.edit_message(
+                    int(sent.message_id), content=text, allowed_mentions=NO_PINGS
+                )
             else:
                 partial = client.get_partial_messageable(int(channel_id)).get_partial_message(int(sent.message_id))
                 await partial.edit(content=text, allowed_mentions=NO_PINGS)

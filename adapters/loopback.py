@@ -17,8 +17,14 @@ class LoopbackAdapter:
 
     can_edit = True
 
-    def __init__(self, platform: str = "loopback", max_message_length: int = 4000, *,
-                 on_send: Callable[[OutboundMessage], None] | None = None, record: bool = True) -> None:
+    def __init__(
+        self,
+        platform: str = "loopback",
+        max_message_length: int = 4000,
+        *,
+        on_send: Callable[[OutboundMessage], None] | None = None,
+        record: bool = True,
+    ) -> None:
         self.platform = platform
         self.max_message_length = max_message_length
         self.on_send = on_send

@@ -333,9 +333,7 @@ class TelegramAdapter:
         if self._task is not None:
             raise RuntimeError("TelegramAdapter already started")
         if self.cfg.mode == "webhook" and not self._webhook_secret:
-            raise ConfigError(
-                "platforms.telegram.webhook.secret_token_env: webhook mode needs a secret token"
-            )
+            raise ConfigError("platforms.telegram.webhook.secret_token_env: webhook mode needs a secret token")
         self._sink = sink
         self._stopping.clear()
         try:
@@ -452,9 +450,7 @@ class TelegramAdapter:
         # do_api_request without a return type gives the raw JSON, so one malformed update
         # can be skipped on its own (Bot.get_updates parses the whole batch and fails it as
         # a whole). PTB still sends it over the polling connection (get_updates_request).
-        poll = asyncio.ensure_future(
-            self.bot.do_api_request("getUpdates", data, read_timeout=timeout + 15.0)
-        )
+        poll = asyncio.ensure_future(self.bot.do_api_request("getUpdates", data, read_timeout=timeout + 15.0))
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({poll, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -546,9 +542,7 @@ class TelegramAdapter:
         try:
             msg = self.normalize(raw)
         except Exception as exc:
-            log.warning(
-                "telegram: skipping malformed update %s (%s)", raw.get("update_id"), type(exc).__name__
-            )
+            log.warning("telegram: skipping malformed update %s (%s)", raw.get("update_id"), type(exc).__name__)
             return True
         if msg is None:
             await self._overhear(raw)
@@ -571,8 +565,14 @@ class TelegramAdapter:
         bot's post) to `overheard`, so a link code pasted there is still burnt."""
         if self.overheard is None:
             return
-        message = next((raw[k] for k in ("message", "edited_message", "channel_post", "edited_channel_post")
-                        if isinstance(raw.get(k), dict)), {})
+        message = next(
+            (
+                raw[k]
+                for k in ("message", "edited_message", "channel_post", "edited_channel_post")
+                if isinstance(raw.get(k), dict)
+            ),
+            {},
+        )
         chat = message.get("chat") if isinstance(message.get("chat"), dict) else {}
         text = message.get("text") or message.get("caption") or ""
         if chat.get("type") in (None, "private") or not isinstance(text, str) or not text:
@@ -921,12 +921,16 @@ class TelegramAdapter:
                     sent = await self.bot.send_message(chat_id, html_text, parse_mode=ParseMode.HTML, **kwargs)
                 else:
                     sent = await self.bot.send_message(chat_id, message.text, **kwargs)
-                return SentMessage(chat_id=str(sent.chat.id), message_id=str(sent.message_id), thread_id=message.thread_id)
+                return SentMessage(
+                    chat_id=str(sent.chat.id), message_id=str(sent.message_id), thread_id=message.thread_id
+                )
             except RetryAfter as exc:
                 # 429: Telegram did not send it, so sending the same chunk again cannot duplicate.
                 wait = _retry_after_seconds(exc)
                 if attempts >= self._max_send_attempts + 3 or flood_waited + wait > self._max_flood_wait:
-                    log.warning("telegram: flood control in chat %s lasts long; the outbox retries later", message.chat_id)
+                    log.warning(
+                        "telegram: flood control in chat %s lasts long; the outbox retries later", message.chat_id
+                    )
                     raise DeliveryDeferred("flood control", retry_after=wait) from None
                 log.warning("telegram: flood control (429) in chat %s; retrying in %.1fs", message.chat_id, wait)
                 flood_waited += wait
@@ -958,8 +962,11 @@ class TelegramAdapter:
                     continue
                 # The request may have reached Telegram: the outbox resends it later, which can
                 # post the chunk twice (Telegram has no idempotency key; see README "Delivery").
-                log.warning("telegram: sendMessage to chat %s failed (%s); the outbox retries it",
-                            message.chat_id, type(exc).__name__)
+                log.warning(
+                    "telegram: sendMessage to chat %s failed (%s); the outbox retries it",
+                    message.chat_id,
+                    type(exc).__name__,
+                )
                 raise DeliveryDeferred(type(exc).__name__) from None
             except TelegramError as exc:
                 log.warning("telegram: sendMessage to chat %s failed (%s)", message.chat_id, type(exc).__name__)
@@ -985,7 +992,9 @@ class TelegramAdapter:
             await self._flood.wait_turn(sent.chat_id)
             try:
                 if formatted:
-                    await self.bot.edit_message_text(html_text, chat_id=chat_id, message_id=message_id, parse_mode=ParseMode.HTML)
+                    await self.bot.edit_message_text(
+                        html_text, chat_id=chat_id, message_id=message_id, parse_mode=ParseMode.HTML
+                    )
                 else:
                     await self.bot.edit_message_text(text, chat_id=chat_id, message_id=message_id)
                 return True
@@ -1042,10 +1051,7 @@ async def doctor(cfg: TelegramConfig) -> tuple[bool, str]:
     """Check the Telegram setup with getMe; (ok, one sentence saying what is wrong or fine)."""
     token = os.environ.get(cfg.token_env, "").strip()
     if not token:
-        return False, (
-            f"environment variable {cfg.token_env} is not set; "
-            "put the token @BotFather gave you there"
-        )
+        return False, (f"environment variable {cfg.token_env} is not set; put the token @BotFather gave you there")
     _register_secret(token)
     if not _TOKEN_SHAPE_RE.match(token):
         return False, (
@@ -1073,7 +1079,10 @@ async def doctor(cfg: TelegramConfig) -> tuple[bool, str]:
                 "it was mistyped or revoked: get the current one from @BotFather (/token)"
             )
         except (TimedOut, NetworkError) as exc:
-            return False, f"can't reach the Bot API at {where} ({type(exc).__name__}); check the network, proxy or base_url"
+            return (
+                False,
+                f"can't reach the Bot API at {where} ({type(exc).__name__}); check the network, proxy or base_url",
+            )
         except TelegramError as exc:
             return False, f"getMe failed at {where}: {str(exc).replace(token, '<token>')}"
         notes: list[str] = []

@@ -19,15 +19,80 @@ log = logging.getLogger("hermes.attachments")
 
 IMAGE_MIMES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 _AUDIO_TYPES = frozenset({"voice", "audio", "video_note"})
-TEXT_EXTENSIONS = frozenset({
-    ".txt", ".md", ".markdown", ".rst", ".csv", ".tsv", ".json", ".jsonl", ".yaml", ".yml", ".toml",
-    ".ini", ".cfg", ".conf", ".log", ".xml", ".html", ".htm", ".css", ".sql", ".tex",
-    ".py", ".js", ".mjs", ".ts", ".tsx", ".jsx", ".java", ".kt", ".c", ".h", ".cc", ".cpp", ".hpp",
-    ".cs", ".go", ".rs", ".rb", ".php", ".swift", ".scala", ".sh", ".bash", ".zsh", ".ps1", ".lua",
-    ".r", ".pl", ".hs", ".ex", ".exs", ".erl", ".clj", ".dart", ".vue", ".svelte", ".diff", ".patch",
-})
-_TEXT_MIMES = frozenset({"application/json", "application/xml", "application/x-yaml", "application/yaml",
-                         "application/csv", "application/x-sh", "application/javascript", "application/sql"})
+TEXT_EXTENSIONS = frozenset(
+    {
+        ".txt",
+        ".md",
+        ".markdown",
+        ".rst",
+        ".csv",
+        ".tsv",
+        ".json",
+        ".jsonl",
+        ".yaml",
+        ".yml",
+        ".toml",
+        ".ini",
+        ".cfg",
+        ".conf",
+        ".log",
+        ".xml",
+        ".html",
+        ".htm",
+        ".css",
+        ".sql",
+        ".tex",
+        ".py",
+        ".js",
+        ".mjs",
+        ".ts",
+        ".tsx",
+        ".jsx",
+        ".java",
+        ".kt",
+        ".c",
+        ".h",
+        ".cc",
+        ".cpp",
+        ".hpp",
+        ".cs",
+        ".go",
+        ".rs",
+        ".rb",
+        ".php",
+        ".swift",
+        ".scala",
+        ".sh",
+        ".bash",
+        ".zsh",
+        ".ps1",
+        ".lua",
+        ".r",
+        ".pl",
+        ".hs",
+        ".ex",
+        ".exs",
+        ".erl",
+        ".clj",
+        ".dart",
+        ".vue",
+        ".svelte",
+        ".diff",
+        ".patch",
+    }
+)
+_TEXT_MIMES = frozenset(
+    {
+        "application/json",
+        "application/xml",
+        "application/x-yaml",
+        "application/yaml",
+        "application/csv",
+        "application/x-sh",
+        "application/javascript",
+        "application/sql",
+    }
+)
 
 
 def suffix_of(name: str) -> str:

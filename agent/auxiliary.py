@@ -37,8 +37,13 @@ def aux_target(aux: "AuxModelConfig", main: "LLMConfig", main_client: LLMClient)
     distinct = base != main.base_url or model != main_client.model or key_env != main.api_key_env
     if base == main.base_url and key_env == main.api_key_env and timeout == main.timeout_s:
         return AuxTarget(main_client, model if model != main_client.model else None, False, distinct)
-    client = LLMClient(base, model, api_key=os.environ.get(key_env) if key_env else None,
-                       timeout_s=timeout, max_retries=main.max_retries)
+    client = LLMClient(
+        base,
+        model,
+        api_key=os.environ.get(key_env) if key_env else None,
+        timeout_s=timeout,
+        max_retries=main.max_retries,
+    )
     return AuxTarget(client, None, True, distinct)
 
 

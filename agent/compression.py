@@ -84,8 +84,10 @@ RETRY_ON_MAIN = frozenset({"not_found", "timeout", "bad_response", "stream"})
 ABORT_KINDS = frozenset({"auth", "network"})
 
 NOT_SHORTER = "the summary would not be shorter"
-BLOCKED_WARNING = ("Automatic compression is paused because the last attempts didn't help; "
-                   "send /compress to try now or /new to start fresh.")
+BLOCKED_WARNING = (
+    "Automatic compression is paused because the last attempts didn't help; "
+    "send /compress to try now or /new to start fresh."
+)
 _FAILURE_TEXT = {
     "auth": "the summary model rejected our credentials",
     "network": "the summary model could not be reached",
@@ -135,7 +137,13 @@ class CompressionState:
             default = getattr(state, f.name)
             try:
                 if value is None:
-                    setattr(state, f.name, None if f.name in ("blocked_at", "last_error", "last_savings_pct", "cooldown_kind") else default)
+                    setattr(
+                        state,
+                        f.name,
+                        None
+                        if f.name in ("blocked_at", "last_error", "last_savings_pct", "cooldown_kind")
+                        else default,
+                    )
                 elif isinstance(default, bool):
                     setattr(state, f.name, bool(value))
                 elif isinstance(default, int):
@@ -176,18 +184,18 @@ class Outcome:
     def feedback(self) -> str:
         """The reply to a manual /compress."""
         if self.status == "compressed":
-            text = (f"Compressed: {self.before:,} → {self.after:,} tokens "
-                    f"({self.summarised} message{'s' if self.summarised != 1 else ''} summarised).")
+            text = (
+                f"Compressed: {self.before:,} → {self.after:,} tokens "
+                f"({self.summarised} message{'s' if self.summarised != 1 else ''} summarised)."
+            )
             if self.fallback:
-                why = (self.reason or "the summary model failed")
-                text += (f" {why[0].upper()}{why[1:]}, so I used a simpler local summary; some "
-                         "details may be missing.")
+                why = self.reason or "the summary model failed"
+                text += f" {why[0].upper()}{why[1:]}, so I used a simpler local summary; some details may be missing."
             return text
         if self.status == "nothing" and self.reason == NOT_SHORTER:
             return "Compressing wouldn't make this conversation any shorter right now; nothing was changed."
         if self.status == "nothing":
-            return ("Nothing to compress yet: the conversation still fits in the recent part "
-                    "I keep word for word.")
+            return "Nothing to compress yet: the conversation still fits in the recent part I keep word for word."
         return f"Couldn't compress: {self.reason}. Nothing was changed; try again later or send /new to start fresh."
 
 
@@ -229,8 +237,7 @@ def classify_failure(err: LLMError) -> str:
 class Compressor:
     """Compression for any session; holds configuration only (no per-session state)."""
 
-    def __init__(self, cfg: "Config", llm: LLMClient, tokens: TokenCounter, *,
-                 system_factory: SystemFactory) -> None:
+    def __init__(self, cfg: "Config", llm: LLMClient, tokens: TokenCounter, *, system_factory: SystemFactory) -> None:
         self.cfg = cfg
         self.llm = llm
         self.tokens = tokens
@@ -247,8 +254,13 @@ class Compressor:
     def threshold_tokens(self) -> int:
         c, llm = self.cfg.compression, self.cfg.llm
         return compute_threshold_tokens(
-            context_length=llm.context_length, threshold=c.threshold, max_tokens=llm.max_tokens,
-            model=llm.model, model_thresholds=c.model_thresholds, threshold_tokens_cap=c.threshold_tokens)
+            context_length=llm.context_length,
+            threshold=c.threshold,
+            max_tokens=llm.max_tokens,
+            model=llm.model,
+            model_thresholds=c.model_thresholds,
+            threshold_tokens_cap=c.threshold_tokens,
+        )
 
     def tail_budget(self) -> int:
         return tail_token_budget(self.threshold_tokens(), self.cfg.compression.target_ratio)
@@ -352,7 +364,8 @@ class Compressor:
     async def state(self, ctx: Any) -> CompressionState:
         if getattr(ctx, "compression_state", None) is None:
             ctx.compression_state = CompressionState.from_dict(
-                await ctx.profile.sessions.compression_state(ctx.session_id))
+                await ctx.profile.sessions.compression_state(ctx.session_id)
+            )
         return ctx.compression_state
 
     async def _save(self, ctx: Any, state: CompressionState) -> None:
@@ -398,8 +411,9 @@ class Compressor:
             state.warned = False
 
     # ----- triggers ----------------------------------------------------------------------
-    async def before_request(self, ctx: Any, history: list[StoredMessage],
-                             wire: list[dict[str, Any]]) -> Outcome | None:
+    async def before_request(
+        self, ctx: Any, history: list[StoredMessage], wire: list[dict[str, Any]]
+    ) -> Outcome | None:
         """Compress when the prompt (estimate, or the server's last count) reached the threshold."""
         if not self.enabled:
             return None
@@ -423,8 +437,9 @@ class Compressor:
             log.info("compression blocked for %.0fs: probing once", PROBE_AFTER_S)
         return await self.compress_guarded(ctx, history, trigger="auto")
 
-    async def compress_guarded(self, ctx: Any, history: list[StoredMessage], *, trigger: str,
-                               focus: str | None = None) -> Outcome:
+    async def compress_guarded(
+        self, ctx: Any, history: list[StoredMessage], *, trigger: str, focus: str | None = None
+    ) -> Outcome:
         """`compress`, but an unexpected error leaves the conversation as it was (and says so)
         instead of failing the turn."""
         try:
@@ -439,8 +454,12 @@ class Compressor:
                     self._update_block(state)
                     await self._save(ctx, state)
                 await self._notify(ctx, "progress_done", "Compression skipped; nothing was changed.")
-                await self._notify(ctx, "warning", "I couldn't compress this conversation because of an "
-                                   "internal error; nothing was changed. Send /new if replies start failing.")
+                await self._notify(
+                    ctx,
+                    "warning",
+                    "I couldn't compress this conversation because of an "
+                    "internal error; nothing was changed. Send /new if replies start failing.",
+                )
             return Outcome("aborted", reason="an internal error occurred")
 
     async def after_response(self, ctx: Any, usage: Usage | None) -> None:
@@ -455,8 +474,9 @@ class Compressor:
             await self._save(ctx, state)
 
     # ----- the pipeline --------------------------------------------------------------------
-    async def compress(self, ctx: Any, history: list[StoredMessage], *, trigger: str,
-                       focus: str | None = None) -> Outcome:
+    async def compress(
+        self, ctx: Any, history: list[StoredMessage], *, trigger: str, focus: str | None = None
+    ) -> Outcome:
         """One compression. `trigger`: "auto" (threshold), "context" (the server said the
         prompt is too long) or "manual" (/compress: ignores cooldown and blocks)."""
         ccfg = self.cfg.compression
@@ -475,18 +495,35 @@ class Compressor:
 
         # stage 1: prune; stages 2-3: boundaries
         budget = self.tail_budget()
-        pruned, stats = prune_tool_results(items, protect_tail_count=ccfg.protect_last_n,
-                                           protect_tail_tokens=budget, tokens=self._tok,
-                                           min_prune_chars=ccfg.min_prune_chars)
+        pruned, stats = prune_tool_results(
+            items,
+            protect_tail_count=ccfg.protect_last_n,
+            protect_tail_tokens=budget,
+            tokens=self._tok,
+            min_prune_chars=ccfg.min_prune_chars,
+        )
         start = align_forward(pruned, head_n)
-        end = find_tail_cut(pruned, start, budget=budget, protect_last_n=ccfg.protect_last_n,
-                            min_tail_user_messages=ccfg.min_tail_user_messages, tokens=self._tok)
+        end = find_tail_cut(
+            pruned,
+            start,
+            budget=budget,
+            protect_last_n=ccfg.protect_last_n,
+            min_tail_user_messages=ccfg.min_tail_user_messages,
+            tokens=self._tok,
+        )
         turns = [it for it in pruned[start:end] if not it.get("_summary")]
         if start >= end or not turns:
             return await self._no_progress(ctx, state, trigger, "nothing between head and tail", before)
         previous = next((unwrap_summary(text_of(it.get("content"))) for it in reversed(items) if it["_summary"]), None)
-        log.info("compressing session (%s): %d tokens, head %d, middle %d, tail %d messages, %d pruned",
-                 trigger, before, start, end - start, len(items) - end, stats.total)
+        log.info(
+            "compressing session (%s): %d tokens, head %d, middle %d, tail %d messages, %d pruned",
+            trigger,
+            before,
+            start,
+            end - start,
+            len(items) - end,
+            stats.total,
+        )
         if not manual:
             await self._notify(ctx, "progress", f"Compressing the conversation ({before:,} tokens)…")
         await self._flush(ctx, history)
@@ -504,27 +541,37 @@ class Compressor:
             self._count("aborted")
             if not manual:
                 await self._notify(ctx, "progress_done", "Compression skipped; nothing was changed.")
-                await self._notify(ctx, "warning", (
-                    f"I couldn't compress this conversation: {failure.message}. Nothing was changed; "
-                    "send /compress to try again or /new to start fresh."))
+                await self._notify(
+                    ctx,
+                    "warning",
+                    (
+                        f"I couldn't compress this conversation: {failure.message}. Nothing was changed; "
+                        "send /compress to try again or /new to start fresh."
+                    ),
+                )
             return Outcome("aborted", before=before, reason=failure.message)
 
         # commit (unless the result would not be smaller: then nothing changes)
         head, tail = pruned[:start], pruned[end:]
         role, _merge = choose_summary_role(
-            head[-1].get("role") if head else None, tail[0].get("role") if tail else None,
-            user_survives=any(is_real_user(it) for it in head + tail))
-        prospective = self.estimate(self.finalize(
-            head + [{"role": role, "content": wrap_summary(body), "_summary": True}] + tail))
+            head[-1].get("role") if head else None,
+            tail[0].get("role") if tail else None,
+            user_survives=any(is_real_user(it) for it in head + tail),
+        )
+        prospective = self.estimate(
+            self.finalize(head + [{"role": role, "content": wrap_summary(body), "_summary": True}] + tail)
+        )
         if prospective >= before:
-            log.info("compression would not shrink the prompt (%d -> %d tokens); nothing changed",
-                     before, prospective)
+            log.info("compression would not shrink the prompt (%d -> %d tokens); nothing changed", before, prospective)
             if not manual:
                 await self._notify(ctx, "progress_done", "Compression skipped; nothing was changed.")
             return await self._no_progress(ctx, state, trigger, NOT_SHORTER, before)
         meta: dict[str, Any] = {
-            "compressed_summary": True, "trigger": trigger, "compression": state.compressions + 1,
-            "summarised": len(turns), "fallback": fallback,
+            "compressed_summary": True,
+            "trigger": trigger,
+            "compression": state.compressions + 1,
+            "summarised": len(turns),
+            "fallback": fallback,
             "has_user_turn": any(is_real_user(it) for it in items),
         }
         compacted = [it["_uid"] for it in items[start:end]]
@@ -566,19 +613,39 @@ class Compressor:
         ctx.session_id = new_sid
         await self._save(ctx, state)
         self._count("fallback" if fallback else "ok")
-        log.info("compressed session %s -> %s: %d -> %d tokens (%.0f%% saved, %d messages summarised%s)",
-                 old_sid, new_sid, before, after, savings, len(turns), ", static fallback" if fallback else "")
+        log.info(
+            "compressed session %s -> %s: %d -> %d tokens (%.0f%% saved, %d messages summarised%s)",
+            old_sid,
+            new_sid,
+            before,
+            after,
+            savings,
+            len(turns),
+            ", static fallback" if fallback else "",
+        )
         if not manual:
             await self._notify(ctx, "progress_done", f"Conversation compressed: {before:,} → {after:,} tokens.")
             if fallback:
-                await self._notify(ctx, "warning", (
-                    f"Earlier messages were condensed with a simpler local summary because {failure.message if failure else 'the summary model failed'}; "
-                    "some details may be missing. Send /compress later to retry."))
-        return Outcome("compressed", history=new_history, session_id=new_sid, before=before, after=after,
-                       summarised=len(turns), fallback=fallback, reason=failure.message if failure else "")
+                await self._notify(
+                    ctx,
+                    "warning",
+                    (
+                        f"Earlier messages were condensed with a simpler local summary because {failure.message if failure else 'the summary model failed'}; "
+                        "some details may be missing. Send /compress later to retry."
+                    ),
+                )
+        return Outcome(
+            "compressed",
+            history=new_history,
+            session_id=new_sid,
+            before=before,
+            after=after,
+            summarised=len(turns),
+            fallback=fallback,
+            reason=failure.message if failure else "",
+        )
 
-    async def _no_progress(self, ctx: Any, state: CompressionState, trigger: str, why: str,
-                           before: int) -> Outcome:
+    async def _no_progress(self, ctx: Any, state: CompressionState, trigger: str, why: str, before: int) -> Outcome:
         log.info("compression found nothing to do (%s): %s", trigger, why)
         if trigger != "manual":  # a manual /compress on a short chat must not block automation
             state.ineffective += 1
@@ -614,13 +681,28 @@ class Compressor:
             else:
                 meta.pop("images", None)
         return StoredMessage(
-            session_id=session_id, role=m.role, content=it.get("content"), tool_call_id=m.tool_call_id,
+            session_id=session_id,
+            role=m.role,
+            content=it.get("content"),
+            tool_call_id=m.tool_call_id,
             tool_calls=(it.get("tool_calls") or None) if m.role == "assistant" else m.tool_calls,
-            tool_name=m.tool_name, timestamp=m.timestamp, token_count=self._tok(it),
-            finish_reason=m.finish_reason, meta=meta)
+            tool_name=m.tool_name,
+            timestamp=m.timestamp,
+            token_count=self._tok(it),
+            finish_reason=m.finish_reason,
+            meta=meta,
+        )
 
-    async def _rotate(self, ctx: Any, head: list[Item], tail: list[Item], role: str, body: str,
-                      meta: dict[str, Any], compacted: list[str]) -> str:
+    async def _rotate(
+        self,
+        ctx: Any,
+        head: list[Item],
+        tail: list[Item],
+        role: str,
+        body: str,
+        meta: dict[str, Any],
+        compacted: list[str],
+    ) -> str:
         """in_place: false — end the session, start its child with the compressed history."""
         sid = ctx.session_id
         system = await self._system_factory(sid, ctx.place, ctx)
@@ -631,8 +713,9 @@ class Compressor:
         self.tokens.count_message(summary)
         child.append(summary)
         child.extend(self._copy(it, sid) for it in tail)
-        return await ctx.profile.sessions.rotate(ctx.lane.session_key, sid, "compression",
-                                                 carry=child, compact_uids=compacted)
+        return await ctx.profile.sessions.rotate(
+            ctx.lane.session_key, sid, "compression", carry=child, compact_uids=compacted
+        )
 
     async def _flush(self, ctx: Any, history: list[StoredMessage]) -> None:
         if self.on_flush is None:
@@ -648,27 +731,36 @@ class Compressor:
         if provider is None or access is None or not access.write:
             return
         try:
-            await provider.on_pre_compress([strip_private(it) for it in middle if not it.get("_summary")],
-                                           visibility=access.mark)
+            await provider.on_pre_compress(
+                [strip_private(it) for it in middle if not it.get("_summary")], visibility=access.mark
+            )
         except Exception:  # a provider must never break compression
             log.exception("memory provider on_pre_compress failed")
 
     # ----- the summary model -----------------------------------------------------------------
-    async def _summarize(self, turns: list[Item], previous: str | None, focus: str | None,
-                         state: CompressionState, trigger: str,
-                         middle_tokens: int) -> tuple[str | None, bool, _Failure | None]:
+    async def _summarize(
+        self,
+        turns: list[Item],
+        previous: str | None,
+        focus: str | None,
+        state: CompressionState,
+        trigger: str,
+        middle_tokens: int,
+    ) -> tuple[str | None, bool, _Failure | None]:
         """(body, used_fallback, failure); body None means abort (messages untouched)."""
         failure: _Failure | None
         if trigger != "manual" and state.cooldown_until > _now():
             # the cooldown remembers why it started: after auth or network failures a
             # fallback summary would only hide the outage, so the abort is kept
             cause = state.cooldown_kind or "cooldown"
-            failure = _Failure("cooldown", cause in ABORT_KINDS,
-                               _FAILURE_TEXT.get(cause, _FAILURE_TEXT["cooldown"]))
+            failure = _Failure("cooldown", cause in ABORT_KINDS, _FAILURE_TEXT.get(cause, _FAILURE_TEXT["cooldown"]))
         else:
             prompt = build_summary_prompt(
-                serialize_for_summary(turns), previous_summary=previous, focus=focus,
-                budget_tokens=summary_budget(middle_tokens, self.cfg.llm.context_length))
+                serialize_for_summary(turns),
+                previous_summary=previous,
+                focus=focus,
+                budget_tokens=summary_budget(middle_tokens, self.cfg.llm.context_length),
+            )
             text, failure = await self._ask_summary(prompt, state)
             if text is not None:
                 state.cooldown_until = 0.0
@@ -681,8 +773,11 @@ class Compressor:
             failure.abort = True
             return None, False, failure
         limit = fallback_summary_limit(self.cfg.llm.context_length)
-        return (build_fallback_summary(turns, previous_summary=previous, reason=failure.message, max_chars=limit),
-                True, failure)
+        return (
+            build_fallback_summary(turns, previous_summary=previous, reason=failure.message, max_chars=limit),
+            True,
+            failure,
+        )
 
     def _summary_target(self) -> AuxTarget:
         return aux_target(self.cfg.auxiliary.compression, self.cfg.llm, self.llm)
@@ -704,8 +799,7 @@ class Compressor:
             except LLMError as err:
                 kind = classify_failure(err)
                 if target.distinct and kind in RETRY_ON_MAIN:
-                    log.warning("summary model failed (%s: %s); retrying once with the main model",
-                                kind, err.detail)
+                    log.warning("summary model failed (%s: %s); retrying once with the main model", kind, err.detail)
                     try:
                         return await self._ask(self.llm, None, prompt), None
                     except LLMError as err2:
@@ -729,6 +823,7 @@ class Compressor:
         state.cooldown_until = _now() + cooldown
         state.cooldown_kind = kind
         state.last_error = err.detail[:220]
-        log.warning("summary generation failed (%s: %s); automatic compression paused for %.0fs",
-                    kind, err.detail, cooldown)
+        log.warning(
+            "summary generation failed (%s: %s); automatic compression paused for %.0fs", kind, err.detail, cooldown
+        )
         return _Failure(kind, kind in ABORT_KINDS, _FAILURE_TEXT.get(kind, _FAILURE_TEXT["other"]))

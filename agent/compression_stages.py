@@ -82,9 +82,15 @@ def effective_threshold_percent(context_length: int, percent: float) -> float:
     return min(percent, MAX_TRIGGER_RATIO)
 
 
-def compute_threshold_tokens(*, context_length: int, threshold: float, max_tokens: int | None = None,
-                             model: str = "", model_thresholds: dict[str, float] | None = None,
-                             threshold_tokens_cap: int | None = None) -> int:
+def compute_threshold_tokens(
+    *,
+    context_length: int,
+    threshold: float,
+    max_tokens: int | None = None,
+    model: str = "",
+    model_thresholds: dict[str, float] | None = None,
+    threshold_tokens_cap: int | None = None,
+) -> int:
     """Prompt tokens at which automatic compression starts.
 
     `context_length × threshold − max_tokens`, where the percentage is the per-model override
@@ -93,8 +99,7 @@ def compute_threshold_tokens(*, context_length: int, threshold: float, max_token
     otherwise collapse the threshold and compress before every request); a `threshold_tokens`
     cap (clamped to the window) takes the minimum.
     """
-    pct = effective_threshold_percent(
-        context_length, resolve_model_threshold(model, model_thresholds, threshold))
+    pct = effective_threshold_percent(context_length, resolve_model_threshold(model, model_thresholds, threshold))
     trigger = int(context_length * pct)
     value = max(trigger - (max_tokens or 0), int(trigger * MIN_THRESHOLD_SHARE))
     if threshold_tokens_cap:
@@ -190,8 +195,11 @@ def summarize_tool_result(tool_name: str, tool_args: str, content: str) -> str:
 
 def _looks_pruned(content: str) -> bool:
     return content.startswith(DUPLICATE_PLACEHOLDER) or (
-        content.startswith("[") and len(content) < 400 and (" chars" in content or "results" in content)
-        and "\n" not in content)
+        content.startswith("[")
+        and len(content) < 400
+        and (" chars" in content or "results" in content)
+        and "\n" not in content
+    )
 
 
 def shrink_tool_args(args: str, keep: int = TOOL_ARGS_KEEP_CHARS) -> str:
@@ -229,8 +237,9 @@ class PruneStats:
         return self.duplicates + self.summarised + self.args_truncated + self.pressure + self.images
 
 
-def prune_boundary(items: list[Item], *, protect_tail_count: int, protect_tail_tokens: int | None,
-                   tokens: TokenFn) -> int:
+def prune_boundary(
+    items: list[Item], *, protect_tail_count: int, protect_tail_tokens: int | None, tokens: TokenFn
+) -> int:
     """Index of the first message protected from passes 2 and 3.
 
     With a token budget, messages are protected walking back from the end while they fit the
@@ -249,8 +258,14 @@ def prune_boundary(items: list[Item], *, protect_tail_count: int, protect_tail_t
     return boundary
 
 
-def prune_tool_results(items: list[Item], *, protect_tail_count: int, protect_tail_tokens: int | None,
-                       tokens: TokenFn, min_prune_chars: int = 200) -> tuple[list[Item], PruneStats]:
+def prune_tool_results(
+    items: list[Item],
+    *,
+    protect_tail_count: int,
+    protect_tail_tokens: int | None,
+    tokens: TokenFn,
+    min_prune_chars: int = 200,
+) -> tuple[list[Item], PruneStats]:
     """The four cheap passes over old tool output (no LLM):
 
     1. identical tool results: older copies become a back-reference (anywhere; lossless);
@@ -270,8 +285,9 @@ def prune_tool_results(items: list[Item], *, protect_tail_count: int, protect_ta
                 cid = _call_id(tc)
                 if cid:
                     calls[cid] = _call_name_args(tc)
-    boundary = prune_boundary(result, protect_tail_count=protect_tail_count,
-                              protect_tail_tokens=protect_tail_tokens, tokens=tokens)
+    boundary = prune_boundary(
+        result, protect_tail_count=protect_tail_count, protect_tail_tokens=protect_tail_tokens, tokens=tokens
+    )
     stats.boundary = boundary
 
     # pass 1: dedupe identical tool results, keeping the newest
@@ -438,8 +454,9 @@ def _ensure_last_n_users_in_tail(items: list[Item], cut: int, head_end: int, n_u
     return cut if target >= cut else max(target, head_end + 1)
 
 
-def find_tail_cut(items: list[Item], head_end: int, *, budget: int, protect_last_n: int,
-                  min_tail_user_messages: int, tokens: TokenFn) -> int:
+def find_tail_cut(
+    items: list[Item], head_end: int, *, budget: int, protect_last_n: int, min_tail_user_messages: int, tokens: TokenFn
+) -> int:
     """Index where the protected tail starts.
 
     Walks back from the end accumulating tokens up to 1.5 × `budget` (so one oversized message
@@ -525,8 +542,9 @@ def sanitize_tool_pairs(items: list[Item]) -> list[Item]:
 
 
 # ----------------------------------------------------------------------------- the summary message
-def choose_summary_role(last_head_role: str | None, first_tail_role: str | None, *,
-                        user_survives: bool) -> tuple[str, bool]:
+def choose_summary_role(
+    last_head_role: str | None, first_tail_role: str | None, *, user_survives: bool
+) -> tuple[str, bool]:
     """(role, merge_into_next) keeping roles alternating around the summary.
 
     Right after the system prompt (or with no real user message left in head and tail) the
@@ -553,7 +571,7 @@ def unwrap_summary(content: str) -> str:
     if MERGED_SUMMARY_DELIMITER in text:
         text = text.split(MERGED_SUMMARY_DELIMITER, 1)[1].strip()
     if text.startswith(SUMMARY_PREFIX):
-        text = text[len(SUMMARY_PREFIX):].lstrip()
+        text = text[len(SUMMARY_PREFIX) :].lstrip()
     idx = text.find(SUMMARY_END_MARKER)
     if idx >= 0:
         text = text[:idx].rstrip()
@@ -568,8 +586,7 @@ def merge_summary_into(target: Item, summary_content: str, *, user_leading: bool
     if user_leading:
         content = f"{summary_content}\n\n{original}" if original else summary_content
     else:
-        content = (f"{MERGED_PRIOR_CONTEXT_HEADER}\n{original}\n\n{MERGED_SUMMARY_DELIMITER}\n\n"
-                   f"{summary_content}")
+        content = f"{MERGED_PRIOR_CONTEXT_HEADER}\n{original}\n\n{MERGED_SUMMARY_DELIMITER}\n\n{summary_content}"
     return _changed(target, content=content)
 
 
@@ -588,7 +605,7 @@ def strip_think(text: str) -> str:
     text = _THINK_BLOCK.sub("", text)
     closes = list(_THINK_CLOSE.finditer(text))
     if closes:
-        text = text[closes[-1].end():]
+        text = text[closes[-1].end() :]
     text = _THINK_OPEN.sub("", text)
     return text.strip()
 
@@ -682,8 +699,9 @@ _TEMPLATE = f"""{HISTORICAL_TASK_HEADING}
 [Exact values that would be lost otherwise: dates, numbers, names, links, paths, error messages.]"""
 
 
-def build_summary_prompt(serialized: str, *, previous_summary: str | None, focus: str | None,
-                         budget_tokens: int) -> str:
+def build_summary_prompt(
+    serialized: str, *, previous_summary: str | None, focus: str | None, budget_tokens: int
+) -> str:
     """The one user message sent to the summary model: the serialised middle only (and the
     previous summary when updating it)."""
     body = bound_summary_input(serialized)
@@ -698,23 +716,29 @@ def build_summary_prompt(serialized: str, *, previous_summary: str | None, focus
             "that is still relevant; add the new information; move answered questions to Resolved "
             "Questions and finished work to Completed Actions; remove only what is clearly obsolete. "
             "The Historical Task Snapshot must reflect the person's latest unanswered input.\n\n"
-            f"{_TEMPLATE}{tail}")
+            f"{_TEMPLATE}{tail}"
+        )
     else:
         prompt = (
             f"{_PREAMBLE}\n\nCreate a structured checkpoint summary of the conversation turns below, "
             "detailed enough to continue the conversation without re-reading them.\n\n"
-            f"TURNS TO SUMMARIZE:\n{body}\n\nUse this exact structure:\n\n{_TEMPLATE}{tail}")
+            f"TURNS TO SUMMARIZE:\n{body}\n\nUse this exact structure:\n\n{_TEMPLATE}{tail}"
+        )
     if focus:
         prompt += (
-            f"\n\nFOCUS TOPIC: \"{focus}\"\nPrioritise everything related to this topic: keep its "
-            "details exact and complete (about two thirds of the budget); summarise the rest briefly.")
+            f'\n\nFOCUS TOPIC: "{focus}"\nPrioritise everything related to this topic: keep its '
+            "details exact and complete (about two thirds of the budget); summarise the rest briefly."
+        )
     return prompt
 
 
 def is_summary_request(messages: list[dict[str, Any]]) -> bool:
     """True for the wire form of a summary request (used by tests and metrics)."""
-    return bool(messages) and isinstance(messages[0].get("content"), str) and \
-        messages[0]["content"].startswith(_PREAMBLE[:60])
+    return (
+        bool(messages)
+        and isinstance(messages[0].get("content"), str)
+        and messages[0]["content"].startswith(_PREAMBLE[:60])
+    )
 
 
 # ----------------------------------------------------------------------------- layer 3: static fallback
@@ -722,9 +746,11 @@ _PATH_RE = re.compile(
     r"https?://[^\s<>\"')\]]+"
     r"|(?<![\w/])(?:~|\.{1,2})?/(?:[\w.\-]+/)+[\w.\-]*"
     r"|(?<![\w/])(?:~|\.{1,2})?/[\w\-]+\.\w+"
-    r"|\b[A-Za-z]:\\[\w.\-\\]+")
-_ERROR_RE = re.compile(r"\b(error|failed|failure|exception|traceback|timeout|timed out|fatal|refused|denied)\b",
-                       re.IGNORECASE)
+    r"|\b[A-Za-z]:\\[\w.\-\\]+"
+)
+_ERROR_RE = re.compile(
+    r"\b(error|failed|failure|exception|traceback|timeout|timed out|fatal|refused|denied)\b", re.IGNORECASE
+)
 
 
 def _one_line(text: str, limit: int = FALLBACK_TURN_MAX_CHARS) -> str:
@@ -760,8 +786,13 @@ def fallback_summary_limit(context_length: int) -> int:
     return min(FALLBACK_SUMMARY_MAX_CHARS, max(2000, int(context_length * 0.05 * 4)))
 
 
-def build_fallback_summary(turns: list[Item], *, previous_summary: str | None = None,
-                           reason: str | None = None, max_chars: int = FALLBACK_SUMMARY_MAX_CHARS) -> str:
+def build_fallback_summary(
+    turns: list[Item],
+    *,
+    previous_summary: str | None = None,
+    reason: str | None = None,
+    max_chars: int = FALLBACK_SUMMARY_MAX_CHARS,
+) -> str:
     """A summary built locally from the dropped middle when the summary model failed: the
     person's questions, the assistant's actions, tool names, paths and links, error texts and
     the last dropped turns, with tokens and keys redacted. `SUMMARY_PREFIX` + body stays within `max_chars` (<= 8,000)."""
@@ -783,8 +814,9 @@ def build_fallback_summary(turns: list[Item], *, previous_summary: str | None = 
         if it.get("_summary"):
             continue
         role = it.get("role")
-        text = _one_line(strip_think(text_of(it.get("content"))) if role == "assistant" else text_of(it.get("content")),
-                         item_limit)
+        text = _one_line(
+            strip_think(text_of(it.get("content"))) if role == "assistant" else text_of(it.get("content")), item_limit
+        )
         raw_text = text_of(it.get("content"))
         if len(paths) < 12 and ("/" in raw_text or ":\\" in raw_text):
             for m in _PATH_RE.finditer(raw_text):

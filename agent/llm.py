@@ -72,8 +72,7 @@ class LLMAuthError(LLMError):
 class LLMUnavailable(LLMError):
     kind = "unavailable"
     default_user_message = (
-        "The assistant's model is unreachable right now; your message was kept — "
-        "please try again in a minute."
+        "The assistant's model is unreachable right now; your message was kept — please try again in a minute."
     )
 
 
@@ -91,8 +90,7 @@ class LLMTimeout(LLMUnavailable):
 class LLMRateLimited(LLMError):
     kind = "rate_limited"
     default_user_message = (
-        "The assistant's model is over its rate limit right now; your message was kept — "
-        "please try again in a minute."
+        "The assistant's model is over its rate limit right now; your message was kept — please try again in a minute."
     )
 
 
@@ -366,7 +364,12 @@ class LLMClient:
             delay = self._backoff(attempt, retry_after)
             _log.warning(
                 "LLM call failed (%s, status=%s), retry %d/%d in %.2fs: %s",
-                err.kind, err.status, attempt, self.max_retries, delay, err.detail,
+                err.kind,
+                err.status,
+                attempt,
+                self.max_retries,
+                delay,
+                err.detail,
             )
             await asyncio.sleep(delay)
 
@@ -403,8 +406,11 @@ class LLMClient:
             try:
                 chunk = json.loads(data)
             except ValueError:
-                return LLMBadResponse(self._redact(f"unreadable stream chunk: {data[:200]!r}"),
-                                      attempts=attempt), None, None
+                return (
+                    LLMBadResponse(self._redact(f"unreadable stream chunk: {data[:200]!r}"), attempts=attempt),
+                    None,
+                    None,
+                )
             if not isinstance(chunk, dict):
                 continue
             if chunk.get("error"):
@@ -432,8 +438,15 @@ class LLMClient:
         if calls:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
         message.update({k: "".join(v) for k, v in extra.items()})
-        return None, None, {"model": seen_model, "choices": [{"index": 0, "message": message,
-                                                               "finish_reason": finish}], "usage": usage}
+        return (
+            None,
+            None,
+            {
+                "model": seen_model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": usage,
+            },
+        )
 
     async def _attempt(
         self, payload: dict[str, Any], attempt: int
@@ -448,14 +461,21 @@ class LLMClient:
     def _transport_error(self, exc: httpx.HTTPError, attempt: int) -> LLMError:
         """No HTTP answer: which error it stands for (the same whether streaming or not)."""
         if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):  # nothing was generated: retryable
-            return LLMUnavailable(self._redact(f"timed out connecting to {self._safe_base} ({type(exc).__name__})"),
-                                  attempts=attempt)
+            return LLMUnavailable(
+                self._redact(f"timed out connecting to {self._safe_base} ({type(exc).__name__})"), attempts=attempt
+            )
         if isinstance(exc, httpx.TimeoutException):
-            return LLMTimeout(self._redact(f"timed out after {self.timeout_s:g} s waiting for {self._safe_base} "
-                                           f"to answer ({type(exc).__name__})"), attempts=attempt)
+            return LLMTimeout(
+                self._redact(
+                    f"timed out after {self.timeout_s:g} s waiting for {self._safe_base} "
+                    f"to answer ({type(exc).__name__})"
+                ),
+                attempts=attempt,
+            )
         if isinstance(exc, (httpx.NetworkError, httpx.RemoteProtocolError)):
-            return LLMUnavailable(self._redact(f"cannot reach {self._safe_base}: {type(exc).__name__}: {exc}"),
-                                  attempts=attempt)
+            return LLMUnavailable(
+                self._redact(f"cannot reach {self._safe_base}: {type(exc).__name__}: {exc}"), attempts=attempt
+            )
         return LLMError(  # bad URL/protocol: configuration, not transient
             self._redact(f"cannot call {self._safe_base}: {type(exc).__name__}: {exc}"),
             kind="config",
@@ -480,8 +500,15 @@ class LLMClient:
                 status = code if isinstance(code, int) and 400 <= code < 600 else 400
             else:
                 what = "a non-JSON body" if body is None else "JSON without choices"
-                return LLMBadResponse(self._redact(f"HTTP {status} with {what}: {raw_text[:200]!r}"),
-                                      status=resp.status_code, attempts=attempt), None, None
+                return (
+                    LLMBadResponse(
+                        self._redact(f"HTTP {status} with {what}: {raw_text[:200]!r}"),
+                        status=resp.status_code,
+                        attempts=attempt,
+                    ),
+                    None,
+                    None,
+                )
         return self._classify(status, body, raw_text, resp.headers, attempt), _parse_retry_after(resp.headers), None
 
     def _classify(self, status: int, body: Any, raw_text: str, headers: httpx.Headers, attempt: int) -> LLMError:

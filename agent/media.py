@@ -100,7 +100,7 @@ def _inline_sync(wire: list[dict[str, Any]], profile_path: Path) -> list[dict[st
         for part in content:
             url = (part.get("image_url") or {}).get("url", "") if isinstance(part, dict) else ""
             if isinstance(url, str) and url.startswith(PLACEHOLDER_SCHEME):
-                data_url = _read_data_url(profile_path, url[len(PLACEHOLDER_SCHEME):])
+                data_url = _read_data_url(profile_path, url[len(PLACEHOLDER_SCHEME) :])
                 if data_url is None:
                     parts.append({"type": "text", "text": "[an image that is no longer available]"})
                 else:

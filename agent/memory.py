@@ -176,15 +176,22 @@ class MemoryStore:
         self._check_target(target)
         async with self._lock:
             return await asyncio.to_thread(
-                visibility.set_mark, self.memory_dir, target, entry, value, self._read_entries)
+                visibility.set_mark, self.memory_dir, target, entry, value, self._read_entries
+            )
 
     async def forget_entry(self, target: str, entry: str) -> bool:
         """Remove the entry exactly equal to `entry` (/forget N); False when it is gone."""
         if self.read_only:
             return False
-        result = await self._write(self._check_target(target), lambda entries: (
-            ([e for e in entries if e != entry], {"success": True}) if entry in entries
-            else (None, {"success": False})), force=True)  # an explicit erase by the person
+        result = await self._write(
+            self._check_target(target),
+            lambda entries: (
+                ([e for e in entries if e != entry], {"success": True})
+                if entry in entries
+                else (None, {"success": False})
+            ),
+            force=True,
+        )  # an explicit erase by the person
         return bool(result.get("success"))
 
     def _visible(self, target: str) -> list[str]:
@@ -223,7 +230,8 @@ class MemoryStore:
             limit, current, after = self.char_limit(target), _joined_len(entries), _joined_len(new)
             if after > limit:
                 return None, self._over_limit(
-                    target, entries,
+                    target,
+                    entries,
                     f"{target} memory is at {current:,}/{limit:,} chars; adding this entry "
                     f"({len(content):,} chars) would make it {after:,}, over the limit. "
                     "Consolidate first: 'replace' related entries with one shorter entry or "
@@ -250,11 +258,12 @@ class MemoryStore:
                     f"An identical entry already exists in {target}; remove the old one instead.",
                     usage=self._usage(target, entries),
                 )
-            new = [*entries[:idx], content, *entries[idx + 1:]]
+            new = [*entries[:idx], content, *entries[idx + 1 :]]
             limit, current, after = self.char_limit(target), _joined_len(entries), _joined_len(new)
             if after > limit and after > current:
                 return None, self._over_limit(
-                    target, entries,
+                    target,
+                    entries,
                     f"Replacing would put {target} memory at {after:,}/{limit:,} chars "
                     f"(now {current:,}/{limit:,}), over the limit. Shorten the new content or "
                     "consolidate: 'remove' stale entries or merge related ones first, then retry.",
@@ -273,7 +282,7 @@ class MemoryStore:
             idx, err = self._match(target, entries, old_text)
             if err is not None:
                 return None, err
-            new = entries[:idx] + entries[idx + 1:]
+            new = entries[:idx] + entries[idx + 1 :]
             return new, self._ok(target, new, f"Entry removed from {target}.")
 
         return await self._write(target, mutate)
@@ -317,7 +326,8 @@ class MemoryStore:
             return _fail(
                 f"'old_text' is required for '{action}': a short substring unique to the entry. "
                 f"The entries of {target} are listed below.",
-                entries=[_preview(_withheld(e)) for e in entries], usage=self._usage(target, entries),
+                entries=[_preview(_withheld(e)) for e in entries],
+                usage=self._usage(target, entries),
             )
         if stage is not None:
             return await self._stage(stage, action, target, content, old_text)
@@ -327,8 +337,7 @@ class MemoryStore:
             return await self.replace(target, old_text, content)  # type: ignore[arg-type]
         return await self.remove(target, old_text)  # type: ignore[arg-type]
 
-    async def _stage(self, stage: Stage, action: str, target: str, content: str | None,
-                     old_text: str | None) -> Result:
+    async def _stage(self, stage: Stage, action: str, target: str, content: str | None, old_text: str | None) -> Result:
         """Check a write as if it were made now, then hand it to `stage`."""
         checks: dict[str, Any] = {}
         if action != "remove":
@@ -342,8 +351,7 @@ class MemoryStore:
             _, err = self._match(target, entries, old_text.strip())
             if err is not None:
                 return err
-        return await stage(action, target, content.strip() if content else None,
-                           old_text.strip() if old_text else None)
+        return await stage(action, target, content.strip() if content else None, old_text.strip() if old_text else None)
 
     # -- helpers -----------------------------------------------------------------
 
@@ -430,8 +438,10 @@ class MemoryStore:
         try:
             entries = parse_entries(decode(raw, strict=True))
         except UndecodableFile as exc:
-            return _fail(f"{name} holds bytes that are not valid UTF-8 ({exc}); it was left untouched "
-                         "and nothing was saved. Ask the person to re-save it as UTF-8.")
+            return _fail(
+                f"{name} holds bytes that are not valid UTF-8 ({exc}); it was left untouched "
+                "and nothing was saved. Ask the person to re-save it as UTF-8."
+            )
         # compared as parsed entries: cosmetic edits (line endings, blank lines around the
         # separator, a BOM) are not drift, any change of an entry is
         # a group lane sees (and may change) only the entries its audience may read

@@ -65,28 +65,42 @@ class PendingWrites:
 
     def _save(self, state: dict[str, Any]) -> None:
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        atomic_write(self.path, json.dumps(
-            {"next_id": state["next_id"], "items": [asdict(i) for i in state["items"]]}, ensure_ascii=False, indent=1))
+        atomic_write(
+            self.path,
+            json.dumps(
+                {"next_id": state["next_id"], "items": [asdict(i) for i in state["items"]]},
+                ensure_ascii=False,
+                indent=1,
+            ),
+        )
 
     async def list(self) -> list[PendingWrite]:
         return (await asyncio.to_thread(self._load))["items"]
 
-    async def stage(self, action: str, target: str, content: str | None, old_text: str | None,
-                    *, origin: str) -> dict[str, Any]:
+    async def stage(
+        self, action: str, target: str, content: str | None, old_text: str | None, *, origin: str
+    ) -> dict[str, Any]:
         """Queue one write; the tool result the model gets."""
 
         def add() -> dict[str, Any]:
             state = self._load()
             if len(state["items"]) >= MAX_PENDING:
-                return {"success": False, "error": f"{MAX_PENDING} memory writes are already waiting for the "
-                        "person's approval; nothing more is queued until they approve or reject some."}
+                return {
+                    "success": False,
+                    "error": f"{MAX_PENDING} memory writes are already waiting for the "
+                    "person's approval; nothing more is queued until they approve or reject some.",
+                }
             item = PendingWrite(state["next_id"], action, target, content, old_text, origin, time.time())
             state["items"].append(item)
             state["next_id"] += 1
             self._save(state)
-            return {"success": True, "staged": True, "pending_id": item.id,
-                    "message": "Queued for the person's approval (they see it with /memory pending); it is "
-                               "not in memory until they approve it. Don't queue it again."}
+            return {
+                "success": True,
+                "staged": True,
+                "pending_id": item.id,
+                "message": "Queued for the person's approval (they see it with /memory pending); it is "
+                "not in memory until they approve it. Don't queue it again.",
+            }
 
         async with self._lock:
             return await asyncio.to_thread(add)

@@ -27,24 +27,40 @@ class ChatPlace:
     user_name: str = ""
 
     def describe(self) -> str:
-        where = {"dm": "a private chat", "group": "a group chat", "thread": "a thread in a group",
-                 "channel": "a channel"}.get(self.chat_type, "a chat")
+        where = {
+            "dm": "a private chat",
+            "group": "a group chat",
+            "thread": "a thread in a group",
+            "channel": "a channel",
+        }.get(self.chat_type, "a chat")
         text = f"You are talking on {self.platform.capitalize()} in {where}."
         if self.shared:
-            text += (" Several people talk to you here; each user message is prefixed with the "
-                     "sender's name. The memory below belongs to this group, not to any one person.")
+            text += (
+                " Several people talk to you here; each user message is prefixed with the "
+                "sender's name. The memory below belongs to this group, not to any one person."
+            )
         elif self.chat_type != "dm":
-            text += (" You are talking with one member of the group, but your replies are posted "
-                     "in the group and seen by everyone in it. Of this person's memory only what they "
-                     "shared with groups is given to you here, and anything saved here is shared too.")
+            text += (
+                " You are talking with one member of the group, but your replies are posted "
+                "in the group and seen by everyone in it. Of this person's memory only what they "
+                "shared with groups is given to you here, and anything saved here is shared too."
+            )
         if self.user_name and not self.shared:
             text += f" The person's display name is {self.user_name}."
         return text
 
 
-def build_system_prompt(*, agent_name: str, place: ChatPlace, snapshot: MemorySnapshot | None,
-                        memory_char_limit: int, user_char_limit: int, memory_writable: bool,
-                        skill_index: str | None = None, skills_writable: bool = False) -> str:
+def build_system_prompt(
+    *,
+    agent_name: str,
+    place: ChatPlace,
+    snapshot: MemorySnapshot | None,
+    memory_char_limit: int,
+    user_char_limit: int,
+    memory_writable: bool,
+    skill_index: str | None = None,
+    skills_writable: bool = False,
+) -> str:
     """Assemble the system prompt; `snapshot` None means memory is off in this lane, and
     `skill_index` None that skills are (the index is '' when there are none yet)."""
     parts = [
@@ -71,7 +87,6 @@ def build_system_prompt(*, agent_name: str, place: ChatPlace, snapshot: MemorySn
             "task well; skills hold steps, never personal facts or secrets."
         )
     parts.append(
-        "Use `session_search` to look up earlier conversations when the person refers to "
-        "something discussed before."
+        "Use `session_search` to look up earlier conversations when the person refers to something discussed before."
     )
     return "\n\n".join(parts)

@@ -43,8 +43,9 @@ def provider_access(personal_memory: str, scope: Scope) -> ProviderAccess:
     """A lane's access from its memory mode (`full`/`read`/`off`) and visibility scope."""
     if personal_memory == "off":
         return NO_ACCESS
-    return ProviderAccess(read=True, write=personal_memory == "full",
-                          shared_only=not scope.sees_private, mark=scope.writes)
+    return ProviderAccess(
+        read=True, write=personal_memory == "full", shared_only=not scope.sees_private, mark=scope.writes
+    )
 
 
 class MemoryProvider:
@@ -66,8 +67,9 @@ class MemoryProvider:
     async def on_pre_compress(self, messages: list[dict[str, Any]], *, visibility: Visibility = "private") -> None:
         """Called with the messages about to be summarised away, so nothing learned is lost."""
 
-    async def on_memory_write(self, action: str, target: str, content: str, *,
-                              visibility: Visibility = "private") -> None:
+    async def on_memory_write(
+        self, action: str, target: str, content: str, *, visibility: Visibility = "private"
+    ) -> None:
         """`action` is add|replace|remove from the memory tool, or share|unshare when the
         person changes an entry's visibility (`visibility` is then the entry's new one)."""
 
@@ -98,13 +100,16 @@ class LocalNotesProvider(MemoryProvider):
     async def on_pre_compress(self, messages: list[dict[str, Any]], *, visibility: Visibility = "private") -> None:
         for m in messages:
             if m.get("role") in ("user", "assistant") and m.get("content"):
-                self._append({"kind": "pre_compress", "role": m["role"], "content": m["content"],
-                              "visibility": visibility})
+                self._append(
+                    {"kind": "pre_compress", "role": m["role"], "content": m["content"], "visibility": visibility}
+                )
 
-    async def on_memory_write(self, action: str, target: str, content: str, *,
-                              visibility: Visibility = "private") -> None:
-        self._append({"kind": "memory_write", "action": action, "target": target, "content": content,
-                      "visibility": visibility})
+    async def on_memory_write(
+        self, action: str, target: str, content: str, *, visibility: Visibility = "private"
+    ) -> None:
+        self._append(
+            {"kind": "memory_write", "action": action, "target": target, "content": content, "visibility": visibility}
+        )
 
     async def prefetch(self, query: str, *, shared_only: bool = False) -> str:
         path = self._file()
@@ -120,8 +125,11 @@ class LocalNotesProvider(MemoryProvider):
             if isinstance(rec, dict):
                 records.append(rec)
         # a removed (forgotten) entry is never recalled again, nor any record quoting it
-        removed = [str(r.get("content") or "") for r in records
-                   if r.get("kind") == "memory_write" and r.get("action") == "remove" and r.get("content")]
+        removed = [
+            str(r.get("content") or "")
+            for r in records
+            if r.get("kind") == "memory_write" and r.get("action") == "remove" and r.get("content")
+        ]
         # an entry the person unshared (`/memory unshare`) is private again: a group lane
         # recalls no record quoting it, whatever visibility the record was stored with
         marks: dict[str, str] = {}

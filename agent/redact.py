@@ -22,10 +22,14 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\b\d{6,}:[A-Za-z0-9_-]{30,}"), REDACTED),  # Telegram bot token
     (re.compile(r"[A-Za-z0-9_-]{23,28}\.[A-Za-z0-9_-]{6,7}\.[A-Za-z0-9_-]{27,}"), REDACTED),  # Discord
     (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}"), r"\1 " + REDACTED),
-    (re.compile(
-        r"(?i)\b((?:[a-z0-9]+[_-])*(?:api[_-]?key|secret[_-]?key|access[_-]?key|access[_-]?token|auth[_-]?token"
-        r"|refresh[_-]?token|client[_-]?secret|private[_-]?key|password|passwd|secret|token))"
-        r"(\s*[:=]\s*[\"']?)([^\s\"',;&]{6,})"), r"\1\2" + REDACTED),
+    (
+        re.compile(
+            r"(?i)\b((?:[a-z0-9]+[_-])*(?:api[_-]?key|secret[_-]?key|access[_-]?key|access[_-]?token|auth[_-]?token"
+            r"|refresh[_-]?token|client[_-]?secret|private[_-]?key|password|passwd|secret|token))"
+            r"(\s*[:=]\s*[\"']?)([^\s\"',;&]{6,})"
+        ),
+        r"\1\2" + REDACTED,
+    ),
 )
 
 

@@ -156,14 +156,17 @@ class ReminderStore:
         items = await self.all()
         return items[0].due if items else None
 
-    async def add(self, text: str, due: float, chat: ReminderChat, *, tz: str | None, repeat: str | None,
-                  cap: int, now: float) -> Reminder:
+    async def add(
+        self, text: str, due: float, chat: ReminderChat, *, tz: str | None, repeat: str | None, cap: int, now: float
+    ) -> Reminder:
         def op(data: dict[str, Any]) -> Reminder:
             if len(data["reminders"]) >= cap:
-                raise ReminderError(f"this person already has {cap} reminders, the most allowed; "
-                                    "cancel one first (list shows them)")
-            reminder = Reminder(id=int(data.get("next_id", 1)), text=text, due=due, chat=chat, tz=tz,
-                                repeat=repeat, created_at=now)
+                raise ReminderError(
+                    f"this person already has {cap} reminders, the most allowed; cancel one first (list shows them)"
+                )
+            reminder = Reminder(
+                id=int(data.get("next_id", 1)), text=text, due=due, chat=chat, tz=tz, repeat=repeat, created_at=now
+            )
             data["next_id"] = reminder.id + 1
             data["reminders"].append(asdict(reminder))
             return reminder
@@ -172,6 +175,7 @@ class ReminderStore:
 
     async def cancel(self, reminder_id: int, *, chat_id: str | None = None) -> Reminder | None:
         """Remove one (only if set in `chat_id`, when given); the removed reminder or None."""
+
         def op(data: dict[str, Any]) -> Reminder | None:
             for i, raw in enumerate(data["reminders"]):
                 if raw.get("id") == reminder_id and (chat_id is None or raw["chat"]["chat_id"] == chat_id):
@@ -183,6 +187,7 @@ class ReminderStore:
     async def advance(self, reminder_id: int, delivered_due: float, now: float) -> None:
         """The occurrence due at `delivered_due` was handed over for delivery: schedule the
         next one of a repeating reminder, remove a one-off."""
+
         def op(data: dict[str, Any]) -> None:
             for i, raw in enumerate(data["reminders"]):
                 if raw.get("id") != reminder_id or raw.get("due") != delivered_due:
@@ -245,8 +250,10 @@ class ReminderTool:
         now = self.clock()
         if args.get("at"):
             if tz is None:
-                raise ReminderError("a time of day needs the person's time zone: ask them once, save it to "
-                                    "the user profile with the memory tool, and pass it as timezone")
+                raise ReminderError(
+                    "a time of day needs the person's time zone: ask them once, save it to "
+                    "the user profile with the memory tool, and pass it as timezone"
+                )
             try:
                 # a wall-clock time in `tz`, given its zone on the next line
                 local = datetime.strptime(str(args["at"]).strip().replace("T", " ")[:16], "%Y-%m-%d %H:%M")  # noqa: DTZ007

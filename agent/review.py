@@ -56,10 +56,14 @@ SKILL_PROMPT = (
     "procedure shared by everyone who talks to you in this profile: never put personal facts, "
     "names, memory contents or secrets into it."
 )
-CLOSING = ("This is a background review: the person will not see your reply. Use the tools only "
-           "if something is worth keeping; otherwise answer 'Nothing to save.' and stop.")
-GROUP_NOTE = ("This is a group chat: whatever you save here can be shown to everyone in it, so save "
-              "only what the group itself shared.")
+CLOSING = (
+    "This is a background review: the person will not see your reply. Use the tools only "
+    "if something is worth keeping; otherwise answer 'Nothing to save.' and stop."
+)
+GROUP_NOTE = (
+    "This is a group chat: whatever you save here can be shown to everyone in it, so save "
+    "only what the group itself shared."
+)
 
 Toolbox = Callable[["Profile", "Lane", "ChatPlace", frozenset[str]], ToolBox]
 Wire = Callable[[list[StoredMessage]], list[dict[str, Any]]]
@@ -152,8 +156,18 @@ class Reviewer:
             counts.unreviewed, counts.reviewed = 0, True
 
     # ----- running -------------------------------------------------------------------------
-    async def review(self, profile: "Profile", lane: "Lane", place: "ChatPlace", history: list[StoredMessage], *,
-                     memory: bool, skills: bool, trigger: str, wait: bool = False) -> str:
+    async def review(
+        self,
+        profile: "Profile",
+        lane: "Lane",
+        place: "ChatPlace",
+        history: list[StoredMessage],
+        *,
+        memory: bool,
+        skills: bool,
+        trigger: str,
+        wait: bool = False,
+    ) -> str:
         """Run one review; returns its outcome (saved, nothing, busy, skipped, timeout, llm_error,
         error). `wait`: queue behind a running review of the tenant instead of skipping."""
         lock = self._tenant_locks.setdefault(profile.tenant_id, asyncio.Lock())
@@ -183,21 +197,36 @@ class Reviewer:
                 log.debug("review outcome hook failed", exc_info=True)
         return outcome
 
-    async def _run(self, profile: "Profile", lane: "Lane", place: "ChatPlace", history: list[StoredMessage], *,
-                   memory: bool, skills: bool) -> str:
+    async def _run(
+        self,
+        profile: "Profile",
+        lane: "Lane",
+        place: "ChatPlace",
+        history: list[StoredMessage],
+        *,
+        memory: bool,
+        skills: bool,
+    ) -> str:
         wanted = frozenset(name for name, on in (("memory", memory), ("skill_manage", skills)) if on)
         toolbox = self._toolbox(profile, lane, place, wanted)
-        writable = {"memory": toolbox.memory is not None and not toolbox.memory.read_only
-                    and toolbox.write_approval != "block",
-                    "skill_manage": toolbox.skills is not None and not toolbox.skills.read_only}
+        writable = {
+            "memory": toolbox.memory is not None and not toolbox.memory.read_only and toolbox.write_approval != "block",
+            "skill_manage": toolbox.skills is not None and not toolbox.skills.read_only,
+        }
         wanted = frozenset(name for name in wanted if writable[name])
         if not wanted or not history:
             return "skipped"
         toolbox.only = wanted
         tools = toolbox.schemas()
         messages = [_redacted(m) for m in self._wire(history)]
-        messages.append({"role": "user", "content": review_prompt(
-            memory="memory" in wanted, skills="skill_manage" in wanted, group=place.chat_type != "dm")})
+        messages.append(
+            {
+                "role": "user",
+                "content": review_prompt(
+                    memory="memory" in wanted, skills="skill_manage" in wanted, group=place.chat_type != "dm"
+                ),
+            }
+        )
         target = aux_target(self.cfg.auxiliary.review, self.cfg.llm, self.llm)
         saved = 0
         try:
@@ -228,8 +257,9 @@ def _succeeded(result: str) -> int:
         data = json.loads(result)
     except ValueError:
         return 0
-    return int(isinstance(data, dict) and data.get("success") is True and "skills" not in data
-               and "content" not in data)  # list/view are reads, not saves
+    return int(
+        isinstance(data, dict) and data.get("success") is True and "skills" not in data and "content" not in data
+    )  # list/view are reads, not saves
 
 
 __all__ = ["REVIEW_MARKER", "Reviewer", "review_prompt", "user_turns"]

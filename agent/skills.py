@@ -50,8 +50,9 @@ class SkillInfo:
 
 
 def _render(info: SkillInfo, body: str) -> str:
-    return (f"---\nname: {info.name}\ndescription: {info.description}\nvisibility: {info.visibility}\n---\n"
-            f"{body.strip()}\n")
+    return (
+        f"---\nname: {info.name}\ndescription: {info.description}\nvisibility: {info.visibility}\n---\n{body.strip()}\n"
+    )
 
 
 def _parse(name: str, text: str) -> tuple[SkillInfo, str]:
@@ -67,7 +68,9 @@ def _parse(name: str, text: str) -> tuple[SkillInfo, str]:
                     meta[key.strip().lower()] = value.strip()
             body = rest
     visibility = meta.get("visibility", "private")
-    return SkillInfo(name, meta.get("description", ""), visibility if visibility in VISIBILITIES else "private"), body.strip()
+    return SkillInfo(
+        name, meta.get("description", ""), visibility if visibility in VISIBILITIES else "private"
+    ), body.strip()
 
 
 class SkillStore:
@@ -125,8 +128,10 @@ class SkillStore:
             return _fail("Skills are read-only here; nothing was saved.")
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             return _fail("'name' must be 1-48 characters: lower-case letters, digits, '-' or '_'.")
-        for key, value, limit in (("description", description, MAX_DESCRIPTION_CHARS),
-                                  ("content", content, MAX_SKILL_CHARS)):
+        for key, value, limit in (
+            ("description", description, MAX_DESCRIPTION_CHARS),
+            ("content", content, MAX_SKILL_CHARS),
+        ):
             if value is None:
                 continue
             if not isinstance(value, str) or not value.strip():
@@ -134,8 +139,10 @@ class SkillStore:
             if len(value) > limit:
                 return _fail(f"'{key}' is {len(value):,} characters; the limit is {limit:,}. Make it shorter.")
             if (reason := first_threat(value)) is not None:
-                return _fail(f"Refused: {reason}. Skills go into the system prompt and must not contain "
-                             "injection or exfiltration payloads, or secrets.")
+                return _fail(
+                    f"Refused: {reason}. Skills go into the system prompt and must not contain "
+                    "injection or exfiltration payloads, or secrets."
+                )
         if description is not None and "\n" in description.strip():
             return _fail("'description' must be one line.")
         return None
@@ -220,8 +227,9 @@ class SkillStore:
                 return _fail("'description' and 'content' are required to create a skill.")
             return await self.create(name, description, content, visibility="shared" if shared else "private")
         if action == "update":
-            return await self.update(name, description=args.get("description"), content=args.get("content"),
-                                     shared_only=shared)
+            return await self.update(
+                name, description=args.get("description"), content=args.get("content"), shared_only=shared
+            )
         return await self.delete(name, shared_only=shared)
 
 
@@ -229,10 +237,14 @@ def render_skill_index(skills: list[SkillInfo]) -> str:
     """The skills block of the system prompt ('' when there are none)."""
     if not skills:
         return ""
-    lines = [f"- {s.name}: {s.description if first_threat(s.description) is None else '[description withheld]'}"
-             for s in skills]
-    return ("SKILLS (procedures you saved earlier; view one with skill_manage(action='view', name=...) "
-            "before following it):\n" + "\n".join(lines))
+    lines = [
+        f"- {s.name}: {s.description if first_threat(s.description) is None else '[description withheld]'}"
+        for s in skills
+    ]
+    return (
+        "SKILLS (procedures you saved earlier; view one with skill_manage(action='view', name=...) "
+        "before following it):\n" + "\n".join(lines)
+    )
 
 
 __all__ = ["MAX_SKILL_CHARS", "MAX_SKILLS", "SKILL_ACTIONS", "SkillInfo", "SkillStore", "render_skill_index"]

@@ -148,7 +148,8 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
             "secret exfiltration: network command with a secret variable",
         ),
         (
-            r"\b(?:printenv|env|set|export\s+-p)\s*\|[^\n]{0,100}?" + _NET
+            r"\b(?:printenv|env|set|export\s+-p)\s*\|[^\n]{0,100}?"
+            + _NET
             + r"|\b(?:curl|wget)\b[^\n]{0,300}(?:\$\(|`)\s*(?:printenv|env|cat)\b",
             "secret exfiltration: environment sent over the network",
         ),

@@ -141,9 +141,7 @@ class TokenCounter:
             self._fall_back(_why_missing)
 
     @classmethod
-    def create(
-        cls, logger: logging.Logger | None = None, *, encoding_name: str = DEFAULT_ENCODING
-    ) -> TokenCounter:
+    def create(cls, logger: logging.Logger | None = None, *, encoding_name: str = DEFAULT_ENCODING) -> TokenCounter:
         """Load the shipped cl100k encoding (never the network); fall back to chars/4."""
         log = logger or _log
         try:

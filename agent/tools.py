@@ -135,9 +135,11 @@ class ToolBox:
             if self.memory is None:
                 return _refused("memory is turned off in this chat")
             if self.write_approval == "block" and args.get("action") in ("add", "replace", "remove"):
-                return _refused("the operator turned memory writes off (memory.write_approval: block); "
-                                "nothing was saved and retrying won't help. Use what you know from the "
-                                "conversation instead.")
+                return _refused(
+                    "the operator turned memory writes off (memory.write_approval: block); "
+                    "nothing was saved and retrying won't help. Use what you know from the "
+                    "conversation instead."
+                )
             stage = self._stage if self.write_approval == "stage" else None
             return await self.memory.handle_tool_call(args, stage=stage)
         if name == "session_search":
@@ -149,7 +151,8 @@ class ToolBox:
     async def _stage(self, action: str, target: str, content: str | None, old_text: str | None) -> dict[str, Any]:
         assert self.memory is not None
         return await PendingWrites(self.memory.memory_dir).stage(
-            action, target, content, old_text, origin="shared" if self.shared else "private")
+            action, target, content, old_text, origin="shared" if self.shared else "private"
+        )
 
     async def _session_search(self, args: dict[str, Any]) -> str:
         query = args.get("query")

@@ -118,8 +118,13 @@ class Agent:
             return None
         scope = lane_scope(lane.kind, lane.private)
         if lane.personal_memory == "read" or scope is not profile.memory.scope:
-            return MemoryStore(profile.path, mem_cfg.memory_char_limit, mem_cfg.user_char_limit,
-                               read_only=lane.personal_memory == "read", scope=scope)
+            return MemoryStore(
+                profile.path,
+                mem_cfg.memory_char_limit,
+                mem_cfg.user_char_limit,
+                read_only=lane.personal_memory == "read",
+                scope=scope,
+            )
         return profile.memory
 
     def lane_skills(self, profile: Profile, lane: Lane) -> SkillStore | None:
@@ -128,15 +133,25 @@ class Agent:
             return None
         return SkillStore(profile.path, read_only=lane.personal_memory != "full")
 
-    def toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, memory: MemoryStore | None,
-                chat: ReminderChat | None = None) -> ToolBox:
+    def toolbox(
+        self,
+        profile: Profile,
+        lane: Lane,
+        place: ChatPlace,
+        memory: MemoryStore | None,
+        chat: ReminderChat | None = None,
+    ) -> ToolBox:
         """The tools of a turn (and of a review) in this lane, bound to the tenant's stores."""
         group = place.chat_type != "dm"
-        return ToolBox(sessions=profile.sessions, memory=memory,
-                       search_lane=lane.session_key if group else None,
-                       skills=self.lane_skills(profile, lane), shared=group or place.shared,
-                       write_approval=self.cfg.memory.write_approval,
-                       reminders=self._reminder_tool(profile, chat, group))
+        return ToolBox(
+            sessions=profile.sessions,
+            memory=memory,
+            search_lane=lane.session_key if group else None,
+            skills=self.lane_skills(profile, lane),
+            shared=group or place.shared,
+            write_approval=self.cfg.memory.write_approval,
+            reminders=self._reminder_tool(profile, chat, group),
+        )
 
     def _reminder_tool(self, profile: Profile, chat: ReminderChat | None, group: bool) -> ReminderTool | None:
         hook = self.reminder_index
@@ -164,11 +179,13 @@ class Agent:
         scope = memory.scope.name if memory is not None else "-"
         mem = self.cfg.memory
         place_hash = hashlib.sha256(place.describe().encode("utf-8", "surrogatepass")).hexdigest()[:12]
-        return (f"v{RULES_VERSION}|{mode}|{scope}|m{int(mem.memory_enabled)}u{int(mem.user_profile_enabled)}"
-                f"|{place_hash}")
+        return (
+            f"v{RULES_VERSION}|{mode}|{scope}|m{int(mem.memory_enabled)}u{int(mem.user_profile_enabled)}|{place_hash}"
+        )
 
-    async def system_message(self, session_id: str, place: ChatPlace, memory: MemoryStore | None,
-                             skills: SkillStore | None = None) -> StoredMessage:
+    async def system_message(
+        self, session_id: str, place: ChatPlace, memory: MemoryStore | None, skills: SkillStore | None = None
+    ) -> StoredMessage:
         """A fresh system prompt with a frozen snapshot of the memory files (and the skill
         index this place may see) as they are now."""
         snapshot = await memory.load_snapshot() if memory is not None else None
@@ -182,15 +199,19 @@ class Agent:
         if skills is not None:
             skill_index = render_skill_index(await skills.index(shared_only=place.chat_type != "dm"))
         text = build_system_prompt(
-            agent_name=self.cfg.agent_name, place=place, snapshot=snapshot,
+            agent_name=self.cfg.agent_name,
+            place=place,
+            snapshot=snapshot,
             memory_char_limit=self.cfg.memory.memory_char_limit,
             user_char_limit=self.cfg.memory.user_char_limit,
-            memory_writable=memory is not None and not memory.read_only
-            and self.cfg.memory.write_approval != "block",
-            skill_index=skill_index, skills_writable=skills is not None and not skills.read_only,
+            memory_writable=memory is not None and not memory.read_only and self.cfg.memory.write_approval != "block",
+            skill_index=skill_index,
+            skills_writable=skills is not None and not skills.read_only,
         )
-        stamp = {"rule": self._prompt_rule(place, memory),
-                 "keys": sorted(snapshot.keys) if snapshot is not None else []}
+        stamp = {
+            "rule": self._prompt_rule(place, memory),
+            "keys": sorted(snapshot.keys) if snapshot is not None else [],
+        }
         msg = StoredMessage(session_id=session_id, role="system", content=text, meta={"memory_stamp": stamp})
         self.tokens.count_message(msg)
         return msg
@@ -198,17 +219,20 @@ class Agent:
     async def open_session(self, profile: Profile, lane: Lane, place: ChatPlace) -> str:
         """The lane's live session, started (with its system prompt) if there is none."""
         session_id, created = await profile.sessions.get_or_start(
-            lane.session_key, source=place.platform, user_id=lane.principal, model=self.cfg.llm.model)
+            lane.session_key, source=place.platform, user_id=lane.principal, model=self.cfg.llm.model
+        )
         if created:
             await profile.sessions.append(await self._fresh_system(session_id, profile, lane, place))
         return session_id
 
     async def _fresh_system(self, session_id: str, profile: Profile, lane: Lane, place: ChatPlace) -> StoredMessage:
-        return await self.system_message(session_id, place, self.lane_memory(profile, lane),
-                                         self.lane_skills(profile, lane))
+        return await self.system_message(
+            session_id, place, self.lane_memory(profile, lane), self.lane_skills(profile, lane)
+        )
 
-    async def _refresh_prompt(self, profile: Profile, lane: Lane, place: ChatPlace, session_id: str,
-                              history: list[StoredMessage]) -> bool:
+    async def _refresh_prompt(
+        self, profile: Profile, lane: Lane, place: ChatPlace, session_id: str, history: list[StoredMessage]
+    ) -> bool:
         """Rebuild the session's system prompt when its snapshot was taken under another
         memory mode or visibility rule, or holds an entry since forgotten or unshared.
         The new prompt is appended and the old one flagged (nothing rewritten in place);
@@ -227,8 +251,9 @@ class Agent:
         fresh = await self.system_message(session_id, place, memory, self.lane_skills(profile, lane))
         if system is not None:
             fresh.meta["replaces"] = system.uid
-        await profile.sessions.compact(session_id, [system.uid] if system is not None else [], [fresh],
-                                       reason="prompt_rebuild")
+        await profile.sessions.compact(
+            session_id, [system.uid] if system is not None else [], [fresh], reason="prompt_rebuild"
+        )
         log.info("system prompt rebuilt (memory mode, visibility or forgotten entry)")
         return True
 
@@ -249,8 +274,9 @@ class Agent:
         """A session ends: review it once first when it has `memory.flush_min_turns` turns no
         review has seen (bounded by the review timeout; a failure never stops the caller)."""
         if self.reviewer.flush_due(lane, history):
-            await self.reviewer.review(profile, lane, place, history, memory=True, skills=False,
-                                       trigger="flush", wait=True)
+            await self.reviewer.review(
+                profile, lane, place, history, memory=True, skills=False, trigger="flush", wait=True
+            )
 
     async def _flush_before_compression(self, ctx: TurnContext, history: list[StoredMessage]) -> None:
         await self.flush(ctx.profile, ctx.lane, ctx.place, history)
@@ -265,17 +291,32 @@ class Agent:
         session_id = await profile.sessions.route(lane.session_key)
         if session_id is None:
             return "There's no conversation to compress yet."
-        ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=_no_notice,
-                          provider_access=self.provider_access(lane))
+        ctx = TurnContext(
+            profile=profile,
+            lane=lane,
+            place=place,
+            session_id=session_id,
+            memory=self.lane_memory(profile, lane),
+            notify=_no_notice,
+            provider_access=self.provider_access(lane),
+        )
         history = await profile.sessions.history(session_id)
         outcome = await self.compression.compress_guarded(ctx, history, trigger="manual", focus=focus)
         return outcome.feedback()
 
     # ----- the turn -------------------------------------------------------------------
-    async def run_turn(self, profile: Profile, lane: Lane, place: ChatPlace, inputs: list[UserInput],
-                       notify: Notify = _no_notice, *, stop: asyncio.Event | None = None,
-                       on_text: OnText | None = None, chat: ReminderChat | None = None) -> TurnResult:
+    async def run_turn(
+        self,
+        profile: Profile,
+        lane: Lane,
+        place: ChatPlace,
+        inputs: list[UserInput],
+        notify: Notify = _no_notice,
+        *,
+        stop: asyncio.Event | None = None,
+        on_text: OnText | None = None,
+        chat: ReminderChat | None = None,
+    ) -> TurnResult:
         """Answer `inputs`. `stop` ends the turn early (the partial answer is kept, flagged
         `interrupted`); `on_text` makes the model stream and gets the answer so far."""
         session_id = await self.open_session(profile, lane, place)
@@ -295,16 +336,24 @@ class Agent:
         new_msgs = []
         for item in fresh:
             content = f"[{item.user_name}]: {item.text}" if place.shared and item.user_name else item.text
-            msg = StoredMessage(session_id=session_id, role="user", content=content, uid=item.uid,
-                                meta=dict(item.meta))
+            msg = StoredMessage(session_id=session_id, role="user", content=content, uid=item.uid, meta=dict(item.meta))
             self.tokens.count_message(msg)
             new_msgs.append(msg)
         if new_msgs:
             await store.append_many(new_msgs)
             history.extend(new_msgs)
-        ctx = TurnContext(profile=profile, lane=lane, place=place, session_id=session_id,
-                          memory=self.lane_memory(profile, lane), notify=notify, stop=stop, on_text=on_text,
-                          chat=chat, provider_access=self.provider_access(lane))
+        ctx = TurnContext(
+            profile=profile,
+            lane=lane,
+            place=place,
+            session_id=session_id,
+            memory=self.lane_memory(profile, lane),
+            notify=notify,
+            stop=stop,
+            on_text=on_text,
+            chat=chat,
+            provider_access=self.provider_access(lane),
+        )
         ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
         try:
             text = await self._tool_loop(ctx, history)
@@ -388,8 +437,12 @@ class Agent:
             if result.usage is not None:
                 await store.add_usage(ctx.session_id, result.usage.prompt_tokens, result.usage.completion_tokens)
             assistant = StoredMessage(
-                session_id=ctx.session_id, role="assistant", content=result.content,
-                tool_calls=result.tool_calls if tools else None, finish_reason=result.finish_reason)
+                session_id=ctx.session_id,
+                role="assistant",
+                content=result.content,
+                tool_calls=result.tool_calls if tools else None,
+                finish_reason=result.finish_reason,
+            )
             self.tokens.count_message(assistant)
             if not assistant.tool_calls:
                 text = (result.content or "").strip() or "(no answer)"
@@ -405,8 +458,9 @@ class Agent:
                 out = await toolbox.call(name, args)
                 if name == "memory" and ctx.profile.provider is not None:
                     await self._provider_memory_write(ctx, args, out)
-                tool_msg = StoredMessage(session_id=ctx.session_id, role="tool", content=out,
-                                         tool_call_id=call.get("id"), tool_name=name)
+                tool_msg = StoredMessage(
+                    session_id=ctx.session_id, role="tool", content=out, tool_call_id=call.get("id"), tool_name=name
+                )
                 self.tokens.count_message(tool_msg)
                 outputs.append(tool_msg)
             await store.append_many(outputs)
@@ -421,8 +475,13 @@ class Agent:
         text = ctx.partial.strip()
         # without a partial answer a marker is stored, so the next turn does not answer the
         # stopped request as if it were still open
-        msg = StoredMessage(session_id=ctx.session_id, role="assistant", content=text or STOPPED_MARKER,
-                            finish_reason="interrupted", meta={"interrupted": True})
+        msg = StoredMessage(
+            session_id=ctx.session_id,
+            role="assistant",
+            content=text or STOPPED_MARKER,
+            finish_reason="interrupted",
+            meta={"interrupted": True},
+        )
         self.tokens.count_message(msg)
         await ctx.profile.sessions.append(msg)
         history.append(msg)
@@ -468,7 +527,8 @@ class Agent:
             action = str(data.get("action", ""))
             text = data.get("old_text") if action == "remove" else data.get("content")
             await ctx.profile.provider.on_memory_write(
-                action, str(data.get("target", "")), str(text or ""), visibility=ctx.provider_access.mark)
+                action, str(data.get("target", "")), str(text or ""), visibility=ctx.provider_access.mark
+            )
         except Exception:
             log.exception("memory provider on_memory_write failed")
 
@@ -502,7 +562,8 @@ class Agent:
                         continue
                 err.user_message = (
                     "This conversation has grown too long for the model. Send /compress to shrink "
-                    "it or /new to start a fresh one (your memory is kept).")
+                    "it or /new to start a fresh one (your memory is kept)."
+                )
                 raise
             await comp.after_response(ctx, result.usage)
             return result

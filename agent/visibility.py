@@ -89,8 +89,11 @@ class Marks:
             return {}
         if not isinstance(data, dict):
             return {}
-        return {t: {k: v for k, v in m.items() if v in ("private", "shared")}
-                for t, m in data.get("entries", {}).items() if isinstance(m, dict)}
+        return {
+            t: {k: v for k, v in m.items() if v in ("private", "shared")}
+            for t, m in data.get("entries", {}).items()
+            if isinstance(m, dict)
+        }
 
     def save(self, marks: dict[str, dict[str, str]]) -> None:
         body = {"version": 1, "entries": {t: dict(sorted(m.items())) for t, m in sorted(marks.items()) if m}}
@@ -173,8 +176,9 @@ def memory_lock(memory_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def set_mark(memory_dir: Path, target: str, entry: str, value: Visibility,
-             read_entries: Callable[[str], list[str]]) -> bool:
+def set_mark(
+    memory_dir: Path, target: str, entry: str, value: Visibility, read_entries: Callable[[str], list[str]]
+) -> bool:
     """Mark one entry (`/memory share|unshare`); False when the entry is gone meanwhile."""
     with memory_lock(memory_dir):
         if entry not in read_entries(target):

@@ -42,8 +42,9 @@ async def _fill(dsn: str, schema: str, messages: int, lanes: int) -> None:
         await migrate(pool)
         for i in range(messages):
             lane = f"lane-{i % lanes}"
-            await record_inbound(pool, Inbound("telegram", f"chat-{lane}", str(i), lane, f"tenant-{lane}",
-                                               {"text": f"message {i}"}))
+            await record_inbound(
+                pool, Inbound("telegram", f"chat-{lane}", str(i), lane, f"tenant-{lane}", {"text": f"message {i}"})
+            )
     finally:
         await pool.close()
 
@@ -72,8 +73,14 @@ async def _node(dsn: str, schema: str, node_id: str, ready: mp.Queue, go: mp.Eve
         await pool.close()
 
 
-def _node_process(dsn: str, schema: str, node_id: str, ready: mp.Queue, go: mp.Event,  # type: ignore[valid-type]
-                  out: mp.Queue) -> None:
+def _node_process(
+    dsn: str,
+    schema: str,
+    node_id: str,
+    ready: mp.Queue,
+    go: mp.Event,  # type: ignore[valid-type]
+    out: mp.Queue,
+) -> None:
     out.put(asyncio.run(_node(dsn, schema, node_id, ready, go)))
 
 
@@ -87,8 +94,9 @@ def one_run(dsn: str, nodes: int, messages: int, lanes: int) -> float:
         out: mp.Queue = ctx.Queue()
         ready: mp.Queue = ctx.Queue()
         go = ctx.Event()
-        procs = [ctx.Process(target=_node_process, args=(dsn, schema, f"node-{i}", ready, go, out))
-                 for i in range(nodes)]
+        procs = [
+            ctx.Process(target=_node_process, args=(dsn, schema, f"node-{i}", ready, go, out)) for i in range(nodes)
+        ]
         for p in procs:
             p.start()
         for _ in procs:
@@ -116,12 +124,17 @@ def main() -> None:
     args = ap.parse_args()
     with psycopg.connect(args.dsn) as conn:
         version = conn.execute("SHOW server_version").fetchone()[0]
-    print(f"PostgreSQL {version}, {os.cpu_count()} CPUs, {args.messages} messages in {args.lanes} lanes, "
-          f"median of {args.runs} runs")
+    print(
+        f"PostgreSQL {version}, {os.cpu_count()} CPUs, {args.messages} messages in {args.lanes} lanes, "
+        f"median of {args.runs} runs"
+    )
     for nodes in (1, 2, 3):
         rates = [one_run(args.dsn, nodes, args.messages, args.lanes) for _ in range(args.runs)]
-        print(f"{nodes} node(s): {statistics.median(rates):7.0f} messages/s  "
-              f"(min {min(rates):.0f}, max {max(rates):.0f})", flush=True)
+        print(
+            f"{nodes} node(s): {statistics.median(rates):7.0f} messages/s  "
+            f"(min {min(rates):.0f}, max {max(rates):.0f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

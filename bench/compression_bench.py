@@ -59,13 +59,15 @@ from agent.messages import StoredMessage  # noqa: E402
 from agent.tokens import TokenCounter  # noqa: E402
 from gateway.config import parse_config  # noqa: E402
 
-WORDS = ("the a to of and in is it you that for on with as this be are have not was but at can "
-         "what about your my we they so if do there from how would just one all time like more "
-         "trip booking museum kyoto garden recipe tomato budget meeting friday doctor appointment "
-         "invoice password reminder birthday sister project deadline train ticket hotel flight "
-         "weather umbrella marathon training knee physio schedule dentist groceries pasta basil "
-         "garlic olive oil lemon coffee tea chamomile novel chapter poem guitar chord lesson "
-         "spanish vocabulary verb tense bicycle repair tyre chain brake mortgage rate bank loan").split()
+WORDS = (
+    "the a to of and in is it you that for on with as this be are have not was but at can "
+    "what about your my we they so if do there from how would just one all time like more "
+    "trip booking museum kyoto garden recipe tomato budget meeting friday doctor appointment "
+    "invoice password reminder birthday sister project deadline train ticket hotel flight "
+    "weather umbrella marathon training knee physio schedule dentist groceries pasta basil "
+    "garlic olive oil lemon coffee tea chamomile novel chapter poem guitar chord lesson "
+    "spanish vocabulary verb tense bicycle repair tyre chain brake mortgage rate bank loan"
+).split()
 
 
 def sentence(rng: random.Random, n: int) -> str:
@@ -95,14 +97,30 @@ def build_history(target_tokens: int, counter: TokenCounter, seed: int = 7) -> l
                 if earlier_results and rng.random() < 0.1:
                     result = rng.choice(earlier_results)
                 else:
-                    hits = [{"session_id": "2026_x", "role": rng.choice(["user", "assistant"]),
-                             "snippet": sentence(rng, rng.randint(15, 40)), "timestamp": 1.7e9 + i,
-                             "uid": f"u{call_n}-{i}", "active": True, "compacted": False}
-                            for i in range(rng.randint(3, 10))]
+                    hits = [
+                        {
+                            "session_id": "2026_x",
+                            "role": rng.choice(["user", "assistant"]),
+                            "snippet": sentence(rng, rng.randint(15, 40)),
+                            "timestamp": 1.7e9 + i,
+                            "uid": f"u{call_n}-{i}",
+                            "active": True,
+                            "compacted": False,
+                        }
+                        for i in range(rng.randint(3, 10))
+                    ]
                     result = json.dumps({"success": True, "count": len(hits), "results": hits})
                     earlier_results.append(result)
-            turn.append(StoredMessage(sid, "assistant", None, tool_calls=[
-                {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]))
+            turn.append(
+                StoredMessage(
+                    sid,
+                    "assistant",
+                    None,
+                    tool_calls=[
+                        {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+                    ],
+                )
+            )
             turn.append(StoredMessage(sid, "tool", result, tool_call_id=cid, tool_name=name))
         turn.append(StoredMessage(sid, "assistant", sentence(rng, rng.randint(50, 300))))
         for m in turn:
@@ -144,20 +162,36 @@ def bench_size(target: int, counter: TokenCounter, repeat: int) -> dict[str, Any
     t_view, items = best_of(repeat, lambda: comp.view(history))
     t_prune, (pruned, stats) = best_of(
         repeat,
-        lambda its: prune_tool_results(its, protect_tail_count=ccfg.protect_last_n, protect_tail_tokens=budget,
-                                       tokens=comp._tok, min_prune_chars=ccfg.min_prune_chars),
-        prepare=lambda: comp.view(history))
+        lambda its: prune_tool_results(
+            its,
+            protect_tail_count=ccfg.protect_last_n,
+            protect_tail_tokens=budget,
+            tokens=comp._tok,
+            min_prune_chars=ccfg.min_prune_chars,
+        ),
+        prepare=lambda: comp.view(history),
+    )
 
     def boundaries(its: list[dict]) -> tuple[int, int]:
         start = align_forward(its, protect_head_size(its, ccfg.protect_first_n))
-        end = find_tail_cut(its, start, budget=budget, protect_last_n=ccfg.protect_last_n,
-                            min_tail_user_messages=ccfg.min_tail_user_messages, tokens=comp._tok)
+        end = find_tail_cut(
+            its,
+            start,
+            budget=budget,
+            protect_last_n=ccfg.protect_last_n,
+            min_tail_user_messages=ccfg.min_tail_user_messages,
+            tokens=comp._tok,
+        )
         return start, end
 
     t_bounds, (start, end) = best_of(repeat, boundaries, prepare=lambda: list(pruned))
     middle = pruned[start:end]
-    t_serial, prompt = best_of(repeat, lambda: build_summary_prompt(
-        serialize_for_summary(middle), previous_summary=None, focus=None, budget_tokens=2000))
+    t_serial, prompt = best_of(
+        repeat,
+        lambda: build_summary_prompt(
+            serialize_for_summary(middle), previous_summary=None, focus=None, budget_tokens=2000
+        ),
+    )
     t_fallback, fallback = best_of(repeat, lambda: build_fallback_summary(middle))
 
     # a turn that does not compress: wire + estimate, and the cached context count
@@ -179,24 +213,47 @@ def bench_size(target: int, counter: TokenCounter, repeat: int) -> dict[str, Any
     after = sum(comp._tok(it) for it in pruned)
     non_llm = t_view + t_prune + t_bounds + t_serial
     return {
-        "target_tokens": target, "history_tokens": tokens, "messages": len(history),
-        "chars": sum(len(m.content or "") for m in history), "build_s": round(build_s, 2),
-        "tail_budget": budget, "head_end": start, "tail_start": end, "middle_messages": end - start,
+        "target_tokens": target,
+        "history_tokens": tokens,
+        "messages": len(history),
+        "chars": sum(len(m.content or "") for m in history),
+        "build_s": round(build_s, 2),
+        "tail_budget": budget,
+        "head_end": start,
+        "tail_start": end,
+        "middle_messages": end - start,
         "ms": {
-            "view": t_view * 1e3, "prune": t_prune * 1e3, "boundaries": t_bounds * 1e3,
-            "serialise": t_serial * 1e3, "non_llm_total": non_llm * 1e3, "fallback_summary": t_fallback * 1e3,
-            "turn_wire": t_wire * 1e3, "turn_estimate": t_estimate * 1e3, "turn_cached_count": t_cached * 1e3,
+            "view": t_view * 1e3,
+            "prune": t_prune * 1e3,
+            "boundaries": t_bounds * 1e3,
+            "serialise": t_serial * 1e3,
+            "non_llm_total": non_llm * 1e3,
+            "fallback_summary": t_fallback * 1e3,
+            "turn_wire": t_wire * 1e3,
+            "turn_estimate": t_estimate * 1e3,
+            "turn_cached_count": t_cached * 1e3,
             "full_recount": t_recount * 1e3,
         },
-        "us_per_1k_tokens": {"non_llm_total": non_llm * 1e6 / (tokens / 1000),
-                             "turn_check": (t_wire + t_estimate) * 1e6 / (tokens / 1000),
-                             "full_recount": t_recount * 1e6 / (tokens / 1000)},
-        "prune": {"tokens_before": before, "tokens_after": after, "saved": before - after,
-                  "saved_pct": 100.0 * (before - after) / before if before else 0.0,
-                  "duplicates": stats.duplicates, "summarised": stats.summarised,
-                  "args_truncated": stats.args_truncated, "pressure": stats.pressure},
-        "summary_prompt_chars": len(prompt), "fallback_chars": len(fallback),
-        "estimate": estimate, "cached_count": cached, "recount": recounted,
+        "us_per_1k_tokens": {
+            "non_llm_total": non_llm * 1e6 / (tokens / 1000),
+            "turn_check": (t_wire + t_estimate) * 1e6 / (tokens / 1000),
+            "full_recount": t_recount * 1e6 / (tokens / 1000),
+        },
+        "prune": {
+            "tokens_before": before,
+            "tokens_after": after,
+            "saved": before - after,
+            "saved_pct": 100.0 * (before - after) / before if before else 0.0,
+            "duplicates": stats.duplicates,
+            "summarised": stats.summarised,
+            "args_truncated": stats.args_truncated,
+            "pressure": stats.pressure,
+        },
+        "summary_prompt_chars": len(prompt),
+        "fallback_chars": len(fallback),
+        "estimate": estimate,
+        "cached_count": cached,
+        "recount": recounted,
     }
 
 
@@ -204,29 +261,87 @@ def table(results: list[dict[str, Any]]) -> str:
     def row(cells: list[str]) -> str:
         return "| " + " | ".join(cells) + " |"
 
-    lines = [row(["history", "messages", "view", "prune", "boundaries", "serialise", "non-LLM total",
-                  "µs / 1k tok", "fallback summary"]),
-             row(["---"] * 9)]
+    lines = [
+        row(
+            [
+                "history",
+                "messages",
+                "view",
+                "prune",
+                "boundaries",
+                "serialise",
+                "non-LLM total",
+                "µs / 1k tok",
+                "fallback summary",
+            ]
+        ),
+        row(["---"] * 9),
+    ]
     for r in results:
         ms = r["ms"]
-        lines.append(row([f"{r['history_tokens']:,} tok", f"{r['messages']:,}", f"{ms['view']:.1f} ms",
-                          f"{ms['prune']:.1f} ms", f"{ms['boundaries']:.1f} ms", f"{ms['serialise']:.1f} ms",
-                          f"{ms['non_llm_total']:.1f} ms", f"{r['us_per_1k_tokens']['non_llm_total']:.1f}",
-                          f"{ms['fallback_summary']:.1f} ms"]))
-    lines += ["", row(["history", "turn without compression: wire + estimate", "cached count (/usage)",
-                       "full tokenizer recount", "recount / turn check"]), row(["---"] * 5)]
+        lines.append(
+            row(
+                [
+                    f"{r['history_tokens']:,} tok",
+                    f"{r['messages']:,}",
+                    f"{ms['view']:.1f} ms",
+                    f"{ms['prune']:.1f} ms",
+                    f"{ms['boundaries']:.1f} ms",
+                    f"{ms['serialise']:.1f} ms",
+                    f"{ms['non_llm_total']:.1f} ms",
+                    f"{r['us_per_1k_tokens']['non_llm_total']:.1f}",
+                    f"{ms['fallback_summary']:.1f} ms",
+                ]
+            )
+        )
+    lines += [
+        "",
+        row(
+            [
+                "history",
+                "turn without compression: wire + estimate",
+                "cached count (/usage)",
+                "full tokenizer recount",
+                "recount / turn check",
+            ]
+        ),
+        row(["---"] * 5),
+    ]
     for r in results:
         ms = r["ms"]
         turn = ms["turn_wire"] + ms["turn_estimate"]
-        lines.append(row([f"{r['history_tokens']:,} tok", f"{turn:.1f} ms", f"{ms['turn_cached_count']:.1f} ms",
-                          f"{ms['full_recount']:.0f} ms", f"{ms['full_recount'] / turn:.0f}x"]))
-    lines += ["", row(["history", "tokens before", "after pruning", "saved", "dedup", "summarised",
-                       "args cut", "tail pressure"]), row(["---"] * 8)]
+        lines.append(
+            row(
+                [
+                    f"{r['history_tokens']:,} tok",
+                    f"{turn:.1f} ms",
+                    f"{ms['turn_cached_count']:.1f} ms",
+                    f"{ms['full_recount']:.0f} ms",
+                    f"{ms['full_recount'] / turn:.0f}x",
+                ]
+            )
+        )
+    lines += [
+        "",
+        row(["history", "tokens before", "after pruning", "saved", "dedup", "summarised", "args cut", "tail pressure"]),
+        row(["---"] * 8),
+    ]
     for r in results:
         p = r["prune"]
-        lines.append(row([f"{r['history_tokens']:,} tok", f"{p['tokens_before']:,}", f"{p['tokens_after']:,}",
-                          f"{p['saved']:,} ({p['saved_pct']:.0f}%)", str(p["duplicates"]), str(p["summarised"]),
-                          str(p["args_truncated"]), str(p["pressure"])]))
+        lines.append(
+            row(
+                [
+                    f"{r['history_tokens']:,} tok",
+                    f"{p['tokens_before']:,}",
+                    f"{p['tokens_after']:,}",
+                    f"{p['saved']:,} ({p['saved_pct']:.0f}%)",
+                    str(p["duplicates"]),
+                    str(p["summarised"]),
+                    str(p["args_truncated"]),
+                    str(p["pressure"]),
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -243,18 +358,25 @@ def main(argv: list[str] | None = None) -> int:
     for size in (int(s) for s in args.sizes.split(",")):
         r = bench_size(size, counter, args.repeat)
         results.append(r)
-        print(f"{r['history_tokens']:,} tokens: non-LLM {r['ms']['non_llm_total']:.1f} ms, "
-              f"turn check {r['ms']['turn_wire'] + r['ms']['turn_estimate']:.1f} ms, "
-              f"full recount {r['ms']['full_recount']:.0f} ms", file=sys.stderr)
-    print(f"python {platform.python_version()} on {platform.machine()}, tokenizer "
-          f"{counter.encoding_name or 'chars/4'}, best of {args.repeat}\n")
+        print(
+            f"{r['history_tokens']:,} tokens: non-LLM {r['ms']['non_llm_total']:.1f} ms, "
+            f"turn check {r['ms']['turn_wire'] + r['ms']['turn_estimate']:.1f} ms, "
+            f"full recount {r['ms']['full_recount']:.0f} ms",
+            file=sys.stderr,
+        )
+    print(
+        f"python {platform.python_version()} on {platform.machine()}, tokenizer "
+        f"{counter.encoding_name or 'chars/4'}, best of {args.repeat}\n"
+    )
     print(table(results))
     if len(results) > 1:
         a, b = results[0], results[-1]
         size_ratio = b["history_tokens"] / a["history_tokens"]
-        print(f"\nscaling {a['history_tokens']:,} -> {b['history_tokens']:,} tokens (x{size_ratio:.1f}): "
-              f"non-LLM x{b['ms']['non_llm_total'] / a['ms']['non_llm_total']:.1f}, "
-              f"turn check x{(b['ms']['turn_wire'] + b['ms']['turn_estimate']) / (a['ms']['turn_wire'] + a['ms']['turn_estimate']):.1f}")
+        print(
+            f"\nscaling {a['history_tokens']:,} -> {b['history_tokens']:,} tokens (x{size_ratio:.1f}): "
+            f"non-LLM x{b['ms']['non_llm_total'] / a['ms']['non_llm_total']:.1f}, "
+            f"turn check x{(b['ms']['turn_wire'] + b['ms']['turn_estimate']) / (a['ms']['turn_wire'] + a['ms']['turn_estimate']):.1f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

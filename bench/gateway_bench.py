@@ -129,8 +129,9 @@ class FakeLLMProcess:
         self.base_url = ""
 
     def __enter__(self) -> "FakeLLMProcess":
-        self.proc = subprocess.Popen([sys.executable, "-c", FAKE_LLM_SERVER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", FAKE_LLM_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert self.proc.stdout is not None
         self.base_url = self.proc.stdout.readline().strip()
         if not self.base_url.startswith("http"):
@@ -283,13 +284,15 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
     from gateway.config import parse_config
     from tenancy import profiles as profiles_mod
 
-    cfg = parse_config({
-        "data_dir": str(data_dir),
-        "llm": {"base_url": base_url, "model": "bench-model", "max_retries": 0, "timeout_s": 60},
-        "storage": {"fsync": args.fsync},
-        "tenancy": {"max_open_profiles": args.max_open},
-        "limits": {"rate_limit_per_minute": 1_000_000},
-    })
+    cfg = parse_config(
+        {
+            "data_dir": str(data_dir),
+            "llm": {"base_url": base_url, "model": "bench-model", "max_retries": 0, "timeout_s": 60},
+            "storage": {"fsync": args.fsync},
+            "tenancy": {"max_open_profiles": args.max_open},
+            "limits": {"rate_limit_per_minute": 1_000_000},
+        }
+    )
     llm = TimedLLM(base_url, "bench-model", timeout_s=60, max_retries=0)
     adapter = BenchAdapter()
     app = GatewayApp(cfg, [adapter], llm=llm)
@@ -301,6 +304,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
     orig_open = getattr(pm, "_open_profile", None)
     orig_close = getattr(getattr(profiles_mod, "Profile", None), "close", None)
     if orig_open is not None:
+
         async def timed_open(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
@@ -311,6 +315,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
 
         pm._open_profile = timed_open  # type: ignore[method-assign]
     if orig_close is not None:
+
         async def timed_close(self: Any) -> Any:
             t0 = time.perf_counter()
             try:
@@ -338,9 +343,15 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
     async def one(run: Run, t: int, i: int) -> None:
         user = tenant_user(t)
         mid = f"m{next(msg_ids)}"
-        msg = InboundMessage(platform=PLATFORM, chat_id=f"dm-{user}", chat_type="dm", user_id=user,
-                             user_name=f"User {t}", message_id=mid,
-                             text=f"Hello, this is message {i + 1} from tenant {t}. How are you? [{mid}]")
+        msg = InboundMessage(
+            platform=PLATFORM,
+            chat_id=f"dm-{user}",
+            chat_type="dm",
+            user_id=user,
+            user_name=f"User {t}",
+            message_id=mid,
+            text=f"Hello, this is message {i + 1} from tenant {t}. How are you? [{mid}]",
+        )
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         adapter.waiting[mid] = fut
         assert adapter.sink is not None
@@ -405,7 +416,9 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
             await app.drain(60)
             over = run.overheads()
             probes[name] = {
-                "turns": len(over), "overhead_p50_ms": ms(pct(over, 50)), "overhead_p99_ms": ms(pct(over, 99)),
+                "turns": len(over),
+                "overhead_p50_ms": ms(pct(over, 50)),
+                "overhead_p99_ms": ms(pct(over, 99)),
                 "llm_p50_ms": ms(pct([llm.times.get(k, 0.0) for k in run.turns], 50)),
                 "profile_opens": churn["opens"] - before["opens"],
                 "storage_calls_per_turn": round((getattr(pool, "calls", 0) - calls_before) / max(len(over), 1), 2),
@@ -498,8 +511,15 @@ class RawTenant:
 
     def store(self, uid: str, role: str, content: str, fsync: str) -> None:
         ts = time.time()
-        line = {"type": "message", "uid": uid, "session_id": self.sid, "role": role, "content": content,
-                "timestamp": ts, "meta": {}}
+        line = {
+            "type": "message",
+            "uid": uid,
+            "session_id": self.sid,
+            "role": role,
+            "content": content,
+            "timestamp": ts,
+            "meta": {},
+        }
         os.write(self.fd, (json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n").encode())
         if fsync == "always":
             os.fsync(self.fd)
@@ -508,7 +528,9 @@ class RawTenant:
         self.db.execute("BEGIN IMMEDIATE")
         self.db.execute(
             "INSERT INTO messages(uid, session_id, role, content, timestamp, token_count, active, compacted, meta)"
-            " VALUES (?, ?, ?, ?, ?, ?, 1, 0, '{}')", (uid, self.sid, role, content, ts, len(content) // 4))
+            " VALUES (?, ?, ?, ?, ?, ?, 1, 0, '{}')",
+            (uid, self.sid, role, content, ts, len(content) // 4),
+        )
         self.db.execute("COMMIT")
 
     def close(self) -> None:
@@ -568,8 +590,7 @@ async def run_raw(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         with table:
             tenants[t] = rt  # most recently used last
         n = next(counter)
-        rt.store(f"in-{n}", "user", f"Hello, this is message {i + 1} from tenant {t}. How are you? [m{n}]",
-                 args.fsync)
+        rt.store(f"in-{n}", "user", f"Hello, this is message {i + 1} from tenant {t}. How are you? [m{n}]", args.fsync)
         rt.store(f"out-{n}", "assistant", "ok, noted.", args.fsync)
 
     async def worker() -> None:
@@ -589,8 +610,14 @@ async def run_raw(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for rt in tenants.values():
         rt.close()
     turns = len(work)
-    return {"turns": turns, "messages": 2 * turns, "elapsed_s": round(elapsed, 3),
-            "messages_per_s": round(2 * turns / elapsed, 1), "max_open": max_open, "reopened": reopened}
+    return {
+        "turns": turns,
+        "messages": 2 * turns,
+        "elapsed_s": round(elapsed, 3),
+        "messages_per_s": round(2 * turns / elapsed, 1),
+        "max_open": max_open,
+        "reopened": reopened,
+    }
 
 
 # --------------------------------------------------------------------------- machine
@@ -613,8 +640,15 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"nproc": os.cpu_count(), "cpu": cpu, "memory": mem, "python": platform.python_version(),
-            "sqlite": sqlite3.sqlite_version, "loadavg_start": os.getloadavg(), "git": git_state()}
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "memory": mem,
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "loadavg_start": os.getloadavg(),
+        "git": git_state(),
+    }
 
 
 def disk_info(path: Path) -> str:
@@ -643,10 +677,15 @@ def git_state() -> str:
     if os.environ.get("HERMES_BENCH_CODE"):  # a copy of the tree outside git (see run_suite.py)
         return os.environ["HERMES_BENCH_CODE"]
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.split("\n")
         n = sum(1 for line in dirty if line.strip())
         return f"{head}{f' + {n} modified file(s)' if n else ''}" if head else "unknown"
     except (OSError, subprocess.SubprocessError):
@@ -657,23 +696,33 @@ def git_state() -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tenants", type=int, default=1000)
     p.add_argument("--messages", type=int, default=5, help="messages per tenant")
     p.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     p.add_argument("--concurrency", type=int, default=64, help="conversations in flight at once")
     p.add_argument("--max-open", type=int, default=256, help="tenancy.max_open_profiles (default: shipped 256)")
     p.add_argument("--order", choices=("interleaved", "grouped"), default="interleaved")
-    p.add_argument("--probe", type=int, default=200,
-                   help="turns of the unloaded (concurrency 1) overhead probe after the load; 0 = skip")
+    p.add_argument(
+        "--probe",
+        type=int,
+        default=200,
+        help="turns of the unloaded (concurrency 1) overhead probe after the load; 0 = skip",
+    )
     p.add_argument("--no-raw", action="store_true", help="skip the raw storage ceiling")
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help="parent dir for the temp data dirs (default: system temp); removed afterwards")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="parent dir for the temp data dirs (default: system temp); removed afterwards",
+    )
     p.add_argument("--keep", action="store_true", help="keep the data dirs")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    p.add_argument("--profile", type=Path, default=None,
-                   help="write a cProfile of the gateway phase to this file (slows it down)")
+    p.add_argument(
+        "--profile", type=Path, default=None, help="write a cProfile of the gateway phase to this file (slows it down)"
+    )
     return p.parse_args(argv)
 
 
@@ -697,13 +746,20 @@ def report(res: dict[str, Any]) -> str:
         f"turn wall p50 {g['wall_p50_ms']:.2f} ms, p99 {g['wall_p99_ms']:.2f} ms",
     ]
     if "later_rounds_turns_per_s" in g:
-        lines.append(f"rounds   : first round (every tenant's profile created) {g['first_round_turns_per_s']:.0f} turns/s, "
-                     f"later rounds {g['later_rounds_turns_per_s']:.0f} turns/s")
+        lines.append(
+            f"rounds   : first round (every tenant's profile created) {g['first_round_turns_per_s']:.0f} turns/s, "
+            f"later rounds {g['later_rounds_turns_per_s']:.0f} turns/s"
+        )
     for name, pr in g["probes"].items():
-        what = ("warm: profile open" if name == "warm"
-                else "cold: profile closed by the LRU, reopened (and another closed) in the turn")
-        lines.append(f"unloaded : p50 {pr['overhead_p50_ms']:.2f} ms, p99 {pr['overhead_p99_ms']:.2f} ms overhead per turn "
-                     f"({pr['turns']} turns at concurrency 1, {what}; llm p50 {pr['llm_p50_ms']:.2f} ms)")
+        what = (
+            "warm: profile open"
+            if name == "warm"
+            else "cold: profile closed by the LRU, reopened (and another closed) in the turn"
+        )
+        lines.append(
+            f"unloaded : p50 {pr['overhead_p50_ms']:.2f} ms, p99 {pr['overhead_p99_ms']:.2f} ms overhead per turn "
+            f"({pr['turns']} turns at concurrency 1, {what}; llm p50 {pr['llm_p50_ms']:.2f} ms)"
+        )
     lines += [
         f"profiles : {g['profile_opens']} opens ({g['profile_open_ms_mean']:.2f} ms mean), {g['profile_closes']} "
         f"closes ({g['profile_close_ms_mean']:.2f} ms mean) during the load; {g['open_profiles_after_load']} open after it",
@@ -711,8 +767,10 @@ def report(res: dict[str, Any]) -> str:
         f"peak threads {g['peak_threads']}, peak fds {g['peak_fds']}",
     ]
     if r:
-        lines.append(f"raw      : {r['messages']} messages in {r['elapsed_s']:.2f} s = {r['messages_per_s']:.0f} "
-                     f"messages/s (journal append + 1 SQLite insert per message, same fsync, same concurrency)")
+        lines.append(
+            f"raw      : {r['messages']} messages in {r['elapsed_s']:.2f} s = {r['messages_per_s']:.0f} "
+            f"messages/s (journal append + 1 SQLite insert per message, same fsync, same concurrency)"
+        )
         lines.append(f"share    : gateway reaches {100 * res['share_of_raw']:.1f}% of the raw ceiling")
     problems = []
     if g["failures"]:
@@ -727,15 +785,18 @@ def report(res: dict[str, Any]) -> str:
     if left:
         problems.append(f"left over after stop: {left}")
     if res.get("warnings"):
-        problems.append(f"{sum(res['warnings'].values())} warning/error log records: "
-                        + "; ".join(list(res["warnings"])[:3]))
+        problems.append(
+            f"{sum(res['warnings'].values())} warning/error log records: " + "; ".join(list(res["warnings"])[:3])
+        )
     lines.append("problems : " + ("; ".join(problems) if problems else "none"))
     return "\n".join(lines)
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                              "machine": machine_info()}
+    result: dict[str, Any] = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine_info(),
+    }
     warn = WarnCounter()
     logging.getLogger().addHandler(warn)
     logging.getLogger().setLevel(logging.WARNING)
@@ -748,6 +809,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         with FakeLLMProcess() as fake:
             if args.profile is not None:
                 import cProfile
+
                 prof = cProfile.Profile()
                 prof.enable()
                 result["gateway"] = await run_gateway(args, root / "gateway", fake.base_url)

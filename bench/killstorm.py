@@ -72,8 +72,14 @@ class StormResult:
     details: list[str] = field(default_factory=list)
 
     def targets_met(self) -> bool:
-        return (self.lost == 0 and self.dup_other == 0 and self.dup_window_discord == 0
-                and self.order_violations == 0 and self.journal_mismatches == 0 and self.integrity_failures == 0)
+        return (
+            self.lost == 0
+            and self.dup_other == 0
+            and self.dup_window_discord == 0
+            and self.order_violations == 0
+            and self.journal_mismatches == 0
+            and self.integrity_failures == 0
+        )
 
 
 def _responder(rng: random.Random):
@@ -89,29 +95,53 @@ def _responder(rng: random.Random):
         if "remember" in text and "memory" in offered:
             return tool_call("memory", {"action": "add", "target": "memory", "content": f"note {token}"})
         return reply(f"ok: {token}")
+
     return respond
 
 
 def _config(path: Path, data: Path, llm: FakeLLM, tg: FakeTelegram, dc: FakeDiscord) -> None:
-    path.write_text(json.dumps({
-        "data_dir": str(data),
-        "llm": {"base_url": llm.base_url, "model": "fake", "timeout_s": 10, "max_retries": 2},
-        "storage": {"fsync": "batch"},
-        "limits": {"rate_limit_per_minute": 10_000, "max_queued_turns": 1000},
-        "delivery": {"retry_initial_s": 0.2, "retry_max_s": 1.0},
-        "logging": {"level": "WARNING"},
-        "platforms": {
-            "telegram": {"enabled": True, "token_env": "HERMES_STORM_TG", "base_url": tg.base_url,
-                         "poll_timeout_s": 1},
-            "discord": {"enabled": True, "token_env": "HERMES_STORM_DC", "api_base": dc.api_base,
-                        "gateway_url": dc.gateway_url, "sync_slash_commands": False},
-        },
-    }))  # JSON is YAML
+    path.write_text(
+        json.dumps(
+            {
+                "data_dir": str(data),
+                "llm": {"base_url": llm.base_url, "model": "fake", "timeout_s": 10, "max_retries": 2},
+                "storage": {"fsync": "batch"},
+                "limits": {"rate_limit_per_minute": 10_000, "max_queued_turns": 1000},
+                "delivery": {"retry_initial_s": 0.2, "retry_max_s": 1.0},
+                "logging": {"level": "WARNING"},
+                "platforms": {
+                    "telegram": {
+                        "enabled": True,
+                        "token_env": "HERMES_STORM_TG",
+                        "base_url": tg.base_url,
+                        "poll_timeout_s": 1,
+                    },
+                    "discord": {
+                        "enabled": True,
+                        "token_env": "HERMES_STORM_DC",
+                        "api_base": dc.api_base,
+                        "gateway_url": dc.gateway_url,
+                        "sync_slash_commands": False,
+                    },
+                },
+            }
+        )
+    )  # JSON is YAML
 
 
 class Storm:
-    def __init__(self, workdir: Path, *, cycles: int, people: int, seed: int, min_up: float, max_up: float,
-                 interval: float, say=print) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        cycles: int,
+        people: int,
+        seed: int,
+        min_up: float,
+        max_up: float,
+        interval: float,
+        say=print,
+    ) -> None:
         self.workdir, self.cycles, self.people, self.seed = workdir, cycles, people, seed
         self.min_up, self.max_up, self.interval, self.say = min_up, max_up, interval, say
         self.rng = random.Random(seed)
@@ -130,14 +160,13 @@ class Storm:
         async with FakeLLM() as llm, FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg, FakeDiscord() as dc:
             llm.responder = _responder(random.Random(self.seed + 1))
             _config(config, data, llm, tg, dc)
-            env = dict(os.environ, HERMES_STORM_TG=TG_TOKEN, HERMES_STORM_DC=dc.token,
-                       PYTHONPATH=str(ROOT))
+            env = dict(os.environ, HERMES_STORM_TG=TG_TOKEN, HERMES_STORM_DC=dc.token, PYTHONPATH=str(ROOT))
             self.tg, self.dc = tg, dc
             n_dc = max(2, self.people // 3)
             n_tg = self.people - n_dc
             self.tg_users = [5000 + i for i in range(n_tg)]
             self.groups = [-1002000000001, -1002000000002]
-            self.group_members = {g: self.tg_users[i::len(self.groups)][:4] for i, g in enumerate(self.groups)}
+            self.group_members = {g: self.tg_users[i :: len(self.groups)][:4] for i, g in enumerate(self.groups)}
             self.dc_users = [dc.add_user(f"storm{i}") for i in range(n_dc)]
             traffic = asyncio.create_task(self._traffic())
             log = open(self.workdir / "gateway.log", "ab")
@@ -177,8 +206,9 @@ class Storm:
     async def _spawn(self, env: dict[str, str], config: Path, log) -> asyncio.subprocess.Process:
         t0, calls = time.monotonic(), len(self.tg.calls)
         self._polling = asyncio.Event()
-        proc = await asyncio.create_subprocess_exec(str(BIN), "run", "-c", str(config), env=env,
-                                                    stdout=log, stderr=log, cwd=str(self.workdir))
+        proc = await asyncio.create_subprocess_exec(
+            str(BIN), "run", "-c", str(config), env=env, stdout=log, stderr=log, cwd=str(self.workdir)
+        )
         asyncio.create_task(self._time_restart(t0, calls))
         return proc
 
@@ -339,10 +369,20 @@ class Storm:
                 con.close()
 
 
-async def storm(workdir: Path, *, cycles: int = 100, people: int = 24, seed: int = 1, min_up: float = 0.4,
-                max_up: float = 2.5, interval: float = 0.15, say=print) -> StormResult:
-    return await Storm(workdir, cycles=cycles, people=people, seed=seed, min_up=min_up, max_up=max_up,
-                       interval=interval, say=say).run()
+async def storm(
+    workdir: Path,
+    *,
+    cycles: int = 100,
+    people: int = 24,
+    seed: int = 1,
+    min_up: float = 0.4,
+    max_up: float = 2.5,
+    interval: float = 0.15,
+    say=print,
+) -> StormResult:
+    return await Storm(
+        workdir, cycles=cycles, people=people, seed=seed, min_up=min_up, max_up=max_up, interval=interval, say=say
+    ).run()
 
 
 def _spread(values: list[float]) -> str:
@@ -361,15 +401,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     import logging
+
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # a killed gateway's half requests
     with tempfile.TemporaryDirectory(prefix="killstorm-") as tmp:
-        r = asyncio.run(storm(Path(tmp), cycles=args.cycles, people=args.people, seed=args.seed,
-                                  interval=args.interval))
-    print(f"kills {r.cycles}, people {r.people}, inputs {r.inputs} (telegram {r.inputs_telegram}, discord "
-          f"{r.inputs_discord}; discord missed while down {r.discord_missed}), answers {r.answers}, {r.seconds} s")
-    print(f"lost {r.lost}; duplicated: window telegram {r.dup_window_telegram}, window discord "
-          f"{r.dup_window_discord}, other {r.dup_other}; order violations {r.order_violations}; "
-          f"journal/SQLite mismatches {r.journal_mismatches}; integrity_check failures {r.integrity_failures}")
+        r = asyncio.run(
+            storm(Path(tmp), cycles=args.cycles, people=args.people, seed=args.seed, interval=args.interval)
+        )
+    print(
+        f"kills {r.cycles}, people {r.people}, inputs {r.inputs} (telegram {r.inputs_telegram}, discord "
+        f"{r.inputs_discord}; discord missed while down {r.discord_missed}), answers {r.answers}, {r.seconds} s"
+    )
+    print(
+        f"lost {r.lost}; duplicated: window telegram {r.dup_window_telegram}, window discord "
+        f"{r.dup_window_discord}, other {r.dup_other}; order violations {r.order_violations}; "
+        f"journal/SQLite mismatches {r.journal_mismatches}; integrity_check failures {r.integrity_failures}"
+    )
     print(f"telegram window (accepted -> SIGKILL) ms: {_spread(r.window_ms)}")
     print(f"restart (spawn -> polling) s: {_spread(r.restart_s)}")
     for line in r.details[:30]:

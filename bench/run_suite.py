@@ -25,8 +25,16 @@ CONFIGS = [(1000, 5), (10000, 2)]
 
 
 def run_once(tenants: int, messages: int, extra: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, str(HERE / "gateway_bench.py"), "--tenants", str(tenants), "--messages", str(messages),
-           "--json", *extra]
+    cmd = [
+        sys.executable,
+        str(HERE / "gateway_bench.py"),
+        "--tenants",
+        str(tenants),
+        "--messages",
+        str(messages),
+        "--json",
+        *extra,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -57,14 +65,23 @@ def spread(values: list[float], fmt: str) -> str:
 
 
 def table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
-    cols = [("turns/s", "turns_s", "{:.0f}"), ("share of raw", "share", "{:.1f} %"),
-            ("raw msg/s", "raw_msg_s", "{:.0f}"), ("CPU / turn", "cpu_ms", "{:.2f} ms"),
-            ("of it in storage calls", "storage_cpu_ms", "{:.2f} ms"),
-            ("unloaded overhead p50: open", "warm_ms", "{:.2f} ms"), ("reopened", "cold_ms", "{:.2f} ms"),
-            ("storage calls / warm turn", "warm_calls", "{:.2f}"), ("threads at peak", "threads", "{:.0f}"),
-            ("peak RSS", "rss_mib", "{:.0f} MiB"), ("peak fds", "fds", "{:.0f}")]
-    lines = ["| tenants × msgs | runs | " + " | ".join(c[0] for c in cols) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in cols) + " |"]
+    cols = [
+        ("turns/s", "turns_s", "{:.0f}"),
+        ("share of raw", "share", "{:.1f} %"),
+        ("raw msg/s", "raw_msg_s", "{:.0f}"),
+        ("CPU / turn", "cpu_ms", "{:.2f} ms"),
+        ("of it in storage calls", "storage_cpu_ms", "{:.2f} ms"),
+        ("unloaded overhead p50: open", "warm_ms", "{:.2f} ms"),
+        ("reopened", "cold_ms", "{:.2f} ms"),
+        ("storage calls / warm turn", "warm_calls", "{:.2f}"),
+        ("threads at peak", "threads", "{:.0f}"),
+        ("peak RSS", "rss_mib", "{:.0f} MiB"),
+        ("peak fds", "fds", "{:.0f}"),
+    ]
+    lines = [
+        "| tenants × msgs | runs | " + " | ".join(c[0] for c in cols) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in cols) + " |",
+    ]
     for (t, m), runs in results.items():
         figs = [figures(r) for r in runs]
         cells = [spread([f[key] for f in figs], fmt) for _, key, fmt in cols]
@@ -79,8 +96,10 @@ def problems(results: dict[tuple[int, int], list[dict[str, Any]]]) -> list[str]:
             g = r["gateway"]
             bad = {k: v for k, v in g["leftovers"].items() if v}
             if g["failures"] or not g["drained"] or bad or r.get("warnings"):
-                out.append(f"{t}×{m}: failures {g['failures']}, drained {g['drained']}, leftovers {bad}, "
-                           f"warnings {list(r.get('warnings', {}))[:2]}")
+                out.append(
+                    f"{t}×{m}: failures {g['failures']}, drained {g['drained']}, leftovers {bad}, "
+                    f"warnings {list(r.get('warnings', {}))[:2]}"
+                )
     return out
 
 
@@ -98,12 +117,14 @@ def main() -> int:
             results[(tenants, messages)].append(run_once(tenants, messages, extra))
     any_run = results[CONFIGS[0]][0]
     m = any_run["machine"]
-    head = (f"Machine: {m['nproc']} vCPU ({m['cpu']}), {m['memory']}, Python {m['python']}, SQLite {m['sqlite']}, "
-            f"{any_run.get('disk', '?')}. Code: {m['git']}. {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, "
-            f"{(time.time() - t0) / 60:.1f} min; load average {load0:.2f} at the start, "
-            f"{os.getloadavg()[0]:.2f} at the end (the machine is shared: wall-clock figures are noisy, "
-            "CPU / turn is the steadier one). Median of the runs, min–max in brackets; `fsync: batch`, "
-            "64 in flight, `max_open_profiles: 256`, zero-latency model in another process.")
+    head = (
+        f"Machine: {m['nproc']} vCPU ({m['cpu']}), {m['memory']}, Python {m['python']}, SQLite {m['sqlite']}, "
+        f"{any_run.get('disk', '?')}. Code: {m['git']}. {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, "
+        f"{(time.time() - t0) / 60:.1f} min; load average {load0:.2f} at the start, "
+        f"{os.getloadavg()[0]:.2f} at the end (the machine is shared: wall-clock figures are noisy, "
+        "CPU / turn is the steadier one). Median of the runs, min–max in brackets; `fsync: batch`, "
+        "64 in flight, `max_open_profiles: 256`, zero-latency model in another process."
+    )
     body = head + "\n\n" + table(results)
     issues = problems(results)
     body += "\n\nProblems: " + ("; ".join(issues) if issues else "none (no failure, warning or leftover in any run).")

@@ -50,6 +50,7 @@ class AdminError(Exception):
 
 # ----- the run lock -----------------------------------------------------------------------
 
+
 class RunLock:
     """`<data_dir>/gateway.lock`, held (flock) by a running gateway and by admin commands
     that change data. Released when the holder exits, however it exits."""
@@ -68,7 +69,8 @@ class RunLock:
             raise AdminError(
                 f"{self.path.parent} is in use: a hermes-gateway `run`, `chat` or admin command holds "
                 f"{self.path}. Stop the gateway first (systemctl stop hermes-gateway, or docker compose stop) "
-                f"or quit that chat, then run {what} again. Exports and backups work while it runs.") from None
+                f"or quit that chat, then run {what} again. Exports and backups work while it runs."
+            ) from None
         self._fd = fd
         return self
 
@@ -101,6 +103,7 @@ def gateway_running(data_dir: Path) -> bool:
 
 # ----- finding tenants ----------------------------------------------------------------------
 
+
 @dataclass
 class TenantInfo:
     tenant_id: str
@@ -128,17 +131,26 @@ def tenant_info(path: Path) -> TenantInfo:
     except (OSError, ValueError, AttributeError):
         pass
     tid = manifest.get("tenant_id") if isinstance(manifest.get("tenant_id"), str) else path.name
-    return TenantInfo(tenant_id=tid, dir_name=path.name, path=path, kind=str(manifest.get("kind", "person")),
-                      principals=[p for p in manifest.get("principals", []) if isinstance(p, str)],
-                      created_at=manifest.get("created_at"), merged_into=merged)
+    return TenantInfo(
+        tenant_id=tid,
+        dir_name=path.name,
+        path=path,
+        kind=str(manifest.get("kind", "person")),
+        principals=[p for p in manifest.get("principals", []) if isinstance(p, str)],
+        created_at=manifest.get("created_at"),
+        merged_into=merged,
+    )
 
 
 def scan_profiles(data_dir: Path) -> list[TenantInfo]:
     root = Path(data_dir) / "profiles"
     if not root.is_dir():
         return []
-    return [tenant_info(p) for p in sorted(root.iterdir())
-            if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")]
+    return [
+        tenant_info(p)
+        for p in sorted(root.iterdir())
+        if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")
+    ]
 
 
 def load_links(cfg: Config) -> IdentityLinks:
@@ -187,19 +199,22 @@ def find_tenant(cfg: Config, ref: str) -> TenantInfo:
     if len(owners) == 1:
         return owners[0]
     if len(owners) > 1:
-        raise AdminError(f"{ref} appears in several profiles: {', '.join(i.tenant_id for i in owners)}; "
-                         "name the tenant id instead")
+        raise AdminError(
+            f"{ref} appears in several profiles: {', '.join(i.tenant_id for i in owners)}; name the tenant id instead"
+        )
     try:
         path = tenant_dir(cfg.data_dir, ref)
     except (TypeError, ValueError):
         path = None
     if path is not None and path.is_dir():
         return tenant_info(path)
-    raise AdminError(f"no profile found for {ref!r} under {cfg.data_dir / 'profiles'} "
-                     "(see `hermes-gateway profiles list`)")
+    raise AdminError(
+        f"no profile found for {ref!r} under {cfg.data_dir / 'profiles'} (see `hermes-gateway profiles list`)"
+    )
 
 
 # ----- reading a profile --------------------------------------------------------------------
+
 
 def _connect_ro(db: Path) -> sqlite3.Connection:
     try:
@@ -247,9 +262,13 @@ def session_rows(path: Path) -> list[dict[str, Any]]:
     conn = _connect_ro(db)
     conn.row_factory = sqlite3.Row
     try:
-        return [dict(r) for r in conn.execute(
-            "SELECT id, session_key, started_at, ended_at, end_reason, parent_session_id, message_count, "
-            "input_tokens, output_tokens, compressions FROM sessions ORDER BY started_at, id")]
+        return [
+            dict(r)
+            for r in conn.execute(
+                "SELECT id, session_key, started_at, ended_at, end_reason, parent_session_id, message_count, "
+                "input_tokens, output_tokens, compressions FROM sessions ORDER BY started_at, id"
+            )
+        ]
     finally:
         conn.close()
 
@@ -269,10 +288,15 @@ def _when(ts: float | None) -> str:
 
 # ----- copying --------------------------------------------------------------------------------
 
+
 def _skip(rel: Path) -> bool:
     name = rel.name
-    return (name == ".lock" or name.endswith(".tmp") or (len(rel.parts) == 1 and name in _STATE_FILES)
-            or name.startswith(".tenant.json."))
+    return (
+        name == ".lock"
+        or name.endswith(".tmp")
+        or (len(rel.parts) == 1 and name in _STATE_FILES)
+        or name.startswith(".tenant.json.")
+    )
 
 
 def copy_profile_files(src: Path, dst: Path) -> list[str]:
@@ -371,6 +395,7 @@ def _write_tar(src_dir: Path, out: Path) -> None:
 
 # ----- gateway.db traces ------------------------------------------------------------------------
 
+
 def _kv_principals(key: str, value: str) -> set[str]:
     """Every principal a gateway.db kv row is about (a link request names two)."""
     found = {_kv_principal(key, value)} - {None}
@@ -387,7 +412,7 @@ def _kv_principals(key: str, value: str) -> set[str]:
 def _kv_principal(key: str, value: str) -> str | None:
     for prefix in _PRINCIPAL_KEYS:
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     if key.startswith(("pairing:", "link-code:")):
         try:
             data = json.loads(value)
@@ -413,16 +438,16 @@ def paired_principals(data_dir: Path, principals: Iterable[str]) -> list[str]:
         return []
     conn = _connect_ro(db)
     try:
-        return [p for p in principals
-                if conn.execute("SELECT 1 FROM kv WHERE key=?", (f"paired:{p}",)).fetchone()]
+        return [p for p in principals if conn.execute("SELECT 1 FROM kv WHERE key=?", (f"paired:{p}",)).fetchone()]
     except sqlite3.Error:
         return []
     finally:
         conn.close()
 
 
-def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str, str]],
-                     tenant_id: str | None = None) -> int:
+def scrub_gateway_db(
+    data_dir: Path, principals: set[str], chats: set[tuple[str, str]], tenant_id: str | None = None
+) -> int:
     """Remove a tenant's traces from gateway.db: kv rows naming its principals, inbox and
     outbox rows of its DM chats (or pending rows from its principals), then VACUUM so no freed page
     keeps them. The gateway must be stopped."""
@@ -446,10 +471,11 @@ def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str,
                 removed += conn.execute("DELETE FROM reminder_due WHERE tenant_id=?", (tenant_id,)).rowcount
             if "inbound" in tables:
                 for platform, chat in chats:
-                    removed += conn.execute("DELETE FROM inbound WHERE platform=? AND chat_id=?",
-                                            (platform, chat)).rowcount
+                    removed += conn.execute(
+                        "DELETE FROM inbound WHERE platform=? AND chat_id=?", (platform, chat)
+                    ).rowcount
                 for platform, chat, mid, payload in conn.execute(
-                        "SELECT platform, chat_id, message_id, payload FROM inbound WHERE payload IS NOT NULL"
+                    "SELECT platform, chat_id, message_id, payload FROM inbound WHERE payload IS NOT NULL"
                 ).fetchall():
                     try:
                         data = json.loads(payload)
@@ -457,13 +483,15 @@ def scrub_gateway_db(data_dir: Path, principals: set[str], chats: set[tuple[str,
                     except (ValueError, AttributeError):
                         continue
                     if who in principals:
-                        conn.execute("DELETE FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
-                                     (platform, chat, mid))
+                        conn.execute(
+                            "DELETE FROM inbound WHERE platform=? AND chat_id=? AND message_id=?", (platform, chat, mid)
+                        )
                         removed += 1
             if "outbox" in tables:  # the chunks addressed to its chats (sent or not)
                 for platform, chat in chats:
-                    removed += conn.execute("DELETE FROM outbox WHERE platform=? AND chat_id=?",
-                                            (platform, chat)).rowcount
+                    removed += conn.execute(
+                        "DELETE FROM outbox WHERE platform=? AND chat_id=?", (platform, chat)
+                    ).rowcount
         conn.execute("VACUUM")
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
@@ -484,6 +512,7 @@ def _kv_put(data_dir: Path, items: dict[str, str]) -> None:
 
 
 # ----- export / restore of one profile --------------------------------------------------------
+
 
 def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Path:
     """One .tar.gz with everything the tenant owns: EXPORT.json, profile/tenant.json,
@@ -510,8 +539,12 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
                 conn.close()
         files = copy_profile_files(info.path, stage)
         manifest = {
-            "format": EXPORT_FORMAT, "version": 1, "exported_at": time.time(),
-            "tenant_id": info.tenant_id, "dir_name": info.dir_name, "kind": info.kind,
+            "format": EXPORT_FORMAT,
+            "version": 1,
+            "exported_at": time.time(),
+            "tenant_id": info.tenant_id,
+            "dir_name": info.dir_name,
+            "kind": info.kind,
             "principals": principals,
             "link": {"name": link_name, "principals": links.principals_of(link_name)} if link_name else None,
             "paired": paired_principals(cfg.data_dir, principals),
@@ -576,13 +609,15 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
             tid = manifest["tenant_id"]
             target = tenant_dir(cfg.data_dir, tid)
             if manifest.get("dir_name") not in (None, target.name):
-                raise AdminError(f"{archive}: tenant {tid!r} belongs in {target.name}, the archive says "
-                                 f"{manifest.get('dir_name')}")
+                raise AdminError(
+                    f"{archive}: tenant {tid!r} belongs in {target.name}, the archive says {manifest.get('dir_name')}"
+                )
             stage = Path(tmp) / "profile"
             problems = archive_problems(cfg, manifest, read_manifest(stage), target)
             if problems and not force:
-                raise AdminError(f"{archive}: refusing to restore: " + "; ".join(problems)
-                                 + ". Use --force to restore anyway.")
+                raise AdminError(
+                    f"{archive}: refusing to restore: " + "; ".join(problems) + ". Use --force to restore anyway."
+                )
             if target.exists() and any(target.iterdir()):
                 if not force:
                     raise AdminError(f"{tid} already has a profile at {target}; use --force to replace it")
@@ -602,8 +637,9 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
                 if current is None:
                     links.link(link["name"], p)
                 elif current != link["name"]:
-                    print(f"warning: {p} is now linked to {current!r}; not re-linked to {link['name']!r}",
-                          file=sys.stderr)
+                    print(
+                        f"warning: {p} is now linked to {current!r}; not re-linked to {link['name']!r}", file=sys.stderr
+                    )
             links.save()
         paired = manifest.get("paired") or []
         if paired:
@@ -612,6 +648,7 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
 
 
 # ----- delete -----------------------------------------------------------------------------------
+
 
 @dataclass
 class DeleteReport:
@@ -714,8 +751,10 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
         raise AdminError(f"--keep must be at least 1 (got {keep})")
     directory = Path(dest)
     if directory.name.endswith((".tar.gz", ".tgz")) and not directory.is_dir():
-        raise AdminError(f"backup writes a timestamped archive inside a directory; give the directory "
-                         f"(e.g. {directory.parent}), not an archive name")
+        raise AdminError(
+            f"backup writes a timestamped archive inside a directory; give the directory "
+            f"(e.g. {directory.parent}), not an archive name"
+        )
     if directory.exists() and not directory.is_dir():
         raise AdminError(f"{directory} is a file; backup needs a directory to put the archive in")
     private_mkdir(directory)
@@ -723,12 +762,23 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
     with tempfile.TemporaryDirectory(prefix=".hermes-backup-", dir=dest.parent) as tmp:
         stage = Path(tmp) / "data"
         stage.mkdir(mode=0o700)
-        report: dict[str, Any] = {"format": BACKUP_FORMAT, "version": 1, "created_at": time.time(),
-                                  "source": str(data_dir), "profiles": 0, "databases": []}
+        report: dict[str, Any] = {
+            "format": BACKUP_FORMAT,
+            "version": 1,
+            "created_at": time.time(),
+            "source": str(data_dir),
+            "profiles": 0,
+            "databases": [],
+        }
         for entry in sorted(data_dir.iterdir()):  # gateway.db, links.json, anything a future version adds
             name = entry.name
-            if name.startswith(".") or name == LOCK_NAME or not entry.is_file() or entry.is_symlink() \
-                    or name.endswith(("-wal", "-shm", "-journal", ".tmp")):
+            if (
+                name.startswith(".")
+                or name == LOCK_NAME
+                or not entry.is_file()
+                or entry.is_symlink()
+                or name.endswith(("-wal", "-shm", "-journal", ".tmp"))
+            ):
                 continue
             if name.endswith(".db"):
                 sqlite_backup(entry, stage / name)
@@ -754,8 +804,9 @@ def restore_data_dir(src: Path, data_dir: Path) -> dict[str, Any]:
     """Restore a `backup` (directory or archive) into an empty data directory."""
     src, data_dir = Path(src), Path(data_dir)
     if data_dir.exists() and any(p.name != LOCK_NAME for p in data_dir.iterdir()):
-        raise AdminError(f"{data_dir} is not empty; restore goes into an empty data directory "
-                         "(move the old one aside first)")
+        raise AdminError(
+            f"{data_dir} is not empty; restore goes into an empty data directory (move the old one aside first)"
+        )
     private_mkdir(data_dir)
     with RunLock(data_dir).acquire("`restore`"):
         with tempfile.TemporaryDirectory(prefix=".hermes-restore-", dir=data_dir) as tmp:
@@ -787,6 +838,7 @@ def restore_data_dir(src: Path, data_dir: Path) -> dict[str, Any]:
 
 # ----- the command line -----------------------------------------------------------------------
 
+
 def _check_owner(cfg: Config) -> None:
     """Refuse to run as root on a data directory owned by the service user: files root
     creates (SQLite -shm/-wal, restored profiles) would lock the gateway out."""
@@ -795,8 +847,10 @@ def _check_owner(cfg: Config) -> None:
     except FileNotFoundError:
         return
     if os.geteuid() == 0 and owner != 0:
-        raise AdminError(f"{cfg.data_dir} belongs to uid {owner}; run this as that user "
-                         f"(e.g. sudo -u hermes-gateway hermes-gateway ...) so new files stay readable by the gateway")
+        raise AdminError(
+            f"{cfg.data_dir} belongs to uid {owner}; run this as that user "
+            f"(e.g. sudo -u hermes-gateway hermes-gateway ...) so new files stay readable by the gateway"
+        )
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -814,8 +868,15 @@ def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
     for info in scan_profiles(cfg.data_dir):
         stats = profile_stats(info.path)
         principals = live_principals(links, info)
-        rows.append({"tenant": info.tenant_id, "kind": info.kind, "principals": principals, **stats,
-                     **({"merged_into": info.merged_into} if info.merged_into else {})})
+        rows.append(
+            {
+                "tenant": info.tenant_id,
+                "kind": info.kind,
+                "principals": principals,
+                **stats,
+                **({"merged_into": info.merged_into} if info.merged_into else {}),
+            }
+        )
     if args.json:
         _print_json(rows)
         return 0
@@ -824,9 +885,16 @@ def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
         return 0
     header = ("TENANT", "PRINCIPALS", "SESSIONS", "MESSAGES", "DISK", "LAST ACTIVITY (UTC)")
     table = [header] + [
-        (r["tenant"] + (f" (merged into {r['merged_into']})" if r.get("merged_into") else ""),
-         ",".join(r["principals"]) or "-", str(r["sessions"]), str(r["messages"]),
-         _human_bytes(r["disk_bytes"]), _when(r["last_activity"])) for r in rows]
+        (
+            r["tenant"] + (f" (merged into {r['merged_into']})" if r.get("merged_into") else ""),
+            ",".join(r["principals"]) or "-",
+            str(r["sessions"]),
+            str(r["messages"]),
+            _human_bytes(r["disk_bytes"]),
+            _when(r["last_activity"]),
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -846,15 +914,26 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
             text = ""
         entries = [e for e in text.split("\n§\n") if e.strip()]
         memory[target] = {"entries": len(entries), "chars": len(text)}
-    provider_files = sorted(str(p.relative_to(info.path)) for p in (info.path / "provider").rglob("*")
-                            if p.is_file()) if (info.path / "provider").is_dir() else []
+    provider_files = (
+        sorted(str(p.relative_to(info.path)) for p in (info.path / "provider").rglob("*") if p.is_file())
+        if (info.path / "provider").is_dir()
+        else []
+    )
     principals = live_principals(links, info)
     linked = sorted({links.name_for(p) for p in principals} - {None})
-    data = {"tenant": info.tenant_id, "directory": str(info.path), "kind": info.kind,
-            "principals": principals, "created_at": info.created_at,
-            "links": {n: links.principals_of(n) for n in linked}, **stats, "memory": memory,
-            "provider_files": provider_files, "sessions_detail": session_rows(info.path),
-            **({"merged_into": info.merged_into} if info.merged_into else {})}
+    data = {
+        "tenant": info.tenant_id,
+        "directory": str(info.path),
+        "kind": info.kind,
+        "principals": principals,
+        "created_at": info.created_at,
+        "links": {n: links.principals_of(n) for n in linked},
+        **stats,
+        "memory": memory,
+        "provider_files": provider_files,
+        "sessions_detail": session_rows(info.path),
+        **({"merged_into": info.merged_into} if info.merged_into else {}),
+    }
     if args.json:
         _print_json(data)
         return 0
@@ -868,8 +947,10 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
     print(f"created:       {_when(info.created_at)}")
     print(f"last activity: {_when(stats['last_activity'])}")
     print(f"disk use:      {_human_bytes(stats['disk_bytes'])}")
-    print(f"memory:        MEMORY.md {memory['memory']['entries']} entries / {memory['memory']['chars']} chars, "
-          f"USER.md {memory['user']['entries']} entries / {memory['user']['chars']} chars")
+    print(
+        f"memory:        MEMORY.md {memory['memory']['entries']} entries / {memory['memory']['chars']} chars, "
+        f"USER.md {memory['user']['entries']} entries / {memory['user']['chars']} chars"
+    )
     print(f"provider:      {_count(len(provider_files), 'file', 'files')}")
     print(f"sessions:      {stats['sessions']} ({stats['messages']} messages)")
     for s in data["sessions_detail"]:
@@ -889,8 +970,10 @@ def cmd_profiles_path(cfg: Config, args: argparse.Namespace) -> int:
             raise
         tenant = load_links(cfg).tenant_for(args.principal) or person_tenant_id(platform, user)
         path = tenant_dir(cfg.data_dir, tenant)
-        print(f"note: {args.principal} has no profile yet; it will be created there on their first message",
-              file=sys.stderr)
+        print(
+            f"note: {args.principal} has no profile yet; it will be created there on their first message",
+            file=sys.stderr,
+        )
     print(path.resolve())
     return 0
 
@@ -910,10 +993,12 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
         RunLock(cfg.data_dir).acquire("`profiles delete`")  # raises the explanation
     stats = profile_stats(info.path)
     members = live_principals(load_links(cfg), info)
-    print(f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
-          f"{_count(stats['sessions'], 'session', 'sessions')}, {_count(stats['messages'], 'message', 'messages')}, "
-          f"memory, provider data, "
-          f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db.")
+    print(
+        f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
+        f"{_count(stats['sessions'], 'session', 'sessions')}, {_count(stats['messages'], 'message', 'messages')}, "
+        f"memory, provider data, "
+        f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db."
+    )
     if not args.yes:
         if not sys.stdin.isatty():
             print("Refusing without confirmation: run it in a terminal, or pass --yes.", file=sys.stderr)
@@ -923,12 +1008,16 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
             print("Not confirmed; nothing was deleted.")
             return 1
     report = delete_tenant(cfg, info)
-    print(f"deleted {report.tenant_id}: {_count(len(report.removed_dirs), 'profile directory', 'profile directories')}, "
-          f"{_count(len(report.links_removed), 'link entry', 'link entries')}, "
-          f"{_count(report.gateway_rows, 'gateway.db row', 'gateway.db rows')}")
+    print(
+        f"deleted {report.tenant_id}: {_count(len(report.removed_dirs), 'profile directory', 'profile directories')}, "
+        f"{_count(len(report.links_removed), 'link entry', 'link entries')}, "
+        f"{_count(report.gateway_rows, 'gateway.db row', 'gateway.db rows')}"
+    )
     if report.pinned:
-        print(f"note: {', '.join(report.pinned)} are linked in the config file (tenancy.identity_links); "
-              "remove them there too.")
+        print(
+            f"note: {', '.join(report.pinned)} are linked in the config file (tenancy.identity_links); "
+            "remove them there too."
+        )
     return 0
 
 
@@ -936,8 +1025,10 @@ def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     info = restore_profile(cfg, Path(args.archive), force=args.force)
     stats = profile_stats(info.path)
-    print(f"restored {info.tenant_id} to {info.path}: {_count(stats['sessions'], 'session', 'sessions')}, "
-          f"{_count(stats['messages'], 'message', 'messages')}")
+    print(
+        f"restored {info.tenant_id} to {info.path}: {_count(stats['sessions'], 'session', 'sessions')}, "
+        f"{_count(stats['messages'], 'message', 'messages')}"
+    )
     return 0
 
 
@@ -951,8 +1042,10 @@ def cmd_backup(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_restore(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     report = restore_data_dir(Path(args.src), cfg.data_dir)
-    print(f"restored {_count(report.get('profiles', 0), 'profile', 'profiles')} into {cfg.data_dir} "
-          f"(backup of {_when(report.get('created_at'))} UTC)")
+    print(
+        f"restored {_count(report.get('profiles', 0), 'profile', 'profiles')} into {cfg.data_dir} "
+        f"(backup of {_when(report.get('created_at'))} UTC)"
+    )
     return 0
 
 
@@ -961,8 +1054,7 @@ def cmd_health(cfg: Config, args: argparse.Namespace) -> int:
 
     listen = args.listen or cfg.observability.listen
     if not listen:
-        print("observability.listen is not set in the config; there is no health endpoint to ask.",
-              file=sys.stderr)
+        print("observability.listen is not set in the config; there is no health endpoint to ask.", file=sys.stderr)
         return 2
     status, body = probe_health(listen, timeout=args.timeout)
     if not args.quiet:
@@ -977,6 +1069,7 @@ def _guard(fn: Any) -> Any:
         except AdminError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
+
     return run
 
 
@@ -1006,17 +1099,25 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=_guard(cmd_profiles_delete))
     p = psub.add_parser("restore", help="put back a profile from a `profiles export` archive (gateway stopped)")
     p.add_argument("archive", help="a .tar.gz written by `profiles export`")
-    p.add_argument("--force", action="store_true",
-                   help="replace an existing profile of the same tenant, and restore links and pairings the "
-                        "archive's own tenant.json does not vouch for")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing profile of the same tenant, and restore links and pairings the "
+        "archive's own tenant.json does not vouch for",
+    )
     p.set_defaults(handler=_guard(cmd_profiles_restore))
     for p in psub.choices.values():
         p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)
 
     p = sub.add_parser("backup", help="consistent archive of the whole data directory (works while running)")
     p.add_argument("dest", help="directory for the timestamped archive (created if missing)")
-    p.add_argument("--keep", type=int, default=None, metavar="N",
-                   help="then delete all but the newest N archives in that directory")
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="then delete all but the newest N archives in that directory",
+    )
     p.set_defaults(handler=_guard(cmd_backup))
     p = sub.add_parser("restore", help="restore a `backup` into an empty data directory (gateway stopped)")
     p.add_argument("src", help="backup archive (or a backup directory of an older version)")

@@ -93,8 +93,9 @@ class _Notifier:
             await self.app.edit(self.msg, self._progress, text)  # the deliverer falls back to a new message
             self._progress = None
             return
-        ids = await self.app.send(self.msg, text, kind="notice" if kind.startswith("progress") else "error",
-                                  reply=False)
+        ids = await self.app.send(
+            self.msg, text, kind="notice" if kind.startswith("progress") else "error", reply=False
+        )
         if kind == "progress" and len(ids) == 1:
             self._progress = ids[0]
 
@@ -102,8 +103,14 @@ class _Notifier:
 class GatewayApp:
     """The running gateway; build it with adapters and (for tests) an LLM client."""
 
-    def __init__(self, cfg: Config, adapters: Sequence[Adapter] = (), *, llm: LLMClient | None = None,
-                 tokens: TokenCounter | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        adapters: Sequence[Adapter] = (),
+        *,
+        llm: LLMClient | None = None,
+        tokens: TokenCounter | None = None,
+    ) -> None:
         self.cfg = cfg
         self.adapters: dict[str, Adapter] = {a.platform: a for a in adapters}
         self.inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
@@ -111,9 +118,14 @@ class GatewayApp:
         self.links = IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
         self.storage_pool = StoragePool(cfg.storage.io_threads)
         self.profiles = ProfileManager(
-            cfg.data_dir, max_open=cfg.tenancy.max_open_profiles, fsync=cfg.storage.fsync,
-            memory_char_limit=cfg.memory.memory_char_limit, user_char_limit=cfg.memory.user_char_limit,
-            provider_kind=cfg.memory.provider, pool=self.storage_pool)
+            cfg.data_dir,
+            max_open=cfg.tenancy.max_open_profiles,
+            fsync=cfg.storage.fsync,
+            memory_char_limit=cfg.memory.memory_char_limit,
+            user_char_limit=cfg.memory.user_char_limit,
+            provider_kind=cfg.memory.provider,
+            pool=self.storage_pool,
+        )
         self._own_llm = llm is None
         self.llm = llm or LLMClient.from_config(cfg.llm)
         self.tokens = tokens or TokenCounter.create(log)
@@ -133,18 +145,23 @@ class GatewayApp:
         # busy_mode collect/interrupt: messages queued behind a running turn are answered together
         coalesce_ms = cfg.limits.coalesce_burst_ms
         self.lanes: Lanes[Job] = Lanes(
-            self._run_lane, max_queued=cfg.limits.max_queued_turns,
+            self._run_lane,
+            max_queued=cfg.limits.max_queued_turns,
             coalesce=self._mergeable if cfg.limits.busy_mode != "queue" else None,
-            coalesce_wait_s=coalesce_ms / 1000)
+            coalesce_wait_s=coalesce_ms / 1000,
+        )
         self._background: set[asyncio.Task] = set()  # replies sent outside an adapter's sink
         self._turn_stops: dict[str, asyncio.Event] = {}  # lane key -> stop event of its running turn
         self.reminders = ReminderScheduler(lambda: self.inbox.db, cfg.data_dir, self._submit_reminder)
         self.agent.reminder_index = self.reminders.note  # the tool keeps the due-time index current
         self._started = False
         self._accepting = False
-        self.metrics.bind(platforms=self.adapters, open_profiles=lambda: self.profiles.open_count,
-                          queue_depth=lambda: self.lanes.queued_by(lambda job: job.msg.platform),
-                          adapters_up=self._adapters_up)
+        self.metrics.bind(
+            platforms=self.adapters,
+            open_profiles=lambda: self.profiles.open_count,
+            queue_depth=lambda: self.lanes.queued_by(lambda job: job.msg.platform),
+            adapters_up=self._adapters_up,
+        )
         self._housekeeping: asyncio.Task | None = None
         # lanes that ran turns in this process, newest last: flushed at shutdown (bounded)
         self._active_lanes: OrderedDict[tuple[str, str], tuple[InboundMessage, Lane, ChatPlace]] = OrderedDict()
@@ -284,8 +301,14 @@ class GatewayApp:
     async def _overheard(self, platform: str, text: str) -> None:
         """A group message the adapter does not answer (no mention): nothing is recorded or
         said, but a live link code in it is burnt like anywhere else outside a private chat."""
-        msg = InboundMessage(platform=platform, chat_id="overheard", chat_type="group", user_id="overheard",
-                             message_id="overheard", text=text)
+        msg = InboundMessage(
+            platform=platform,
+            chat_id="overheard",
+            chat_type="group",
+            user_id="overheard",
+            message_id="overheard",
+            text=text,
+        )
         await self.linking.screen(msg)
 
     async def _admit(self, msg: InboundMessage, *, replay: bool = False) -> None:
@@ -297,9 +320,14 @@ class GatewayApp:
             await self._refuse_stranger(msg)
             return
         if len(msg.text) > self.cfg.limits.max_text_length:
-            await self._refuse(msg, "too_long", (
-                f"Your message is {len(msg.text):,} characters long; I can take at most "
-                f"{self.cfg.limits.max_text_length:,}. Please split it or send a shorter version."))
+            await self._refuse(
+                msg,
+                "too_long",
+                (
+                    f"Your message is {len(msg.text):,} characters long; I can take at most "
+                    f"{self.cfg.limits.max_text_length:,}. Please split it or send a shorter version."
+                ),
+            )
             return
         if not msg.text.strip() and not msg.attachments:
             await self.inbox.finish(msg, "empty")
@@ -307,9 +335,12 @@ class GatewayApp:
         if not replay:
             allowed, wait = self.limiter.allow(msg.principal)
             if not allowed:
-                await self._refuse(msg, "rate_limited",
-                                   f"You're sending messages faster than I can answer. Please wait about {int(wait) + 1} seconds and send it again.",
-                                   quiet_key=msg.principal)
+                await self._refuse(
+                    msg,
+                    "rate_limited",
+                    f"You're sending messages faster than I can answer. Please wait about {int(wait) + 1} seconds and send it again.",
+                    quiet_key=msg.principal,
+                )
                 return
         try:
             lane = resolve_lane(msg, self.cfg.tenancy, self.links)
@@ -324,8 +355,11 @@ class GatewayApp:
             return
         # a replayed message was accepted once already: it never gets a "busy" refusal
         if not self.lanes.submit(key, Job(msg, lane), force=replay):
-            await self._refuse(msg, "busy", "I'm still working on your earlier messages. "
-                                            "Please wait for my answer, then send this again.")
+            await self._refuse(
+                msg,
+                "busy",
+                "I'm still working on your earlier messages. Please wait for my answer, then send this again.",
+            )
             return
         if self.cfg.limits.busy_mode == "interrupt" and command is None and not replay:
             running = self._turn_stops.get(key)
@@ -375,11 +409,18 @@ class GatewayApp:
                 log.exception("access check failed for a refused message")
         # like any refusal: said in a private chat, or in a group only to someone the bot serves
         if ids_ok and platform in self.adapters and (msg.chat_type == "dm" or allowed):
-            clean = msg.model_copy(update={"text": "", "user_name": "", "user_id": "?",
-                                           "reply_to_message_id": None, "attachments": ()})
-            self._in_background(self._send_quietly(clean, (
-                "Sorry, I can't read that message: it contains invalid characters (broken Unicode). "
-                "Please send it again as plain text.")))
+            clean = msg.model_copy(
+                update={"text": "", "user_name": "", "user_id": "?", "reply_to_message_id": None, "attachments": ()}
+            )
+            self._in_background(
+                self._send_quietly(
+                    clean,
+                    (
+                        "Sorry, I can't read that message: it contains invalid characters (broken Unicode). "
+                        "Please send it again as plain text."
+                    ),
+                )
+            )
 
     async def _send_quietly(self, msg: InboundMessage, text: str) -> None:
         """A refusal of a message that is never stored: nothing of it (not even its id as
@@ -393,8 +434,10 @@ class GatewayApp:
         self.metrics.refused(msg.platform, "unauthorized")
         if msg.chat_type == "dm" and self.cfg.access.unauthorized_dm == "pair":
             code = await self.access.pairing_code(msg.principal)
-            text = (f"Hi! I don't know you yet. Your pairing code is {code}. "
-                    f"Ask the operator of this bot to approve it with /pair {code}.")
+            text = (
+                f"Hi! I don't know you yet. Your pairing code is {code}. "
+                f"Ask the operator of this bot to approve it with /pair {code}."
+            )
             await self._send_and_finish(msg, text, "notice", "unauthorized")
             return
         if msg.message_id.startswith("interaction-"):
@@ -427,8 +470,9 @@ class GatewayApp:
 
     # ----- the lane worker ------------------------------------------------------------
     def place_of(self, msg: InboundMessage, lane: Lane) -> ChatPlace:
-        return ChatPlace(platform=msg.platform, chat_type=msg.chat_type, shared=lane.kind == "chat",
-                         user_name=msg.user_name)
+        return ChatPlace(
+            platform=msg.platform, chat_type=msg.chat_type, shared=lane.kind == "chat", user_name=msg.user_name
+        )
 
     async def _run_lane(self, key: str, jobs: list[Job]) -> None:
         first, last = jobs[0], jobs[-1]
@@ -461,12 +505,18 @@ class GatewayApp:
                 await asyncio.sleep(delay)
         outcome, result = answer.outcome, answer.result
         if result is not None and result.kind == "reply" and not result.replayed and not result.interrupted:
-            self._after_reply(last.msg, lane, self.place_of(last.msg, lane), result,
-                              last_chunk=chunk_ids[-1] if chunk_ids else None)
+            self._after_reply(
+                last.msg, lane, self.place_of(last.msg, lane), result, last_chunk=chunk_ids[-1] if chunk_ids else None
+            )
         seconds = time.monotonic() - started
         self.metrics.turn_done(platform, job_kind, outcome, seconds if job_kind == "turn" else None)
-        tlog.info("%s %s in %.0f ms", job_kind, outcome, seconds * 1000,
-                  extra={"outcome": outcome, "duration_ms": round(seconds * 1000)})
+        tlog.info(
+            "%s %s in %.0f ms",
+            job_kind,
+            outcome,
+            seconds * 1000,
+            extra={"outcome": outcome, "duration_ms": round(seconds * 1000)},
+        )
 
     async def _answer(self, key: str, jobs: list[Job], tlog: logging.LoggerAdapter) -> _Answer:
         """Run the reminder, command or agent turn of `jobs`. Raises LaneMoved, and storage
@@ -488,16 +538,30 @@ class GatewayApp:
                     return _Answer(text, "notice", "replied", reply=False)
                 if command is not None:
                     spec, args = command
-                    ctx = CommandContext(self, first.msg, lane, place, profile, args,
-                                         chat_admin=self._chat_admin_check(first.msg))
+                    ctx = CommandContext(
+                        self, first.msg, lane, place, profile, args, chat_admin=self._chat_admin_check(first.msg)
+                    )
                     return _Answer(await run_command(spec.name, ctx), "reply", "replied")
                 # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
-                prepared = [await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path,
-                                                     input_uid(j.msg)) for j in jobs]
-                inputs = [UserInput(uid=input_uid(j.msg), text=p.text, user_name=j.msg.user_name,
-                                    meta={"platform": j.msg.platform, "message_id": j.msg.message_id,
-                                          "user": j.msg.principal, **p.meta})
-                          for j, p in zip(jobs, prepared, strict=True) if p.answerable]
+                prepared = [
+                    await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path, input_uid(j.msg))
+                    for j in jobs
+                ]
+                inputs = [
+                    UserInput(
+                        uid=input_uid(j.msg),
+                        text=p.text,
+                        user_name=j.msg.user_name,
+                        meta={
+                            "platform": j.msg.platform,
+                            "message_id": j.msg.message_id,
+                            "user": j.msg.principal,
+                            **p.meta,
+                        },
+                    )
+                    for j, p in zip(jobs, prepared, strict=True)
+                    if p.answerable
+                ]
                 notices = [n for p in prepared for n in p.notices]
                 if not inputs:  # nothing the model could read: the notices are the answer
                     return _Answer("\n\n".join(notices) or "I couldn't read that.", "error", "refused")
@@ -507,10 +571,22 @@ class GatewayApp:
                 streamer = self._streaming_reply(last.msg)
                 try:
                     result = await self.agent.run_turn(
-                        profile, lane, place, inputs, notify=_Notifier(self, last.msg), stop=stop,
+                        profile,
+                        lane,
+                        place,
+                        inputs,
+                        notify=_Notifier(self, last.msg),
+                        stop=stop,
                         on_text=streamer.feed if streamer is not None else None,
-                        chat=ReminderChat(last.msg.platform, last.msg.chat_id, last.msg.chat_type,
-                                          last.msg.thread_id, last.msg.user_id, last.msg.user_name))
+                        chat=ReminderChat(
+                            last.msg.platform,
+                            last.msg.chat_id,
+                            last.msg.chat_type,
+                            last.msg.thread_id,
+                            last.msg.user_id,
+                            last.msg.user_name,
+                        ),
+                    )
                 finally:
                     if self._turn_stops.get(key) is stop:
                         del self._turn_stops[key]
@@ -529,14 +605,19 @@ class GatewayApp:
             if command is None and storage_fault(exc) is not None:
                 raise
             tlog.exception("turn failed")
-            return _Answer("Something went wrong on my side while answering; your message was kept. "
-                           "Please try again.", "error", "error", streamer=streamer)
+            return _Answer(
+                "Something went wrong on my side while answering; your message was kept. Please try again.",
+                "error",
+                "error",
+                streamer=streamer,
+            )
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
 
-    async def _deliver(self, msg: InboundMessage, answer: _Answer,
-                       finish: Sequence[tuple[InboundMessage, str]]) -> list[int]:
+    async def _deliver(
+        self, msg: InboundMessage, answer: _Answer, finish: Sequence[tuple[InboundMessage, str]]
+    ) -> list[int]:
         """Record the answer (and the turn's completion) in the outbox; its chunk ids. A
         streamed draft in the chat is edited into the final text, in the same transaction."""
         streamer = answer.streamer
@@ -544,8 +625,16 @@ class GatewayApp:
             return await self.send(msg, answer.text, kind=answer.kind, reply=answer.reply, finish=finish)
         drafts = []
         for handle, chunk in streamer.placement(answer.text or "(stopped)"):
-            drafts.append(Draft(platform=msg.platform, chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk,
-                                kind=answer.kind, edit_of=int(handle.message_id) if handle is not None else None))
+            drafts.append(
+                Draft(
+                    platform=msg.platform,
+                    chat_id=msg.chat_id,
+                    thread_id=msg.thread_id,
+                    text=chunk,
+                    kind=answer.kind,
+                    edit_of=int(handle.message_id) if handle is not None else None,
+                )
+            )
         ids = await self.outbox.record(drafts, finish=finish)
         self.deliverer.kick(msg.platform, msg.chat_id)
         return ids
@@ -553,8 +642,10 @@ class GatewayApp:
     async def _tell_storage_fault(self, msg: InboundMessage, fault: str) -> None:
         """Say once why the answer is late: through the outbox, or straight to the platform
         when gateway.db itself cannot take it."""
-        text = (f"I can't save anything right now ({fault} on my server), so your answer is delayed. "
-                "Your message is kept and I'll answer it as soon as storage works again.")
+        text = (
+            f"I can't save anything right now ({fault} on my server), so your answer is delayed. "
+            "Your message is kept and I'll answer it as soon as storage works again."
+        )
         try:
             await self.send(msg, text, kind="notice", reply=False)
             return
@@ -563,8 +654,9 @@ class GatewayApp:
         adapter = self.adapters.get(msg.platform)
         if adapter is not None:
             try:
-                await adapter.send(OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=text,
-                                                   kind="notice"))
+                await adapter.send(
+                    OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=text, kind="notice")
+                )
             except Exception:
                 log.warning("could not send the storage notice either", exc_info=True)
 
@@ -580,8 +672,9 @@ class GatewayApp:
         return stored.content or ""
 
     # ----- background memory review (agent/review.py) ------------------------------------
-    def _after_reply(self, msg: InboundMessage, lane: Lane, place: ChatPlace, result: TurnResult, *,
-                     last_chunk: int | None = None) -> None:
+    def _after_reply(
+        self, msg: InboundMessage, lane: Lane, place: ChatPlace, result: TurnResult, *, last_chunk: int | None = None
+    ) -> None:
         """The reply is recorded: count the turn and start a review in the background when
         due; it waits until the reply's last chunk was sent, so it never delays the answer."""
         key = (lane.tenant_id, lane.session_key)
@@ -593,15 +686,24 @@ class GatewayApp:
         if memory or skills:
             self._in_background(self._review(msg, lane, place, result.session_id, memory, skills, last_chunk))
 
-    async def _review(self, msg: InboundMessage, lane: Lane, place: ChatPlace, session_id: str,
-                      memory: bool, skills: bool, last_chunk: int | None = None) -> None:
+    async def _review(
+        self,
+        msg: InboundMessage,
+        lane: Lane,
+        place: ChatPlace,
+        session_id: str,
+        memory: bool,
+        skills: bool,
+        last_chunk: int | None = None,
+    ) -> None:
         try:
             if last_chunk is not None:
                 await self.deliverer.wait(last_chunk, timeout=self.cfg.memory.review_timeout_s)
             async with self.linking.use(msg, lane) as profile:
                 history = await profile.sessions.history(session_id)
-                await self.agent.reviewer.review(profile, lane, place, history, memory=memory,
-                                                 skills=skills, trigger="nudge")
+                await self.agent.reviewer.review(
+                    profile, lane, place, history, memory=memory, skills=skills, trigger="nudge"
+                )
         except LaneMoved:
             log.info("background review skipped: the lane moved to another profile")
         except Exception:  # never shown to the person
@@ -621,6 +723,7 @@ class GatewayApp:
                 continue
             except Exception:
                 log.exception("memory flush at shutdown failed")
+
     def _chat_admin_check(self, msg: InboundMessage):
         """The adapter's `is_chat_admin` for this message's sender, if the platform has one."""
         check = getattr(self.adapters.get(msg.platform), "is_chat_admin", None)
@@ -633,14 +736,18 @@ class GatewayApp:
             except Exception:
                 log.exception("%s: chat admin check failed", msg.platform)
                 return False
+
         return is_admin
 
     async def _move_jobs(self, jobs: list[Job], lane: Lane) -> None:
         """Queue jobs whose tenant changed (a /link or /unlink) on the lane they belong to now."""
         for job in jobs:
             if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(job.msg, lane)):
-                await self._refuse(job.msg, "busy", "I'm still working on your earlier messages. "
-                                                    "Please wait for my answer, then send this again.")
+                await self._refuse(
+                    job.msg,
+                    "busy",
+                    "I'm still working on your earlier messages. Please wait for my answer, then send this again.",
+                )
 
     def _adapters_up(self) -> dict[str, bool | None]:
         from gateway.observability import adapter_state
@@ -659,8 +766,15 @@ class GatewayApp:
             await asyncio.sleep(TYPING_INTERVAL_S)
 
     # ----- delivery -------------------------------------------------------------------
-    async def send(self, msg: InboundMessage, text: str, *, kind: OutboundKind = "reply", reply: bool = True,
-                   finish: Sequence[tuple[InboundMessage, str]] = ()) -> list[int]:
+    async def send(
+        self,
+        msg: InboundMessage,
+        text: str,
+        *,
+        kind: OutboundKind = "reply",
+        reply: bool = True,
+        finish: Sequence[tuple[InboundMessage, str]] = (),
+    ) -> list[int]:
         """Record `text` for `msg`'s chat in the outbox, split at the platform limit (the
         first chunk replies to `msg`), mark `finish` done in the same transaction, and
         hand it to the deliverer. Returns the chunk ids."""
@@ -668,9 +782,17 @@ class GatewayApp:
         chunks = split_text(text, adapter.max_message_length, adapter.measure) if adapter is not None else []
         if adapter is None and text:
             log.warning("no adapter for platform %s; reply dropped", msg.platform)
-        drafts = [Draft(platform=msg.platform, chat_id=msg.chat_id, thread_id=msg.thread_id, text=chunk, kind=kind,
-                        reply_to=msg.message_id if (reply and i == 0) else None)
-                  for i, chunk in enumerate(chunks)]
+        drafts = [
+            Draft(
+                platform=msg.platform,
+                chat_id=msg.chat_id,
+                thread_id=msg.thread_id,
+                text=chunk,
+                kind=kind,
+                reply_to=msg.message_id if (reply and i == 0) else None,
+            )
+            for i, chunk in enumerate(chunks)
+        ]
         ids = await self.outbox.record(drafts, finish=finish)
         if ids:
             self.deliverer.kick(msg.platform, msg.chat_id)
@@ -692,15 +814,28 @@ class GatewayApp:
             await self.edit(msg, int(handle.message_id), text)
             return True
 
-        return StreamingReply(send, edit, lambda text: split_text(text, adapter.max_message_length, adapter.measure),
-                              interval_s=self.cfg.delivery.stream_edit_interval_s)
+        return StreamingReply(
+            send,
+            edit,
+            lambda text: split_text(text, adapter.max_message_length, adapter.measure),
+            interval_s=self.cfg.delivery.stream_edit_interval_s,
+        )
 
     async def edit(self, msg: InboundMessage, chunk_id: int, text: str) -> int:
         """Record new text for the message chunk `chunk_id` became (sent as a new message
         if it cannot be edited); it keeps its place in the chat's order."""
-        [edit_id] = await self.outbox.record([Draft(platform=msg.platform, chat_id=msg.chat_id,
-                                                    thread_id=msg.thread_id, text=text, kind="notice",
-                                                    edit_of=chunk_id)])
+        [edit_id] = await self.outbox.record(
+            [
+                Draft(
+                    platform=msg.platform,
+                    chat_id=msg.chat_id,
+                    thread_id=msg.thread_id,
+                    text=text,
+                    kind="notice",
+                    edit_of=chunk_id,
+                )
+            ]
+        )
         self.deliverer.kick(msg.platform, msg.chat_id)
         return edit_id
 

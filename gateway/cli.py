@@ -33,9 +33,11 @@ def build_adapters(cfg: Config) -> list:
     adapters = []
     if cfg.platforms.telegram.enabled:
         from adapters.telegram import TelegramAdapter
+
         adapters.append(TelegramAdapter.from_config(cfg.platforms.telegram))
     if cfg.platforms.discord.enabled:
         from adapters.discord_bot import DiscordAdapter
+
         adapters.append(DiscordAdapter.from_config(cfg.platforms.discord))
     return adapters
 
@@ -45,8 +47,11 @@ async def _run(cfg: Config) -> int:
 
     adapters = build_adapters(cfg)
     if not adapters:
-        print("No platform is enabled (platforms.telegram.enabled / platforms.discord.enabled). "
-              f"Try `{command_name()} chat` for the console.", file=sys.stderr)
+        print(
+            "No platform is enabled (platforms.telegram.enabled / platforms.discord.enabled). "
+            f"Try `{command_name()} chat` for the console.",
+            file=sys.stderr,
+        )
         return 2
     app = GatewayApp(cfg, adapters)
     stop = asyncio.Event()
@@ -75,8 +80,9 @@ async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> i
         explained[0] = err
         return _explain_llm_error(err, config_path)
 
-    console = ConsoleAdapter(user, room, agent_name=cfg.agent_name,
-                             after_line=lambda: app_box[0].drain(timeout=None), explain_error=explain)
+    console = ConsoleAdapter(
+        user, room, agent_name=cfg.agent_name, after_line=lambda: app_box[0].drain(timeout=None), explain_error=explain
+    )
     app = GatewayApp(cfg, [console])
     app_box.append(app)
     loop = asyncio.get_running_loop()
@@ -94,25 +100,32 @@ async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> i
         await app.stop(drain_timeout=0 if console.interrupted else 30.0)
     if console.interrupted:
         if busy:
-            print("Interrupted; your message is kept and will be answered the next time the chat starts.",
-                  file=sys.stderr, flush=True)
+            print(
+                "Interrupted; your message is kept and will be answered the next time the chat starts.",
+                file=sys.stderr,
+                flush=True,
+            )
         return 130
     return 0
 
 
 def _banner(cfg: Config, user: str, room: str | None) -> str:
     where = f"in group room {room!r}" if room else "in a private chat"
-    return (f"hermes-gateway console: {user} {where} with {cfg.agent_name}\n"
-            f"  model {cfg.llm.model} at {cfg.llm.base_url}\n"
-            f"  data in {cfg.data_dir}\n"
-            f"  /help lists the commands; Ctrl-D or Ctrl-C quits.")
+    return (
+        f"hermes-gateway console: {user} {where} with {cfg.agent_name}\n"
+        f"  model {cfg.llm.model} at {cfg.llm.base_url}\n"
+        f"  data in {cfg.data_dir}\n"
+        f"  /help lists the commands; Ctrl-D or Ctrl-C quits."
+    )
 
 
 def _explain_llm_error(err: LLMError, config_path: str) -> str:
     """For the console, where the operator is the person chatting: what failed, where it
     is configured and how to check it."""
-    return (f"({err.detail} — llm.base_url and llm.model are in {config_path}; "
-            f"check them with `{command_name()} doctor -c {config_path}`)")
+    return (
+        f"({err.detail} — llm.base_url and llm.model are in {config_path}; "
+        f"check them with `{command_name()} doctor -c {config_path}`)"
+    )
 
 
 def command_name() -> str:
@@ -136,8 +149,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     path = Path(args.config)
     if path.is_dir():
-        raise ConfigError(f"{path} is a directory; give init the config file to write, "
-                          f"e.g. -c {path / DEFAULT_CONFIG}")
+        raise ConfigError(f"{path} is a directory; give init the config file to write, e.g. -c {path / DEFAULT_CONFIG}")
     if path.exists() and not args.force:
         print(f"{path} already exists (use --force to overwrite).", file=sys.stderr)
         return 1
@@ -145,16 +157,20 @@ def cmd_init(args: argparse.Namespace) -> int:
     path.write_text(STARTER_CONFIG, encoding="utf-8")
     cmd = command_name()
     make = " (or `make run`)" if str(path) == DEFAULT_CONFIG and Path("Makefile").is_file() else ""
-    print(f"Wrote {path}. Edit llm.base_url and llm.model in it, check them with "
-          f"`{cmd} doctor -c {path}`, then chat with `{cmd} chat -c {path} --user you`{make}.")
+    print(
+        f"Wrote {path}. Edit llm.base_url and llm.model in it, check them with "
+        f"`{cmd} doctor -c {path}`, then chat with `{cmd} chat -c {path} --user you`{make}."
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hermes-gateway",
-                                     description="One LLM agent on Discord and Telegram, one memory per person.")
-    parser.add_argument("-c", "--config", default=os.environ.get("HERMES_GATEWAY_CONFIG", DEFAULT_CONFIG),
-                        help=CONFIG_HELP)
+    parser = argparse.ArgumentParser(
+        prog="hermes-gateway", description="One LLM agent on Discord and Telegram, one memory per person."
+    )
+    parser.add_argument(
+        "-c", "--config", default=os.environ.get("HERMES_GATEWAY_CONFIG", DEFAULT_CONFIG), help=CONFIG_HELP
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run every enabled platform until SIGINT/SIGTERM")
     chat = sub.add_parser("chat", help="talk to the agent on the console (works with piped stdin)")
@@ -212,12 +228,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.command == "doctor":
         from gateway.doctor import run_doctor
+
         setup_logging(cfg, quiet=True)
         return asyncio.run(run_doctor(cfg))
     if args.command in ("run", "chat") and cfg.cluster.postgres_dsn_env:
-        raise ConfigError(f"{args.config}: cluster.postgres_dsn_env is set, but cluster mode is not available "
-                          "yet in this version; only `hermes-gateway cluster migrate|status` use it "
-                          "(remove the cluster section to run a single node)")
+        raise ConfigError(
+            f"{args.config}: cluster.postgres_dsn_env is set, but cluster mode is not available "
+            "yet in this version; only `hermes-gateway cluster migrate|status` use it "
+            "(remove the cluster section to run a single node)"
+        )
     if args.command == "chat":
         setup_logging(cfg, quiet=True)
         # the conversation is on stdout; retries and warnings would only clutter the terminal

@@ -61,8 +61,10 @@ async def shared_lane_refusal(ctx: CommandContext, name: str) -> str | None:
         return None
     if ctx.chat_admin is not None and await ctx.chat_admin():
         return None
-    return (f"This conversation is shared by everyone here, so only the chat's admins can use /{name}. "
-            "Ask one of them, or talk to me in a private chat.")
+    return (
+        f"This conversation is shared by everyone here, so only the chat's admins can use /{name}. "
+        "Ask one of them, or talk to me in a private chat."
+    )
 
 
 async def run_command(name: str, ctx: CommandContext) -> str:
@@ -77,8 +79,10 @@ Handler = Callable[[CommandContext], Awaitable[str]]
 
 async def cmd_help(ctx: CommandContext) -> str:
     admin = ctx.app.access.is_admin(ctx.msg.principal)
-    lines = [f"I'm {ctx.app.cfg.agent_name}. Talk to me normally; I remember what matters to you "
-             "across conversations. Commands:"]
+    lines = [
+        f"I'm {ctx.app.cfg.agent_name}. Talk to me normally; I remember what matters to you "
+        "across conversations. Commands:"
+    ]
     for spec in COMMAND_SPECS:
         if spec.name == "start" or (spec.admin_only and not admin):
             continue
@@ -88,8 +92,10 @@ async def cmd_help(ctx: CommandContext) -> str:
 
 async def cmd_start(ctx: CommandContext) -> str:
     name = ctx.msg.user_name or "there"
-    return (f"Hi {name}! I'm {ctx.app.cfg.agent_name}. Tell me what you need; I'll remember "
-            "what you ask me to. Send /help for the commands.")
+    return (
+        f"Hi {name}! I'm {ctx.app.cfg.agent_name}. Tell me what you need; I'll remember "
+        "what you ask me to. Send /help for the commands."
+    )
 
 
 async def cmd_new(ctx: CommandContext) -> str:
@@ -110,9 +116,11 @@ async def cmd_status(ctx: CommandContext) -> str:
     lines = [f"Model: {ctx.app.cfg.llm.model}", f"This conversation is {shared}."]
     if info:
         started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(info.get("started_at") or 0))
-        lines += [f"Session: {session_id} (since {started})",
-                  f"Messages: {info.get('message_count', 0)}",
-                  f"Compressions: {info.get('compressions', 0)}"]
+        lines += [
+            f"Session: {session_id} (since {started})",
+            f"Messages: {info.get('message_count', 0)}",
+            f"Compressions: {info.get('compressions', 0)}",
+        ]
     else:
         lines.append("No conversation yet.")
     return "\n".join(lines)
@@ -144,8 +152,10 @@ async def cmd_usage(ctx: CommandContext) -> str:
     else:
         reason = Compressor.block_reason(CompressionState.from_dict(state))
         if reason in ("blocked", "probe"):
-            lines.append("Automatic compression is paused (recent attempts didn't help); "
-                         "send /compress to try now or /new to start fresh.")
+            lines.append(
+                "Automatic compression is paused (recent attempts didn't help); "
+                "send /compress to try now or /new to start fresh."
+            )
         elif reason == "cooldown":
             lines.append("Automatic compression is waiting a moment after a summary-model failure.")
     return "\n".join(lines)
@@ -165,8 +175,10 @@ def _private_only(ctx: CommandContext, command: str) -> str | None:
     return None
 
 
-_MEMORY_USAGE = ("Usage: /memory, /memory share N or /memory unshare N (N as /memory numbers them); "
-                 "/memory pending, /memory approve N, /memory reject N")
+_MEMORY_USAGE = (
+    "Usage: /memory, /memory share N or /memory unshare N (N as /memory numbers them); "
+    "/memory pending, /memory approve N, /memory reject N"
+)
 
 
 async def _numbered(memory: MemoryStore) -> list[tuple[str, str, str]]:
@@ -182,8 +194,11 @@ async def _numbered(memory: MemoryStore) -> list[tuple[str, str, str]]:
 def _pick(items: list[tuple[str, str, str]], arg: str) -> tuple[str, str, str] | str:
     """The entry numbered `arg`, or a message saying why there is none."""
     if not arg.isdigit() or not 1 <= int(arg) <= len(items):
-        return (f"There is no entry {arg or '(none given)'}; send /memory to see the numbers "
-                f"(1 to {len(items)}).") if items else "I don't remember anything about you yet."
+        return (
+            (f"There is no entry {arg or '(none given)'}; send /memory to see the numbers (1 to {len(items)}).")
+            if items
+            else "I don't remember anything about you yet."
+        )
     return items[int(arg) - 1]
 
 
@@ -218,8 +233,10 @@ async def _memory_list(ctx: CommandContext, memory: MemoryStore) -> str:
         if lines:
             parts.append(f"{title}:\n" + "\n".join(lines))
     if items and not group:
-        parts.append("Private entries never reach a group chat; shared ones may. "
-                     "Change one with /memory share N or /memory unshare N; erase one with /forget N.")
+        parts.append(
+            "Private entries never reach a group chat; shared ones may. "
+            "Change one with /memory share N or /memory unshare N; erase one with /forget N."
+        )
     pending = await PendingWrites(memory.memory_dir).list()
     if pending:
         parts.append(f"{len(pending)} change(s) wait for your approval: see /memory pending.")
@@ -245,9 +262,8 @@ async def _set_visibility(ctx: CommandContext, memory: MemoryStore, arg: str, va
         return "That entry changed meanwhile; send /memory to see the current list."
     await _provider_mark(ctx, target, entry, value)
     if value == "shared":
-        return (f"Shared: \"{_short(entry)}\". I may use it in group chats, where everyone "
-                "there can read my replies.")
-    return f"Private again: \"{_short(entry)}\". It stays out of group chats from your next message on."
+        return f'Shared: "{_short(entry)}". I may use it in group chats, where everyone there can read my replies.'
+    return f'Private again: "{_short(entry)}". It stays out of group chats from your next message on.'
 
 
 def _short(entry: str, limit: int = 60) -> str:
@@ -289,8 +305,7 @@ async def _memory_approve(ctx: CommandContext, memory: MemoryStore, args: str) -
         return f"There is no pending change #{number}; see /memory pending."
     if item.origin == "shared" and memory.scope is PRIVATE_CHAT:
         # a write staged in a group lane is applied as there: it sees and writes shared entries only
-        memory = MemoryStore(memory.profile_dir, memory.memory_char_limit, memory.user_char_limit,
-                             scope=GROUP_LANE)
+        memory = MemoryStore(memory.profile_dir, memory.memory_char_limit, memory.user_char_limit, scope=GROUP_LANE)
     if item.action == "add":
         result = await memory.add(item.target, item.content or "")
     elif item.action == "replace":
@@ -309,7 +324,11 @@ async def _memory_reject(ctx: CommandContext, memory: MemoryStore, args: str) ->
     if number is None:
         return "Usage: /memory reject N (the number shown by /memory pending)"
     item = await PendingWrites(memory.memory_dir).take(number)
-    return f"Rejected #{number}; nothing was saved." if item else f"There is no pending change #{number}; see /memory pending."
+    return (
+        f"Rejected #{number}; nothing was saved."
+        if item
+        else f"There is no pending change #{number}; see /memory pending."
+    )
 
 
 MemorySubcommand = Callable[[CommandContext, MemoryStore, str], Awaitable[str]]
@@ -330,8 +349,10 @@ async def cmd_forget(ctx: CommandContext) -> str:
     if memory is None:
         return "Memory is turned off in this chat."
     target = ctx.args.lower() or "all"
-    gone = ("It is gone from my prompts and from search from your next message on; what we said "
-            "in our conversations stays in their history.")
+    gone = (
+        "It is gone from my prompts and from search from your next message on; what we said "
+        "in our conversations stays in their history."
+    )
     if target.isdigit():
         if ctx.lane.kind == "person" and not ctx.lane.private:
             return "Send /forget N in a private chat with me, where /memory shows the numbers."
@@ -341,7 +362,7 @@ async def cmd_forget(ctx: CommandContext) -> str:
         if not await memory.forget_entry(picked[0], picked[1]):
             return "That entry changed meanwhile; send /memory to see the current list."
         await _provider_forget(ctx, [picked[:2]])
-        return f"Done: I forgot \"{_short(picked[1])}\". {gone}"
+        return f'Done: I forgot "{_short(picked[1])}". {gone}'
     if target not in ("memory", "user", "all"):
         return "Usage: /forget N (one entry, numbered as in /memory) or /forget [memory|user|all]"
     targets = ("user", "memory") if target == "all" else (target,)
@@ -374,8 +395,7 @@ async def _provider_mark(ctx: CommandContext, target: str, entry: str, value: st
     if provider is None:
         return
     try:
-        await provider.on_memory_write("share" if value == "shared" else "unshare", target, entry,
-                                       visibility=value)
+        await provider.on_memory_write("share" if value == "shared" else "unshare", target, entry, visibility=value)
     except Exception:  # the mark is changed in memory either way
         logging.getLogger("hermes.commands").exception("memory provider on_memory_write failed")
 
@@ -398,29 +418,40 @@ async def cmd_export(ctx: CommandContext) -> str:
             data["memory"][target].append({"entry": entry, "visibility": visibility})
     skills = ctx.app.agent.lane_skills(ctx.profile, ctx.lane)
     if skills is not None:
-        data["skills"] = [{"name": info.name, "description": info.description,
-                           "content": (await skills.view(info.name, shared_only=False)).get("content")}
-                          for info in await skills.index(shared_only=False)]
+        data["skills"] = [
+            {
+                "name": info.name,
+                "description": info.description,
+                "content": (await skills.view(info.name, shared_only=False)).get("content"),
+            }
+            for info in await skills.index(shared_only=False)
+        ]
     out_dir = ctx.profile.path / "exports"
     private_mkdir(out_dir)
     path = out_dir / f"export-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
     write_private(path, json.dumps(data, ensure_ascii=False, indent=1, default=str))
     sessions = data.get("sessions", [])
     messages = sum(len(s.get("messages", [])) for s in sessions)
-    return (f"Exported {len(sessions)} conversation(s) with {messages} message(s) and your memory "
-            f"to {path.name}. Ask the operator for the file "
-            f"(`hermes-gateway profiles export {ctx.lane.tenant_id}`).")
+    return (
+        f"Exported {len(sessions)} conversation(s) with {messages} message(s) and your memory "
+        f"to {path.name}. Ask the operator for the file "
+        f"(`hermes-gateway profiles export {ctx.lane.tenant_id}`)."
+    )
 
 
 async def cmd_whoami(ctx: CommandContext) -> str:
     if ctx.msg.chat_type != "dm" and not ctx.msg.private_reply:
         # a group reads the answer: never show the person's other (linked) accounts here
         who = ctx.msg.principal + (f" ({ctx.msg.user_name})" if ctx.msg.user_name else "")
-        return (f"You are {who}. Your profile and linked accounts are private: send /whoami in a "
-                "private chat with me to see them.")
-    lines = [f"You are {ctx.msg.principal}" + (f" ({ctx.msg.user_name})" if ctx.msg.user_name else ""),
-             f"Profile: {ctx.lane.tenant_id}",
-             f"Conversation: {ctx.lane.session_key}"]
+        return (
+            f"You are {who}. Your profile and linked accounts are private: send /whoami in a "
+            "private chat with me to see them."
+        )
+    lines = [
+        f"You are {ctx.msg.principal}" + (f" ({ctx.msg.user_name})" if ctx.msg.user_name else ""),
+        f"Profile: {ctx.lane.tenant_id}",
+        f"Conversation: {ctx.lane.session_key}",
+    ]
     name = ctx.app.links.name_for(ctx.msg.principal)
     if name:
         lines.append(f"Linked accounts: {', '.join(ctx.app.links.principals_of(name))}")
@@ -471,15 +502,25 @@ async def cmd_reminders(ctx: CommandContext) -> str:
         return "Usage: /reminders, or /reminders cancel N."
     mine = [r for r in await store.all() if not here_only or r.chat.chat_id == ctx.msg.chat_id]
     if not mine:
-        return "No reminders set here. Ask me, e.g. \"remind me tomorrow at 9 to call Sam\"."
+        return 'No reminders set here. Ask me, e.g. "remind me tomorrow at 9 to call Sam".'
     return "\n".join(["Your reminders:", *(r.describe() for r in mine), "Cancel one with /reminders cancel N."])
 
 
 HANDLERS: dict[str, Handler] = {
     "reminders": cmd_reminders,
     "stop": cmd_stop,
-    "help": cmd_help, "start": cmd_start, "new": cmd_new, "status": cmd_status,
-    "usage": cmd_usage, "compress": cmd_compress, "memory": cmd_memory, "forget": cmd_forget,
-    "undo": cmd_undo, "export": cmd_export, "whoami": cmd_whoami, "link": cmd_link,
-    "unlink": cmd_unlink, "pair": cmd_pair,
+    "help": cmd_help,
+    "start": cmd_start,
+    "new": cmd_new,
+    "status": cmd_status,
+    "usage": cmd_usage,
+    "compress": cmd_compress,
+    "memory": cmd_memory,
+    "forget": cmd_forget,
+    "undo": cmd_undo,
+    "export": cmd_export,
+    "whoami": cmd_whoami,
+    "link": cmd_link,
+    "unlink": cmd_unlink,
+    "pair": cmd_pair,
 }

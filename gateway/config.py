@@ -36,8 +36,10 @@ class LLMConfig(_Section):
     @model_validator(mode="after")
     def _answer_fits_the_window(self) -> "LLMConfig":
         if self.max_tokens is not None and self.max_tokens >= self.context_length:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must be smaller than context_length "
-                             f"({self.context_length}): no prompt would fit beside the answer")
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) must be smaller than context_length "
+                f"({self.context_length}): no prompt would fit beside the answer"
+            )
         return self
 
     def api_key(self) -> str | None:
@@ -175,8 +177,10 @@ class LimitsConfig(_Section):
     @model_validator(mode="after")
     def _burst_needs_collecting(self) -> "LimitsConfig":
         if self.busy_mode == "queue" and self.coalesce_burst_ms:
-            raise ValueError("coalesce_burst_ms merges messages into one turn; it cannot be used "
-                             "with busy_mode: queue (set busy_mode: collect or coalesce_burst_ms: 0)")
+            raise ValueError(
+                "coalesce_burst_ms merges messages into one turn; it cannot be used "
+                "with busy_mode: queue (set busy_mode: collect or coalesce_burst_ms: 0)"
+            )
         return self
 
 
@@ -359,7 +363,8 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, d
         line = key_node.start_mark.line + 1
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first given on line {seen[key]})", key_node.start_mark)
+                None, None, f"duplicate key {key!r} (first given on line {seen[key]})", key_node.start_mark
+            )
         seen[key] = line
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
@@ -382,8 +387,9 @@ def load_config(path: str | Path) -> Config:
     except IsADirectoryError:
         raise ConfigError(f"{p} is a directory; -c needs the path of a YAML config file") from None
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{p} is not UTF-8 text (byte {err.start} cannot be decoded); "
-                          "save the config file as UTF-8") from None
+        raise ConfigError(
+            f"{p} is not UTF-8 text (byte {err.start} cannot be decoded); save the config file as UTF-8"
+        ) from None
     except OSError as err:
         raise ConfigError(f"{p}: cannot read the config file ({err.strerror or err})") from None
     try:

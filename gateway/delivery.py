@@ -28,8 +28,11 @@ def _fence_state(text: str, open_fence: str | None) -> str | None:
         if open_fence is None:
             if not (marker[0] == "`" and "`" in info):
                 open_fence = line.strip()
-        elif (not info.strip() and marker[0] == open_fence[0]
-              and len(marker) >= len(open_fence) - len(open_fence.lstrip(open_fence[0]))):
+        elif (
+            not info.strip()
+            and marker[0] == open_fence[0]
+            and len(marker) >= len(open_fence) - len(open_fence.lstrip(open_fence[0]))
+        ):
             open_fence = None
     return open_fence
 

@@ -47,9 +47,11 @@ async def check_llm(cfg: Config) -> tuple[bool, str]:
     ok, detail = await _check_completion(cfg)
     if resp.status_code == 404:  # both 404: the path is wrong; chat works: it just lists no models
         if not ok and "HTTP 404" in detail:
-            return False, (f"{base}/models and {base}/chat/completions answered HTTP 404: llm.base_url has "
-                           f"the wrong path (OpenAI-compatible servers usually end in /v1, "
-                           f"e.g. http://127.0.0.1:11434/v1)")
+            return False, (
+                f"{base}/models and {base}/chat/completions answered HTTP 404: llm.base_url has "
+                f"the wrong path (OpenAI-compatible servers usually end in /v1, "
+                f"e.g. http://127.0.0.1:11434/v1)"
+            )
         if ok:
             detail += " (it lists no models at /models)"
     return ok, detail
@@ -69,8 +71,9 @@ async def _check_completion(cfg: Config) -> tuple[bool, str]:
             await client.chat(ping)  # e.g. OpenAI's reasoning models refuse max_tokens
     except LLMError as err:
         if err.status == 404:
-            return False, (f"{err.detail}; check llm.model ({cfg.llm.model!r}) and llm.base_url "
-                           "(usually ending in /v1)")
+            return False, (
+                f"{err.detail}; check llm.model ({cfg.llm.model!r}) and llm.base_url (usually ending in /v1)"
+            )
         return False, f"a one-token chat completion failed: {err.detail}"
     finally:
         await client.aclose()
@@ -97,6 +100,7 @@ async def run_doctor(cfg: Config) -> int:
     results.append((ok, "model endpoint", detail))
     if cfg.llm.vision or cfg.transcription.base_url:  # media checks live in gateway/media_checks.py
         from gateway.media_checks import check_transcription, check_vision
+
         if cfg.llm.vision:
             ok, detail = await check_vision(cfg)
             results.append((ok, "vision", detail))
@@ -105,16 +109,24 @@ async def run_doctor(cfg: Config) -> int:
             results.append((ok, "transcription", detail))
     if cfg.platforms.telegram.enabled:
         from adapters.telegram import doctor as telegram_doctor
+
         ok, detail = await telegram_doctor(cfg.platforms.telegram)
         results.append((ok, "telegram", detail))
     if cfg.platforms.discord.enabled:
         from adapters.discord_bot import doctor as discord_doctor
+
         ok, detail = await discord_doctor(cfg.platforms.discord)
         results.append((ok, "discord", detail))
     if not (cfg.platforms.telegram.enabled or cfg.platforms.discord.enabled):
-        results.append((None, "platforms", "none enabled: `run` will refuse to start until you set "
-                                           "platforms.telegram.enabled or platforms.discord.enabled "
-                                           "(the console `chat` works without one)"))
+        results.append(
+            (
+                None,
+                "platforms",
+                "none enabled: `run` will refuse to start until you set "
+                "platforms.telegram.enabled or platforms.discord.enabled "
+                "(the console `chat` works without one)",
+            )
+        )
     for ok, what, detail in results:
         print(_line(ok, what, detail))
     failed = [r for r in results if r[0] is False]
@@ -122,8 +134,11 @@ async def run_doctor(cfg: Config) -> int:
     if failed:
         print("1 check failed." if len(failed) == 1 else f"{len(failed)} checks failed.")
     elif warned:
-        print("All checks passed, with 1 warning." if len(warned) == 1
-              else f"All checks passed, with {len(warned)} warnings.")
+        print(
+            "All checks passed, with 1 warning."
+            if len(warned) == 1
+            else f"All checks passed, with {len(warned)} warnings."
+        )
     else:
         print("All checks passed.")
     return 0 if not failed else 1

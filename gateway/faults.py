@@ -14,7 +14,7 @@ _SQLITE_TRANSIENT = ("database is locked", "database or disk is full", "disk is 
 
 
 def storage_fault(exc: BaseException) -> str | None:
-    """"disk full" or "database locked" when `exc` (or what caused it) is one, else None."""
+    """ "disk full" or "database locked" when `exc` (or what caused it) is one, else None."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:

@@ -127,7 +127,9 @@ class Inbox:
         rows = await self.db.execute_fetchall(
             "INSERT OR IGNORE INTO inbound(platform, chat_id, message_id, received_at, status, payload) VALUES "
             + ",".join(["(?, ?, ?, ?, 'pending', ?)"] * len(msgs))
-            + " RETURNING platform, chat_id, message_id", params)
+            + " RETURNING platform, chat_id, message_id",
+            params,
+        )
         new = {tuple(r) for r in rows}
         out = []
         for m in msgs:  # the same message twice in one batch: only the first is new
@@ -140,7 +142,8 @@ class Inbox:
         """Drop a still-pending record, so the platform's redelivery is taken in afresh."""
         await self.db.execute(
             "DELETE FROM inbound WHERE platform=? AND chat_id=? AND message_id=? AND status='pending'",
-            (msg.platform, msg.chat_id, msg.message_id))
+            (msg.platform, msg.chat_id, msg.message_id),
+        )
 
     async def finish(self, msg: InboundMessage, outcome: str) -> None:
         """Mark `msg` answered (or refused) and forget its text."""
@@ -154,19 +157,23 @@ class Inbox:
         await self.db.execute(
             "WITH v(p, c, m, o) AS (VALUES " + ",".join(["(?, ?, ?, ?)"] * len(last)) + ") "
             "UPDATE inbound SET status='done', outcome=v.o, payload=NULL FROM v "
-            "WHERE inbound.platform=v.p AND inbound.chat_id=v.c AND inbound.message_id=v.m", params)
+            "WHERE inbound.platform=v.p AND inbound.chat_id=v.c AND inbound.message_id=v.m",
+            params,
+        )
         return [None] * len(items)
 
     @staticmethod
     def finish_sync(con: sqlite3.Connection, msg: InboundMessage, outcome: str) -> None:
         """`finish` as one statement inside a caller's transaction (see `atomically`)."""
-        con.execute("UPDATE inbound SET status='done', outcome=?, payload=NULL"
-                    " WHERE platform=? AND chat_id=? AND message_id=?",
-                    (outcome, msg.platform, msg.chat_id, msg.message_id))
+        con.execute(
+            "UPDATE inbound SET status='done', outcome=?, payload=NULL WHERE platform=? AND chat_id=? AND message_id=?",
+            (outcome, msg.platform, msg.chat_id, msg.message_id),
+        )
 
     async def atomically(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn(connection)` as one transaction in a single hop to the database thread,
         so no other statement on this connection can interleave; rolled back if it raises."""
+
         def run(con: sqlite3.Connection) -> T:
             con.execute("BEGIN IMMEDIATE")
             try:
@@ -185,8 +192,7 @@ class Inbox:
         out = []
         # every read is one hop (execute_fetchall): a cursor left open across awaits would
         # hold a stale snapshot for the statements other tasks run in between
-        rows = await self.db.execute_fetchall(
-            "SELECT payload FROM inbound WHERE status='pending' ORDER BY received_at")
+        rows = await self.db.execute_fetchall("SELECT payload FROM inbound WHERE status='pending' ORDER BY received_at")
         for (payload,) in rows:
             try:
                 out.append(InboundMessage.model_validate(json.loads(payload)))
@@ -197,7 +203,8 @@ class Inbox:
     async def status(self, platform: str, chat_id: str, message_id: str) -> str | None:
         rows = await self.db.execute_fetchall(
             "SELECT status FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
-            (platform, chat_id, message_id))
+            (platform, chat_id, message_id),
+        )
         return rows[0][0] if rows else None
 
     async def get(self, key: str) -> str | None:
@@ -213,6 +220,7 @@ class Inbox:
     async def prune(self, older_than_s: float) -> int:
         """Forget answered messages received more than `older_than_s` ago, so gateway.db
         stays small over months; platforms never redeliver that late."""
-        cur = await self.db.execute("DELETE FROM inbound WHERE status='done' AND received_at < ?",
-                                    (time.time() - older_than_s,))
+        cur = await self.db.execute(
+            "DELETE FROM inbound WHERE status='done' AND received_at < ?", (time.time() - older_than_s,)
+        )
         return cur.rowcount

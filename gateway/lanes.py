@@ -20,8 +20,14 @@ class Lanes(Generic[Job]):
     """Serial queues keyed by lane; `handler(key, jobs)` gets one job, or a burst when
     `coalesce` says consecutive jobs may be merged into one turn."""
 
-    def __init__(self, handler: Callable[[str, list[Job]], Awaitable[None]], *, max_queued: int,
-                 coalesce: Callable[[Job], bool] | None = None, coalesce_wait_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        handler: Callable[[str, list[Job]], Awaitable[None]],
+        *,
+        max_queued: int,
+        coalesce: Callable[[Job], bool] | None = None,
+        coalesce_wait_s: float = 0.0,
+    ) -> None:
         self._handler = handler
         self._max_queued = max_queued
         self._coalesce = coalesce

@@ -125,9 +125,14 @@ def code_candidates(text: str) -> list[str]:
 
 def _issuer_chat(record: dict) -> InboundMessage:
     """A notice target: the private chat a code was issued in."""
-    return InboundMessage(platform=record["platform"], chat_id=record["chat_id"], chat_type="dm",
-                          user_id=record["user_id"], user_name=record.get("user_name") or "",
-                          message_id=f"link-{secrets.token_hex(4)}")
+    return InboundMessage(
+        platform=record["platform"],
+        chat_id=record["chat_id"],
+        chat_type="dm",
+        user_id=record["user_id"],
+        user_name=record.get("user_name") or "",
+        message_id=f"link-{secrets.token_hex(4)}",
+    )
 
 
 def _platform_name(principal: str) -> str:
@@ -137,9 +142,9 @@ def _platform_name(principal: str) -> str:
 @dataclass
 class _Plan:
     name: str
-    target: str                      # the link tenant id
-    joiners: list[str]               # principals to add to the link
-    sources: list[str]               # person tenants merged into the target, then removed
+    target: str  # the link tenant id
+    joiners: list[str]  # principals to add to the link
+    sources: list[str]  # person tenants merged into the target, then removed
     notify: list[InboundMessage] = field(default_factory=list)
     principals: list[str] = field(default_factory=list)
 
@@ -232,16 +237,19 @@ class Linking:
             if all(self.app.links.name_for(p) == info["name"] for p in info["joiners"]):
                 await asyncio.to_thread(swap.forget)
                 for source in info.get("sources", []):
-                    await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source),
-                                            info.get("target", target.name))
+                    await asyncio.to_thread(
+                        _retire, tenant_dir(self.app.cfg.data_dir, source), info.get("target", target.name)
+                    )
                 log.info("link: finished a merge a crash interrupted (%s)", target.name)
                 everyone = ", ".join(self.app.links.principals_of(info["name"]))
                 text = f"Linked: {everyone} are now one person for me, with one memory and all conversations kept."
             else:
                 await asyncio.to_thread(swap)
                 log.warning("link: undid a merge a crash interrupted before the link was recorded (%s)", target.name)
-                text = ("Linking didn't work (I was restarted meanwhile); nothing was changed. Send /link from "
-                        "your other account to get a new code and try again.")
+                text = (
+                    "Linking didn't work (I was restarted meanwhile); nothing was changed. Send /link from "
+                    "your other account to get a new code and try again."
+                )
             for msg in notify:
                 await self._tell(msg, text)
         await asyncio.to_thread(_clean_staging, profiles)
@@ -286,11 +294,20 @@ class Linking:
             if await self.app.inbox.get(f"link-code-of:{issuer}") == digest:
                 await self.app.inbox.put(f"link-code-of:{issuer}", None)
             self.app.metrics.links.inc(kind="issue", outcome="burnt")
-            log.warning("link: a live link code appeared in a %s %s chat; it was cancelled", msg.platform, msg.chat_type)
-            self._spawn(self._tell(_issuer_chat(record), (
-                "Your link code was posted in a chat other people can read, so I cancelled it: nobody can use "
-                "it now. If you still want to link your accounts, send /link here for a new code and type it "
-                "only in a private chat with me from your other account.")), "link-burnt-notice")
+            log.warning(
+                "link: a live link code appeared in a %s %s chat; it was cancelled", msg.platform, msg.chat_type
+            )
+            self._spawn(
+                self._tell(
+                    _issuer_chat(record),
+                    (
+                        "Your link code was posted in a chat other people can read, so I cancelled it: nobody can use "
+                        "it now. If you still want to link your accounts, send /link here for a new code and type it "
+                        "only in a private chat with me from your other account."
+                    ),
+                ),
+                "link-burnt-notice",
+            )
 
     def _spawn(self, coro, name: str) -> None:
         """Run `coro` beside the caller (close() waits for it)."""
@@ -313,33 +330,44 @@ class Linking:
         if len(issued) >= self.max_codes_per_hour:
             wait_min = int((3600 - (now - min(issued))) // 60) + 1
             self.app.metrics.links.inc(kind="issue", outcome="rate_limited")
-            return (f"You've asked for {self.max_codes_per_hour} link codes in the last hour. "
-                    f"Please try again in about {wait_min} minutes.")
+            return (
+                f"You've asked for {self.max_codes_per_hour} link codes in the last hour. "
+                f"Please try again in about {wait_min} minutes."
+            )
         await self._prune(now)
         old = await inbox.get(f"link-code-of:{principal}")
         if old:
             await inbox.put(f"link-code:{old}", None)
         code = "".join(secrets.choice(_ALPHABET) for _ in range(CODE_LEN))
         digest = _hash(code)
-        record = {"principal": principal, "platform": msg.platform, "chat_id": msg.chat_id,
-                  "user_id": msg.user_id, "user_name": msg.user_name, "expires": now + self.ttl_s}
+        record = {
+            "principal": principal,
+            "platform": msg.platform,
+            "chat_id": msg.chat_id,
+            "user_id": msg.user_id,
+            "user_name": msg.user_name,
+            "expires": now + self.ttl_s,
+        }
         await inbox.put(f"link-code:{digest}", json.dumps(record))
         await inbox.put(f"link-code-of:{principal}", digest)
         await inbox.put(f"link-issued:{principal}", json.dumps([*issued, now]))
         self.app.metrics.links.inc(kind="issue", outcome="ok")
         shown = f"{code[:5]}-{code[5:]}"
         minutes = max(1, int(self.ttl_s // 60))
-        return (f"Your link code is {shown}\n\nWithin {minutes} minutes, send\n/link {shown}\nto me from "
-                "your other account (for example on Telegram or Discord) in a private chat. Both accounts "
-                "will then share one memory and keep all their conversations. The code works once; "
-                "don't share it with anyone.")
+        return (
+            f"Your link code is {shown}\n\nWithin {minutes} minutes, send\n/link {shown}\nto me from "
+            "your other account (for example on Telegram or Discord) in a private chat. Both accounts "
+            "will then share one memory and keep all their conversations. The code works once; "
+            "don't share it with anyone."
+        )
 
     async def _prune(self, now: float) -> None:
         db = self.app.inbox.db
         rows = []
         for prefix in ("link-code:", "link-request:"):  # expired codes and unanswered requests
-            async with db.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ?",
-                                  (prefix, prefix[:-1] + ";")) as cur:
+            async with db.execute(
+                "SELECT key, value FROM kv WHERE key >= ? AND key < ?", (prefix, prefix[:-1] + ";")
+            ) as cur:
                 rows += await cur.fetchall()
         stale = []
         for key, value in rows:
@@ -365,14 +393,17 @@ class Linking:
         key = f"link-code:{_hash(code)}"
         raw = await inbox.get(key)
         record = json.loads(raw) if raw else None
-        unknown = ("That link code is unknown, expired or already used. Send /link from your other "
-                   "account to get a new one.")
+        unknown = (
+            "That link code is unknown, expired or already used. Send /link from your other account to get a new one."
+        )
         if record is None:
             return await self._fail(principal, fails, unknown)
         issuer = record["principal"]
         if issuer == principal:
-            return ("That code was made by this account. Send it from your other account (the one "
-                    "you want to link with this one).")
+            return (
+                "That code was made by this account. Send it from your other account (the one "
+                "you want to link with this one)."
+            )
         await inbox.put(key, None)  # single use, expired or not
         if await inbox.get(f"link-code-of:{issuer}") == _hash(code):
             await inbox.put(f"link-code-of:{issuer}", None)
@@ -382,19 +413,33 @@ class Linking:
         if name_a is not None and name_a == name_b:
             return f"These accounts are already linked ({', '.join(links.principals_of(name_a))})."
         if name_a is not None and name_b is not None:
-            return ("Both accounts already belong to different linked identities. Send /unlink from one "
-                    "of them first, then link again.")
-        request = {"joiner": principal, "platform": msg.platform, "chat_id": msg.chat_id, "user_id": msg.user_id,
-                   "user_name": msg.user_name, "expires": self.clock() + self.ttl_s}
+            return (
+                "Both accounts already belong to different linked identities. Send /unlink from one "
+                "of them first, then link again."
+            )
+        request = {
+            "joiner": principal,
+            "platform": msg.platform,
+            "chat_id": msg.chat_id,
+            "user_id": msg.user_id,
+            "user_name": msg.user_name,
+            "expires": self.clock() + self.ttl_s,
+        }
         await inbox.put(f"link-request:{issuer}", json.dumps(request))
         self.app.metrics.links.inc(kind="redeem", outcome="asked")
         who = f"{principal} ({msg.user_name})" if msg.user_name else principal
-        await self._tell(_issuer_chat(record), (
-            f"{who} wants to join your identity: reply /link confirm or /link deny.\n\n"
-            "If you confirm, that account will share your memory and conversations. If this wasn't you, "
-            "reply /link deny."))
-        return (f"Code accepted. To finish, confirm from your {_platform_name(issuer)} account: I've asked it "
-                "in its private chat with me. Nothing is linked until it confirms.")
+        await self._tell(
+            _issuer_chat(record),
+            (
+                f"{who} wants to join your identity: reply /link confirm or /link deny.\n\n"
+                "If you confirm, that account will share your memory and conversations. If this wasn't you, "
+                "reply /link deny."
+            ),
+        )
+        return (
+            f"Code accepted. To finish, confirm from your {_platform_name(issuer)} account: I've asked it "
+            "in its private chat with me. Nothing is linked until it confirms."
+        )
 
     async def _answer(self, msg: InboundMessage, confirm: bool) -> str:
         """`/link confirm` or `/link deny` from the issuer, in the issuer's private chat."""
@@ -406,13 +451,20 @@ class Linking:
                 await inbox.put(f"link-request:{issuer}", None)
             return "No account is waiting to link with this one (requests expire after 10 minutes)."
         principal = request["joiner"]
-        joiner_chat = InboundMessage(platform=request["platform"], chat_id=request["chat_id"], chat_type="dm",
-                                     user_id=request["user_id"], user_name=request.get("user_name") or "",
-                                     message_id=f"link-{secrets.token_hex(4)}")
+        joiner_chat = InboundMessage(
+            platform=request["platform"],
+            chat_id=request["chat_id"],
+            chat_type="dm",
+            user_id=request["user_id"],
+            user_name=request.get("user_name") or "",
+            message_id=f"link-{secrets.token_hex(4)}",
+        )
         if not confirm:
             await inbox.put(f"link-request:{issuer}", None)
             self.app.metrics.links.inc(kind="redeem", outcome="denied")
-            await self._tell(joiner_chat, f"Your {_platform_name(issuer)} account declined the link; nothing was linked.")
+            await self._tell(
+                joiner_chat, f"Your {_platform_name(issuer)} account declined the link; nothing was linked."
+            )
             return f"Declined: {principal} was not linked with this account."
         name_a, name_b = links.name_for(issuer), links.name_for(principal)
         if name_a is not None and name_a == name_b:
@@ -420,8 +472,10 @@ class Linking:
             return f"These accounts are already linked ({', '.join(links.principals_of(name_a))})."
         if name_a is not None and name_b is not None:
             await inbox.put(f"link-request:{issuer}", None)
-            return ("Both accounts already belong to different linked identities. Send /unlink from one "
-                    "of them first, then link again.")
+            return (
+                "Both accounts already belong to different linked identities. Send /unlink from one "
+                "of them first, then link again."
+            )
         name = name_a or name_b or secrets.token_hex(5)
         if {issuer, principal} & self._busy or link_tenant_id(name) in self._gates:
             return "A link for these accounts is already in progress; please wait a minute and try again."
@@ -432,8 +486,9 @@ class Linking:
         for p in joiners:
             platform, _, uid = p.partition(":")
             sources.append(person_tenant_id(platform, uid))
-        plan = _Plan(name=name, target=link_tenant_id(name), joiners=joiners, sources=sources,
-                     principals=[issuer, principal])
+        plan = _Plan(
+            name=name, target=link_tenant_id(name), joiners=joiners, sources=sources, principals=[issuer, principal]
+        )
         plan.notify = [msg, joiner_chat]
         self._busy |= {issuer, principal}
         tenants = [plan.target, *plan.sources]
@@ -477,8 +532,11 @@ class Linking:
                 log.exception("link: merge into %s failed; nothing was linked", plan.target)
                 reason = "the accounts stayed busy" if isinstance(err, TimeoutError) else "an internal error"
             for target in plan.notify:
-                await self._tell(target, f"Linking didn't work ({reason}); nothing was changed. Send /link "
-                                         "from your other account to get a new code and try again.")
+                await self._tell(
+                    target,
+                    f"Linking didn't work ({reason}); nothing was changed. Send /link "
+                    "from your other account to get a new code and try again.",
+                )
             if isinstance(err, asyncio.CancelledError):
                 raise
             return
@@ -514,14 +572,16 @@ class Linking:
             try:
                 await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source), plan.target)
             except Exception:
-                log.exception("link: could not remove a merged profile (`profiles delete` of the link "
-                              "removes it)")
+                log.exception("link: could not remove a merged profile (`profiles delete` of the link removes it)")
         self.app.metrics.links.inc(kind="merge", outcome="ok")
         log.info("link: merged %d profile(s) into %s", len(plan.sources), plan.target)
         everyone = ", ".join(links.principals_of(plan.name))
         for target in plan.notify:
-            await self._tell(target, f"Linked: {everyone} are now one person for me, with one memory and all "
-                                     "conversations kept. Send /unlink from an account to separate it again.")
+            await self._tell(
+                target,
+                f"Linked: {everyone} are now one person for me, with one memory and all "
+                "conversations kept. Send /unlink from an account to separate it again.",
+            )
 
     async def _tell(self, msg: InboundMessage, text: str) -> None:
         try:
@@ -560,8 +620,13 @@ class Linking:
             await asyncio.to_thread(merge_profiles, staging, sources, limits, plan.principals)
             async with SessionStore(staging, fsync=fsync):  # the merged profile opens cleanly
                 pass
-            pending = {"name": plan.name, "target": plan.target, "joiners": plan.joiners, "sources": plan.sources,
-                       "notify": [m.model_dump(mode="json") for m in plan.notify]}
+            pending = {
+                "name": plan.name,
+                "target": plan.target,
+                "joiners": plan.joiners,
+                "sources": plan.sources,
+                "notify": [m.model_dump(mode="json") for m in plan.notify],
+            }
             await asyncio.to_thread(atomic_write, staging / PENDING_MARKER, json.dumps(pending))
             return await asyncio.to_thread(_Swap.apply, staging, target)
         except BaseException:
@@ -580,11 +645,15 @@ class Linking:
         target = args.strip() or principal
         members = links.principals_of(name)
         if target not in members:
-            return (f"{target} isn't one of this link's accounts ({', '.join(members)}). "
-                    "Usage: /unlink, or /unlink <account> with an account listed by /whoami.")
+            return (
+                f"{target} isn't one of this link's accounts ({', '.join(members)}). "
+                "Usage: /unlink, or /unlink <account> with an account listed by /whoami."
+            )
         if links.is_pinned(target):
-            return ("That account is linked in the gateway's configuration (tenancy.identity_links); "
-                    "ask the operator to change it there.")
+            return (
+                "That account is linked in the gateway's configuration (tenancy.identity_links); "
+                "ask the operator to change it there."
+            )
         others = [p for p in members if p != target]
         if not others:
             return "This is the only account left in its link, so there is nothing to separate."
@@ -606,20 +675,33 @@ class Linking:
         self.app.metrics.links.inc(kind="unlink", outcome="ok")
         log.info("unlink: one account left %s", link_tenant)
         if target == principal:
-            return (f"Done: this account is separate again from now on, with a fresh memory. Everything from the "
-                    f"linked time stays with {', '.join(others)}.")
-        return (f"Done: {target} is no longer part of this identity. From now on it starts over with a fresh "
-                "memory; it can no longer see this identity's memory or conversations. What it said while "
-                "linked stays here.")
+            return (
+                f"Done: this account is separate again from now on, with a fresh memory. Everything from the "
+                f"linked time stays with {', '.join(others)}."
+            )
+        return (
+            f"Done: {target} is no longer part of this identity. From now on it starts over with a fresh "
+            "memory; it can no longer see this identity's memory or conversations. What it said while "
+            "linked stays here."
+        )
 
 
 # ----- file-level merge (runs in a thread, on closed profiles) ------------------------------
 
+
 def _init_profile(path: Path, tenant_id: str) -> None:
     for sub in ("memories", "sessions", "provider"):
         private_mkdir(path / sub)
-    write_manifest(path, {"tenant_id": tenant_id, "kind": "person", "principals": [],
-                          "created_at": time.time(), "schema_version": SCHEMA_VERSION})
+    write_manifest(
+        path,
+        {
+            "tenant_id": tenant_id,
+            "kind": "person",
+            "principals": [],
+            "created_at": time.time(),
+            "schema_version": SCHEMA_VERSION,
+        },
+    )
 
 
 class _Swap:
@@ -660,7 +742,7 @@ def _clean_staging(profiles: Path, older_than_s: float = 3600.0, keep: set[str] 
     if not profiles.is_dir():
         return
     for old in profiles.glob(".link-old-*"):
-        target = profiles / old.name[len(".link-old-"):]
+        target = profiles / old.name[len(".link-old-") :]
         if target.name in keep:
             continue
         if target.exists():
@@ -764,12 +846,17 @@ def _merge_db(src: Path, target: Path) -> None:
                 cols = [c for c in _columns(conn, "main", table) if c in _columns(conn, "src", table)]
                 names = ", ".join(f'"{c}"' for c in cols)
                 conn.execute(f"INSERT OR {conflict} INTO main.{table}({names}) SELECT {names} FROM src.{table}")
-            cols = [c for c in _columns(conn, "main", "messages") if c != "id" and c in _columns(conn, "src", "messages")]
+            cols = [
+                c for c in _columns(conn, "main", "messages") if c != "id" and c in _columns(conn, "src", "messages")
+            ]
             names = ", ".join(f'"{c}"' for c in cols)
-            conn.execute(f"INSERT INTO main.messages({names}) SELECT {names} FROM src.messages WHERE true ORDER BY id "
-                         "ON CONFLICT(uid) DO UPDATE SET active=excluded.active, compacted=excluded.compacted")
-            missing = conn.execute("SELECT count(*) FROM src.messages WHERE uid NOT IN "
-                                   "(SELECT uid FROM main.messages)").fetchone()[0]
+            conn.execute(
+                f"INSERT INTO main.messages({names}) SELECT {names} FROM src.messages WHERE true ORDER BY id "
+                "ON CONFLICT(uid) DO UPDATE SET active=excluded.active, compacted=excluded.compacted"
+            )
+            missing = conn.execute(
+                "SELECT count(*) FROM src.messages WHERE uid NOT IN (SELECT uid FROM main.messages)"
+            ).fetchone()[0]
             if missing:
                 raise RuntimeError(f"{missing} message(s) did not copy")
             conn.execute("COMMIT")
@@ -784,16 +871,28 @@ def _merge_db(src: Path, target: Path) -> None:
 def _merge_files(src: Path, target: Path) -> None:
     """Provider files, exports and anything else: copy what's missing, append *.jsonl, keep
     both when two different files have one name."""
-    skip_top = {"tenant.json", "state.db", "state.db-wal", "state.db-shm", "state.db-journal", RETIRED_MARKER,
-                PENDING_MARKER}
+    skip_top = {
+        "tenant.json",
+        "state.db",
+        "state.db-wal",
+        "state.db-shm",
+        "state.db-journal",
+        RETIRED_MARKER,
+        PENDING_MARKER,
+    }
     for root, dirs, files in os.walk(src):
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
         for name in files:
             full = Path(root) / name
             rel = full.relative_to(src)
-            if (len(rel.parts) == 1 and name in skip_top) or name == ".lock" or name.endswith(".tmp") \
-                    or full.is_symlink() or rel.parts[0] == "sessions" \
-                    or (rel.parts[0] == "memories" and name in (*_MEMORY_FILES.values(), VISIBILITY_FILE, BASELINE_FILE)):
+            if (
+                (len(rel.parts) == 1 and name in skip_top)
+                or name == ".lock"
+                or name.endswith(".tmp")
+                or full.is_symlink()
+                or rel.parts[0] == "sessions"
+                or (rel.parts[0] == "memories" and name in (*_MEMORY_FILES.values(), VISIBILITY_FILE, BASELINE_FILE))
+            ):
                 continue
             dest = target / rel
             private_mkdir(dest.parent)
@@ -832,8 +931,9 @@ def combine_entries(lists: list[list[str]], limit: int, note_date: str) -> tuple
 
     def note() -> str:
         n = len(dropped)
-        return (f"(Accounts linked {note_date}: {n} older entr{'y' if n == 1 else 'ies'} did not fit "
-                "and were set aside.)")
+        return (
+            f"(Accounts linked {note_date}: {n} older entr{'y' if n == 1 else 'ies'} did not fit and were set aside.)"
+        )
 
     while items and size(([note()] if dropped else []) + [e for _, e in items]) > limit:
         sides: dict[int, int] = {}
@@ -882,8 +982,9 @@ def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> N
         os.close(fd)
 
 
-def combine_marks(target: str, kept: list[str], lists: list[list[str]],
-                  marks: list[dict[str, dict[str, str]]]) -> dict[str, str]:
+def combine_marks(
+    target: str, kept: list[str], lists: list[list[str]], marks: list[dict[str, dict[str, str]]]
+) -> dict[str, str]:
     """The visibility marks of merged entries: an entry stays shared when every profile that
     held it had it shared (one private copy keeps it private: the safe side)."""
     out: dict[str, str] = {}
@@ -893,5 +994,3 @@ def combine_marks(target: str, kept: list[str], lists: list[list[str]],
         if holders and all(h.get(key) == "shared" for h in holders):
             out[key] = "shared"
     return out
-
-

@@ -67,9 +67,14 @@ def secrets_from_config(cfg: "Config | None") -> list[str]:
     """The values of every environment variable the config names as holding a secret."""
     if cfg is None:
         return []
-    names = [cfg.llm.api_key_env, cfg.auxiliary.compression.api_key_env, cfg.auxiliary.review.api_key_env,
-             cfg.platforms.telegram.token_env, cfg.platforms.telegram.webhook.secret_token_env,
-             cfg.platforms.discord.token_env]
+    names = [
+        cfg.llm.api_key_env,
+        cfg.auxiliary.compression.api_key_env,
+        cfg.auxiliary.review.api_key_env,
+        cfg.platforms.telegram.token_env,
+        cfg.platforms.telegram.webhook.secret_token_env,
+        cfg.platforms.discord.token_env,
+    ]
     return [os.environ[n] for n in names if n and os.environ.get(n)]
 
 
@@ -106,8 +111,12 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
-        out: dict[str, Any] = {"ts": ts, "level": record.levelname, "logger": record.name,
-                               "msg": self.redactor(record.getMessage())}
+        out: dict[str, Any] = {
+            "ts": ts,
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": self.redactor(record.getMessage()),
+        }
         for key, value in record.__dict__.items():
             if key in _STANDARD or key.startswith("_"):
                 continue

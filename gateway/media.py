@@ -30,8 +30,9 @@ log = logging.getLogger("hermes.media")
 
 REPLY_QUOTE_MAX_CHARS = 1500
 VISION_OFF_MARK = ".vision-off-told"  # in media/: this tenant was told images are not read
-VISION_OFF_NOTICE = ("Note: I can't see images here (image reading is turned off), so I only read "
-                     "the text you send with them.")
+VISION_OFF_NOTICE = (
+    "Note: I can't see images here (image reading is turned off), so I only read the text you send with them."
+)
 
 
 def human_bytes(n: int) -> str:
@@ -42,9 +43,19 @@ def human_bytes(n: int) -> str:
     return f"{n} bytes"  # pragma: no cover
 
 
-_AUDIO_EXTENSIONS = {"audio/ogg": ".ogg", "audio/opus": ".ogg", "audio/mpeg": ".mp3", "audio/mp3": ".mp3",
-                     "audio/mp4": ".m4a", "audio/x-m4a": ".m4a", "audio/wav": ".wav", "audio/x-wav": ".wav",
-                     "audio/webm": ".webm", "audio/flac": ".flac", "video/mp4": ".mp4"}
+_AUDIO_EXTENSIONS = {
+    "audio/ogg": ".ogg",
+    "audio/opus": ".ogg",
+    "audio/mpeg": ".mp3",
+    "audio/mp3": ".mp3",
+    "audio/mp4": ".m4a",
+    "audio/x-m4a": ".m4a",
+    "audio/wav": ".wav",
+    "audio/x-wav": ".wav",
+    "audio/webm": ".webm",
+    "audio/flac": ".flac",
+    "video/mp4": ".mp4",
+}
 
 
 def file_name(att: Attachment, kind: str) -> str:
@@ -79,7 +90,7 @@ def reply_context(msg: InboundMessage) -> str:
     if len(quote) > REPLY_QUOTE_MAX_CHARS:
         quote = quote[:REPLY_QUOTE_MAX_CHARS] + "…"
     who = f" {msg.reply_to_author}" if msg.reply_to_author else ""
-    return f"[In reply to{who}: \"{quote}\"]"
+    return f'[In reply to{who}: "{quote}"]'
 
 
 class MediaIntake:
@@ -185,8 +196,10 @@ class MediaIntake:
         transcriber = self._transcriber()
         what = "voice note" if att.type in ("voice", "video_note") else f"audio file {label}"
         if transcriber is None:
-            work.out.notices.append(f"I can't listen to your {what}: no transcription service is configured "
-                                    "(transcription.base_url). Please send it as text.")
+            work.out.notices.append(
+                f"I can't listen to your {what}: no transcription service is configured "
+                "(transcription.base_url). Please send it as text."
+            )
             work.notes.append(f"[{what}: not transcribed]")
             return False
         try:
@@ -210,7 +223,9 @@ class MediaIntake:
         if text is None:
             work.notes.append(f"[attached {label}: could not be read as text]")
         elif not text:
-            work.notes.append(f"[attached {label}: it has no text layer]" if kind == "pdf" else f"[attached {label}: empty]")
+            work.notes.append(
+                f"[attached {label}: it has no text layer]" if kind == "pdf" else f"[attached {label}: empty]"
+            )
         else:
             head = f"[attached file {label}" + (f", first {max_chars:,} characters" if cut else "") + "]"
             work.blocks.append(f"{head}\n{text}\n[end of {label}]")

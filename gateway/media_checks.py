@@ -15,25 +15,36 @@ from gateway.config import Config
 
 def tiny_png() -> bytes:
     """A valid 1x1 white PNG (what the vision probe sends)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\x00\xff\xff\xff")) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\x00\xff\xff\xff"))
+        + chunk(b"IEND", b"")
+    )
 
 
 async def check_vision(cfg: Config) -> tuple[bool, str]:
     """Send the model one tiny image part; a refusal means `llm.vision` must be turned off."""
     url = "data:image/png;base64," + base64.b64encode(tiny_png()).decode("ascii")
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Reply with OK."},
-                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Reply with OK."}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
     try:
         async with LLMClient.from_config(cfg.llm) as client:
             await client.chat(messages, max_tokens=5)
     except LLMError as err:
         status = f"HTTP {err.status}" if err.status else err.kind
-        return False, (f"model {cfg.llm.model} refused an image ({status}); it may not support vision: "
-                       "set llm.vision: false or pick a vision model")
+        return False, (
+            f"model {cfg.llm.model} refused an image ({status}); it may not support vision: "
+            "set llm.vision: false or pick a vision model"
+        )
     return True, f"model {cfg.llm.model} accepts images"
 
 

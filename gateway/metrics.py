@@ -92,8 +92,13 @@ class Gauge(_Metric):
 
     kind = "gauge"
 
-    def __init__(self, name: str, help_text: str, labels: Iterable[str] = (),
-                 collect: Callable[[], dict[LabelValues, float] | float] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        labels: Iterable[str] = (),
+        collect: Callable[[], dict[LabelValues, float] | float] | None = None,
+    ) -> None:
         super().__init__(name, help_text, labels)
         self._collect = collect
         self._values: dict[LabelValues, float] = {}
@@ -124,8 +129,9 @@ class Gauge(_Metric):
 class Histogram(_Metric):
     kind = "histogram"
 
-    def __init__(self, name: str, help_text: str, labels: Iterable[str] = (),
-                 buckets: Iterable[float] = TURN_BUCKETS) -> None:
+    def __init__(
+        self, name: str, help_text: str, labels: Iterable[str] = (), buckets: Iterable[float] = TURN_BUCKETS
+    ) -> None:
         super().__init__(name, help_text, labels)
         self.buckets = tuple(sorted(buckets))
         self._counts: dict[LabelValues, list[int]] = {}
@@ -161,32 +167,46 @@ class Metrics:
 
     def __init__(self) -> None:
         self.started_at = time.time()
-        self.inbound = Counter("hermes_inbound_messages_total",
-                               "Platform messages received (duplicates included).", ["platform", "outcome"])
-        self.turns = Counter("hermes_turns_total",
-                             "Lane jobs finished: agent turns (kind=turn) and chat commands (kind=command).",
-                             ["platform", "kind", "outcome"])
-        self.turn_seconds = Histogram("hermes_turn_duration_seconds",
-                                      "Wall time of an agent turn, from start to delivery.", ["platform"])
-        self.llm_requests = Counter("hermes_llm_requests_total", "Chat completion requests by outcome.",
-                                    ["outcome"])
-        self.llm_errors = Counter("hermes_llm_errors_total",
-                                  "Failed chat completion requests (after retries) by error kind.", ["kind"])
-        self.compressions = Counter("hermes_compressions_total", "Context compressions by outcome.",
-                                    ["outcome"])
-        self.reviews = Counter("hermes_memory_reviews_total",
-                               "Background memory/skill reviews by trigger (kind=nudge|flush) and outcome.",
-                               ["kind", "outcome"])
-        self.refusals = Counter("hermes_refusals_total",
-                                "Messages refused with a notice (rate_limited, too_long, busy, unauthorized, ...).",
-                                ["platform", "kind"])
-        self.rate_limited = Counter("hermes_rate_limit_refusals_total",
-                                    "Messages refused by the per-person rate limit.", ["platform"])
-        self.links = Counter("hermes_identity_links_total", "Identity link operations by kind and outcome.",
-                             ["kind", "outcome"])
-        self.deliveries = Counter("hermes_deliveries_total",
-                                  "Outbox chunks by outcome: sent, refused (chat gone), expired (given up "
-                                  "after delivery.max_age_s), retried (a failed attempt).", ["platform", "outcome"])
+        self.inbound = Counter(
+            "hermes_inbound_messages_total",
+            "Platform messages received (duplicates included).",
+            ["platform", "outcome"],
+        )
+        self.turns = Counter(
+            "hermes_turns_total",
+            "Lane jobs finished: agent turns (kind=turn) and chat commands (kind=command).",
+            ["platform", "kind", "outcome"],
+        )
+        self.turn_seconds = Histogram(
+            "hermes_turn_duration_seconds", "Wall time of an agent turn, from start to delivery.", ["platform"]
+        )
+        self.llm_requests = Counter("hermes_llm_requests_total", "Chat completion requests by outcome.", ["outcome"])
+        self.llm_errors = Counter(
+            "hermes_llm_errors_total", "Failed chat completion requests (after retries) by error kind.", ["kind"]
+        )
+        self.compressions = Counter("hermes_compressions_total", "Context compressions by outcome.", ["outcome"])
+        self.reviews = Counter(
+            "hermes_memory_reviews_total",
+            "Background memory/skill reviews by trigger (kind=nudge|flush) and outcome.",
+            ["kind", "outcome"],
+        )
+        self.refusals = Counter(
+            "hermes_refusals_total",
+            "Messages refused with a notice (rate_limited, too_long, busy, unauthorized, ...).",
+            ["platform", "kind"],
+        )
+        self.rate_limited = Counter(
+            "hermes_rate_limit_refusals_total", "Messages refused by the per-person rate limit.", ["platform"]
+        )
+        self.links = Counter(
+            "hermes_identity_links_total", "Identity link operations by kind and outcome.", ["kind", "outcome"]
+        )
+        self.deliveries = Counter(
+            "hermes_deliveries_total",
+            "Outbox chunks by outcome: sent, refused (chat gone), expired (given up "
+            "after delivery.max_age_s), retried (a failed attempt).",
+            ["platform", "outcome"],
+        )
         self.in_flight = Gauge("hermes_turns_in_progress", "Lane jobs running now.", ["platform"])
         self._gauges: list[Gauge] = []
         self._platforms: tuple[str, ...] = ()
@@ -216,8 +236,14 @@ class Metrics:
             self.turn_seconds.observe(seconds, platform=platform)
 
     # ----- scrape-time gauges ----------------------------------------------------------
-    def bind(self, *, platforms: Iterable[str], open_profiles: Callable[[], float],
-             queue_depth: Callable[[], dict[str, int]], adapters_up: Callable[[], dict[str, bool | None]]) -> None:
+    def bind(
+        self,
+        *,
+        platforms: Iterable[str],
+        open_profiles: Callable[[], float],
+        queue_depth: Callable[[], dict[str, int]],
+        adapters_up: Callable[[], dict[str, bool | None]],
+    ) -> None:
         """Attach the gauges read from the running gateway at scrape time."""
         self._platforms = tuple(platforms)
         for p in self._platforms:
@@ -234,21 +260,36 @@ class Metrics:
 
         self._gauges = [
             Gauge("hermes_open_profiles", "Tenant profiles open now.", collect=open_profiles),
-            Gauge("hermes_queue_depth", "Messages waiting in lane queues (not yet running).", ["platform"],
-                  collect=depth),
-            Gauge("hermes_adapter_connected",
-                  "1 when the platform adapter reports it is connected, 0 when not (absent when unknown).",
-                  ["platform"], collect=up),
+            Gauge(
+                "hermes_queue_depth", "Messages waiting in lane queues (not yet running).", ["platform"], collect=depth
+            ),
+            Gauge(
+                "hermes_adapter_connected",
+                "1 when the platform adapter reports it is connected, 0 when not (absent when unknown).",
+                ["platform"],
+                collect=up,
+            ),
             Gauge("hermes_start_time_seconds", "Unix time the gateway started.", collect=lambda: self.started_at),
         ]
 
     def render(self) -> str:
         """The Prometheus text exposition (format 0.0.4)."""
         lines: list[str] = []
-        for metric in (self.inbound, self.turns, self.turn_seconds, self.llm_requests, self.llm_errors,
-                       self.compressions, self.reviews, self.refusals, self.rate_limited, self.links,
-                       self.deliveries, self.in_flight,
-                       *self._gauges):
+        for metric in (
+            self.inbound,
+            self.turns,
+            self.turn_seconds,
+            self.llm_requests,
+            self.llm_errors,
+            self.compressions,
+            self.reviews,
+            self.refusals,
+            self.rate_limited,
+            self.links,
+            self.deliveries,
+            self.in_flight,
+            *self._gauges,
+        ):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
 

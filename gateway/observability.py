@@ -179,14 +179,16 @@ class Observability:
         from aiohttp import web
 
         healthy, body = await self.health()
-        return web.Response(status=200 if healthy else 503, text=json.dumps(body, indent=1),
-                            content_type="application/json")
+        return web.Response(
+            status=200 if healthy else 503, text=json.dumps(body, indent=1), content_type="application/json"
+        )
 
     async def _metrics(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.Response(body=self.app.metrics.render().encode("utf-8"),
-                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+        return web.Response(
+            body=self.app.metrics.render().encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE}
+        )
 
     async def _index(self, request: Any) -> Any:
         from aiohttp import web

@@ -104,8 +104,7 @@ class Outbox:
     def _mark_db(self) -> aiosqlite.Connection:
         return self._marks or self.inbox.db
 
-    async def record(self, drafts: Sequence[Draft], *,
-                     finish: Sequence[tuple[InboundMessage, str]] = ()) -> list[int]:
+    async def record(self, drafts: Sequence[Draft], *, finish: Sequence[tuple[InboundMessage, str]] = ()) -> list[int]:
         """Record `drafts` as pending chunks and mark `finish` answered, atomically.
         Returns the chunk ids in order."""
         now = time.time()
@@ -116,8 +115,18 @@ class Outbox:
                 cur = con.execute(
                     "INSERT INTO outbox(platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce,"
                     " created_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
-                    (d.platform, d.chat_id, d.thread_id, d.kind, d.reply_to, d.edit_of, d.text,
-                     str(secrets.randbits(63)), now))
+                    (
+                        d.platform,
+                        d.chat_id,
+                        d.thread_id,
+                        d.kind,
+                        d.reply_to,
+                        d.edit_of,
+                        d.text,
+                        str(secrets.randbits(63)),
+                        now,
+                    ),
+                )
                 ids.append(int(cur.lastrowid))
             for msg, outcome in finish:
                 Inbox.finish_sync(con, msg, outcome)
@@ -126,8 +135,9 @@ class Outbox:
         return await self.inbox.atomically(write)
 
     async def mark_sent(self, chunk_id: int, sent_id: str) -> None:
-        await self._mark_db.execute("UPDATE outbox SET status='sent', sent_id=?, text=NULL WHERE id=?",
-                                    (sent_id, chunk_id))
+        await self._mark_db.execute(
+            "UPDATE outbox SET status='sent', sent_id=?, text=NULL WHERE id=?", (sent_id, chunk_id)
+        )
 
     async def give_up(self, chunk_id: int, status: str) -> None:
         """`refused` (the chat is gone for the bot) or `expired` (older than max_age_s)."""
@@ -136,16 +146,18 @@ class Outbox:
     async def next_for(self, platform: str, chat_id: str) -> Chunk | None:
         """The chat's oldest unsent chunk."""
         rows = await self.inbox.db.execute_fetchall(
-                "SELECT id, platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce, created_at"
-                " FROM outbox WHERE status='pending' AND platform=? AND chat_id=? ORDER BY id LIMIT 1",
-                (platform, chat_id))
+            "SELECT id, platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce, created_at"
+            " FROM outbox WHERE status='pending' AND platform=? AND chat_id=? ORDER BY id LIMIT 1",
+            (platform, chat_id),
+        )
         row = rows[0] if rows else None
         return Chunk(*row[:7], row[7] or "", row[8], row[9]) if row else None
 
     async def sent_message(self, chunk_id: int) -> SentMessage | None:
         """Where chunk `chunk_id` landed, if it was sent."""
         rows = await self.inbox.db.execute_fetchall(
-                "SELECT chat_id, thread_id, sent_id FROM outbox WHERE id=? AND status='sent'", (chunk_id,))
+            "SELECT chat_id, thread_id, sent_id FROM outbox WHERE id=? AND status='sent'", (chunk_id,)
+        )
         row = rows[0] if rows else None
         return SentMessage(chat_id=row[0], thread_id=row[1], message_id=row[2]) if row else None
 
@@ -155,20 +167,30 @@ class Outbox:
 
     async def pending_chats(self) -> list[tuple[str, str]]:
         rows = await self.inbox.db.execute_fetchall(
-            "SELECT DISTINCT platform, chat_id FROM outbox WHERE status='pending'")
+            "SELECT DISTINCT platform, chat_id FROM outbox WHERE status='pending'"
+        )
         return [(p, c) for p, c in rows]
 
     async def prune(self, older_than_s: float) -> int:
-        cur = await self.inbox.db.execute("DELETE FROM outbox WHERE status!='pending' AND created_at < ?",
-                                          (time.time() - older_than_s,))
+        cur = await self.inbox.db.execute(
+            "DELETE FROM outbox WHERE status!='pending' AND created_at < ?", (time.time() - older_than_s,)
+        )
         return cur.rowcount
 
 
 class Deliverer:
     """Sends the outbox: one worker per chat while it has unsent chunks, in chunk order."""
 
-    def __init__(self, outbox: Outbox, adapters: Mapping[str, Adapter], metrics: Metrics, cfg: DeliveryConfig,
-                 *, clock: Callable[[], float] | None = None, wall: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        adapters: Mapping[str, Adapter],
+        metrics: Metrics,
+        cfg: DeliveryConfig,
+        *,
+        clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] | None = None,
+    ) -> None:
         self.outbox, self.adapters, self.metrics, self.cfg = outbox, adapters, metrics, cfg
         self._clock = clock or (lambda: time.monotonic())
         self._wall = wall or (lambda: time.time())
@@ -267,8 +289,9 @@ class Deliverer:
                 self._again.discard(key)
                 adapter = self.adapters.get(platform)
                 if self._age(chunk) > self.cfg.max_age_s:
-                    log.error("gave up delivering a %s chunk after %.0f s (delivery.max_age_s)",
-                              platform, self._age(chunk))
+                    log.error(
+                        "gave up delivering a %s chunk after %.0f s (delivery.max_age_s)", platform, self._age(chunk)
+                    )
                     await self._db(lambda: self.outbox.give_up(chunk.id, "expired"), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="expired")
                     self._resolve(chunk.id, None)
@@ -283,8 +306,12 @@ class Deliverer:
                     failures += 1
                     delay = self._backoff(failures, getattr(exc, "retry_after", None))
                     self.metrics.deliveries.inc(platform=platform, outcome="retried")
-                    log.warning("%s delivery failed (%s); retrying in %.1f s", platform,
-                                exc if isinstance(exc, DeliveryDeferred) else type(exc).__name__, delay)
+                    log.warning(
+                        "%s delivery failed (%s); retrying in %.1f s",
+                        platform,
+                        exc if isinstance(exc, DeliveryDeferred) else type(exc).__name__,
+                        delay,
+                    )
                     await self._pause(key, delay)
                     continue
                 failures = 0
@@ -334,8 +361,14 @@ class Deliverer:
             target = await self.outbox.sent_message(chunk.edit_of)
             if target is not None and adapter.can_edit and await _safe_edit(adapter, target, chunk.text):
                 return target
-        out = OutboundMessage(chat_id=chunk.chat_id, thread_id=chunk.thread_id, text=chunk.text, kind=chunk.kind,
-                              reply_to_message_id=chunk.reply_to, nonce=chunk.nonce)
+        out = OutboundMessage(
+            chat_id=chunk.chat_id,
+            thread_id=chunk.thread_id,
+            text=chunk.text,
+            kind=chunk.kind,
+            reply_to_message_id=chunk.reply_to,
+            nonce=chunk.nonce,
+        )
         return await adapter.send(out)
 
 

@@ -47,10 +47,18 @@ def is_reminder(msg: InboundMessage) -> bool:
 def occurrence(reminder: Reminder) -> InboundMessage:
     """The synthetic inbound message of a reminder's current occurrence, in its chat's lane."""
     chat = reminder.chat
-    return InboundMessage(platform=chat.platform, chat_id=chat.chat_id, chat_type=chat.chat_type,
-                          thread_id=chat.thread_id, user_id=chat.user_id, user_name=chat.user_name,
-                          message_id=f"{PREFIX}{reminder.id}:{reminder.due:.3f}", text=reminder.text,
-                          timestamp=reminder.due, mentions_bot=True)
+    return InboundMessage(
+        platform=chat.platform,
+        chat_id=chat.chat_id,
+        chat_type=chat.chat_type,
+        thread_id=chat.thread_id,
+        user_id=chat.user_id,
+        user_name=chat.user_name,
+        message_id=f"{PREFIX}{reminder.id}:{reminder.due:.3f}",
+        text=reminder.text,
+        timestamp=reminder.due,
+        mentions_bot=True,
+    )
 
 
 def delivery_text(msg: InboundMessage, now: float) -> str:
@@ -80,16 +88,21 @@ def delivered_uid(msg: InboundMessage) -> str:
 
 def delivered_message(session_id: str, msg: InboundMessage, text: str) -> StoredMessage:
     """The reminder as the lane's history keeps it (its uid makes a replay store it once)."""
-    return StoredMessage(session_id=session_id, role="assistant", content=text, uid=delivered_uid(msg),
-                         meta={"reminder": msg.message_id})
+    return StoredMessage(
+        session_id=session_id, role="assistant", content=text, uid=delivered_uid(msg), meta={"reminder": msg.message_id}
+    )
 
 
 class ReminderScheduler:
     """Wakes when the earliest indexed reminder is due and hands due occurrences to `submit`
     (which records them in the inbox; False: recorded before, e.g. by a run that crashed)."""
 
-    def __init__(self, db: Callable[[], aiosqlite.Connection], data_dir: Path,
-                 submit: Callable[[InboundMessage], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        db: Callable[[], aiosqlite.Connection],
+        data_dir: Path,
+        submit: Callable[[InboundMessage], Awaitable[bool]],
+    ) -> None:
         self._db = db
         self._data_dir = data_dir
         self._submit = submit
@@ -121,11 +134,17 @@ class ReminderScheduler:
             if not lower_only:
                 await db.execute("DELETE FROM reminder_due WHERE tenant_id=?", (tenant_id,))
         elif lower_only:
-            await db.execute("INSERT INTO reminder_due(tenant_id, due_at) VALUES (?, ?) ON CONFLICT(tenant_id) "
-                             "DO UPDATE SET due_at=MIN(due_at, excluded.due_at)", (tenant_id, due))
+            await db.execute(
+                "INSERT INTO reminder_due(tenant_id, due_at) VALUES (?, ?) ON CONFLICT(tenant_id) "
+                "DO UPDATE SET due_at=MIN(due_at, excluded.due_at)",
+                (tenant_id, due),
+            )
         else:
-            await db.execute("INSERT INTO reminder_due(tenant_id, due_at) VALUES (?, ?) ON CONFLICT(tenant_id) "
-                             "DO UPDATE SET due_at=excluded.due_at", (tenant_id, due))
+            await db.execute(
+                "INSERT INTO reminder_due(tenant_id, due_at) VALUES (?, ?) ON CONFLICT(tenant_id) "
+                "DO UPDATE SET due_at=excluded.due_at",
+                (tenant_id, due),
+            )
         self._wake.set()
 
     async def _run(self) -> None:
@@ -148,8 +167,9 @@ class ReminderScheduler:
     async def tick(self) -> int:
         """Hand over every due occurrence; returns how many were newly recorded."""
         now = self.clock()
-        rows = await (await self._db().execute(
-            "SELECT tenant_id FROM reminder_due WHERE due_at <= ? ORDER BY due_at", (now,))).fetchall()
+        rows = await (
+            await self._db().execute("SELECT tenant_id FROM reminder_due WHERE due_at <= ? ORDER BY due_at", (now,))
+        ).fetchall()
         handed = 0
         for (tenant_id,) in rows:
             store = ReminderStore(tenant_dir(self._data_dir, tenant_id))

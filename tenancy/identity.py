@@ -201,8 +201,7 @@ class IdentityLinks:
                 return None
             if principal in self._pinned:
                 raise ValueError(
-                    f"{principal!r} is linked to {name!r} in the config file "
-                    "(tenancy.identity_links); change it there"
+                    f"{principal!r} is linked to {name!r} in the config file (tenancy.identity_links); change it there"
                 )
             del self._by_principal[principal]
             members = self._by_name[name]
@@ -218,9 +217,7 @@ class IdentityLinks:
         if target is None:
             raise ValueError("IdentityLinks.save: no path given and none set")
         with self._lock:
-            runtime = {
-                n: [p for p in ps if p not in self._pinned] for n, ps in self._by_name.items()
-            }
+            runtime = {n: [p for p in ps if p not in self._pinned] for n, ps in self._by_name.items()}
             payload = {"version": _FILE_VERSION, "links": {n: ps for n, ps in runtime.items() if ps}}
             data = json.dumps(payload, ensure_ascii=False, indent=2, sort_keys=True) + "\n"
             private_mkdir(target.parent)

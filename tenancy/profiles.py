@@ -88,8 +88,13 @@ def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path,
     try:
         manifest = json.loads((path / "tenant.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
-        manifest = {"tenant_id": tenant_id, "kind": kind, "principals": [],
-                    "created_at": time.time(), "schema_version": SCHEMA_VERSION}
+        manifest = {
+            "tenant_id": tenant_id,
+            "kind": kind,
+            "principals": [],
+            "created_at": time.time(),
+            "schema_version": SCHEMA_VERSION,
+        }
         write_manifest(path, manifest)
     except json.JSONDecodeError:
         manifest = {}  # left for an operator to inspect, never overwritten here
@@ -99,9 +104,17 @@ def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path,
 class ProfileManager:
     """Opens tenants' profiles on demand and closes idle ones beyond `max_open`."""
 
-    def __init__(self, data_dir: Path, *, max_open: int = 256, fsync: str = "batch",
-                 memory_char_limit: int = 2200, user_char_limit: int = 1375,
-                 provider_kind: str = "", pool: StoragePool | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        max_open: int = 256,
+        fsync: str = "batch",
+        memory_char_limit: int = 2200,
+        user_char_limit: int = 1375,
+        provider_kind: str = "",
+        pool: StoragePool | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.pool = pool  # storage threads shared by every profile's SessionStore
         self.max_open = max_open

@@ -59,6 +59,7 @@ def make_config(data_dir, llm_url: str, **sections: Any) -> Config:
 def config_for(tmp_path, fake_llm):
     def build(**sections: Any) -> Config:
         return make_config(tmp_path / "data", fake_llm.base_url, **sections)
+
     return build
 
 
@@ -75,17 +76,40 @@ class RecordingAdapter(LoopbackAdapter):
 _msg_ids = itertools.count(1)
 
 
-def dm(user: str, text: str, *, platform: str = "testchat", message_id: str | None = None,
-       name: str | None = None) -> InboundMessage:
-    return InboundMessage(platform=platform, chat_id=f"dm-{user}", chat_type="dm", user_id=user,
-                          user_name=name or user, message_id=message_id or f"m{next(_msg_ids)}", text=text)
+def dm(
+    user: str, text: str, *, platform: str = "testchat", message_id: str | None = None, name: str | None = None
+) -> InboundMessage:
+    return InboundMessage(
+        platform=platform,
+        chat_id=f"dm-{user}",
+        chat_type="dm",
+        user_id=user,
+        user_name=name or user,
+        message_id=message_id or f"m{next(_msg_ids)}",
+        text=text,
+    )
 
 
-def group(chat: str, user: str, text: str, *, platform: str = "testchat", thread_id: str | None = None,
-          message_id: str | None = None) -> InboundMessage:
-    return InboundMessage(platform=platform, chat_id=chat, chat_type="thread" if thread_id else "group",
-                          thread_id=thread_id, user_id=user, user_name=user,
-                          message_id=message_id or f"m{next(_msg_ids)}", text=text, mentions_bot=True)
+def group(
+    chat: str,
+    user: str,
+    text: str,
+    *,
+    platform: str = "testchat",
+    thread_id: str | None = None,
+    message_id: str | None = None,
+) -> InboundMessage:
+    return InboundMessage(
+        platform=platform,
+        chat_id=chat,
+        chat_type="thread" if thread_id else "group",
+        thread_id=thread_id,
+        user_id=user,
+        user_name=user,
+        message_id=message_id or f"m{next(_msg_ids)}",
+        text=text,
+        mentions_bot=True,
+    )
 
 
 async def say(app, adapter: RecordingAdapter, msg: InboundMessage, timeout: float = 20) -> list[str]:

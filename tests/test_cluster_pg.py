@@ -66,9 +66,12 @@ _why_not = _reachable()
 if _why_not is not None:
     if os.environ.get("CI"):
         raise RuntimeError(f"CI is set but PostgreSQL at {DSN} is unreachable: {_why_not}")
-    pytest.skip(f"PostgreSQL at {DSN} is unreachable ({_why_not}); start it with "
-                "`pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` "
-                "(these tests are required under CI)", allow_module_level=True)
+    pytest.skip(
+        f"PostgreSQL at {DSN} is unreachable ({_why_not}); start it with "
+        "`pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` "
+        "(these tests are required under CI)",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture
@@ -96,24 +99,33 @@ async def _second_pool(schema: str) -> Pool:
 
 
 def _msg(lane: str, message_id: str, *, tenant: str | None = None, text: str = "hi") -> Inbound:
-    return Inbound(platform="telegram", chat_id=f"chat-{lane}", message_id=message_id, lane=lane,
-                   tenant=tenant or f"tenant-{lane}", payload={"text": text})
+    return Inbound(
+        platform="telegram",
+        chat_id=f"chat-{lane}",
+        message_id=message_id,
+        lane=lane,
+        tenant=tenant or f"tenant-{lane}",
+        payload={"text": text},
+    )
 
 
 async def _time_passes_for_node(pool: Pool, node_id: str) -> None:
     """The node stopped heartbeating longer than its ttl ago (moves its expiry into the past)."""
     async with pool.connection() as conn:
-        await conn.execute("UPDATE nodes SET lease_expires_at = now() - interval '1 second' WHERE node_id = %s",
-                           (node_id,))
+        await conn.execute(
+            "UPDATE nodes SET lease_expires_at = now() - interval '1 second' WHERE node_id = %s", (node_id,)
+        )
 
 
 async def _time_passes_for_lease(pool: Pool, tenant: str) -> None:
     async with pool.connection() as conn:
-        await conn.execute("UPDATE tenant_leases SET expires_at = now() - interval '1 second' WHERE tenant = %s",
-                           (tenant,))
+        await conn.execute(
+            "UPDATE tenant_leases SET expires_at = now() - interval '1 second' WHERE tenant = %s", (tenant,)
+        )
 
 
 # --- migrations -----------------------------------------------------------------------------
+
 
 async def test_migrate_twice_applies_each_version_once(schema):
     p = await open_pool(DSN, schema=schema)
@@ -142,13 +154,15 @@ async def test_concurrent_migrate_from_several_nodes_applies_each_version_once(s
 
 async def test_migrate_refuses_a_schema_newer_than_this_gateway(pool):
     async with pool.connection() as conn:
-        await conn.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, 'from the future')",
-                           (LATEST + 1,))
+        await conn.execute(
+            "INSERT INTO schema_migrations (version, name) VALUES (%s, 'from the future')", (LATEST + 1,)
+        )
     with pytest.raises(ClusterError, match="newer than this gateway"):
         await migrate(pool)
 
 
 # --- leases and fencing ---------------------------------------------------------------------
+
 
 async def test_lease_takeover_after_ttl_bumps_epoch_and_the_old_holders_fenced_commit_is_refused(pool, schema):
     a = await acquire_lease(pool, "alice", "node-a", ttl_s=1.0)
@@ -165,8 +179,12 @@ async def test_lease_takeover_after_ttl_bumps_epoch_and_the_old_holders_fenced_c
     async with fenced(pool, b) as conn:
         await conn.execute("CREATE TABLE written_by_b (x int)")
     async with pool.connection() as conn:
-        names = {r["t"] for r in await (await conn.execute(
-            "SELECT tablename AS t FROM pg_tables WHERE schemaname = %s", (schema,))).fetchall()}
+        names = {
+            r["t"]
+            for r in await (
+                await conn.execute("SELECT tablename AS t FROM pg_tables WHERE schemaname = %s", (schema,))
+            ).fetchall()
+        }
     assert "written_by_b" in names and "must_not_exist" not in names
 
 
@@ -214,6 +232,7 @@ async def test_a_takeover_waits_for_a_fenced_transaction_in_flight(pool, schema)
 
 
 # --- inbox, lanes and claims ----------------------------------------------------------------
+
 
 async def test_a_duplicate_delivery_is_recorded_once(pool):
     first = await record_inbound(pool, _msg("L1", "100", text="hello"))
@@ -327,9 +346,11 @@ async def test_claim_with_100k_pending_rows_uses_the_claimable_index(pool):
     assert claim is not None and claim.lane == "lane-1"  # the oldest free head: inbox id 1
     assert [m.message_id for m in claim.messages] == ["1", "10001", "20001", "30001", "40001"]
     async with pool.connection() as conn:
-        plan = await (await conn.execute(
-            "EXPLAIN (FORMAT JSON) SELECT id FROM inbox WHERE lane = 'lane-1' AND done_at IS NULL ORDER BY id LIMIT 100"
-        )).fetchone()
+        plan = await (
+            await conn.execute(
+                "EXPLAIN (FORMAT JSON) SELECT id FROM inbox WHERE lane = 'lane-1' AND done_at IS NULL ORDER BY id LIMIT 100"
+            )
+        ).fetchone()
     assert "inbox_pending_by_lane" in str(plan)
 
 
@@ -352,6 +373,7 @@ async def test_a_recorded_message_wakes_a_listening_node_of_the_same_schema_only
 
 
 # --- outbox ---------------------------------------------------------------------------------
+
 
 async def test_unsent_replies_are_resent_in_order_after_a_takeover(pool, schema):
     await register_node(pool, "node-a", TTL)
@@ -389,8 +411,9 @@ async def test_unsent_replies_are_resent_in_order_after_a_takeover(pool, schema)
             await mark_sent(other, lease_b, "node-b", entry)
         assert await pending_messages(other, "L") == []
         async with other.connection() as conn:
-            rows = await (await conn.execute(
-                "SELECT body->>'text' AS t, sent_epoch FROM outbox ORDER BY inbox_id, seq")).fetchall()
+            rows = await (
+                await conn.execute("SELECT body->>'text' AS t, sent_epoch FROM outbox ORDER BY inbox_id, seq")
+            ).fetchall()
         assert [(r["t"], r["sent_epoch"]) for r in rows] == [("1a", 1), ("1b", 2), ("1c", 2), ("2a", 2), ("2b", 2)]
     finally:
         await other.close()
@@ -409,6 +432,7 @@ async def test_a_turn_answered_twice_keeps_its_first_reply(pool):
 
 # --- pairing, link codes, identity links ----------------------------------------------------
 
+
 async def test_codes_and_identity_links_round_trip_and_codes_expire(pool):
     await put_pairing_code(pool, "PAIR1", "telegram", "111", ttl_s=60)
     got = await get_pairing_code(pool, "PAIR1")
@@ -426,6 +450,7 @@ async def test_codes_and_identity_links_round_trip_and_codes_expire(pool):
 
 
 # --- the CLI --------------------------------------------------------------------------------
+
 
 def _config_file(tmp_path: Path, extra: str = "") -> Path:
     path = tmp_path / "hermes-gateway.yaml"
@@ -499,6 +524,7 @@ def test_cluster_config_defaults():
 
 # --- PostgreSQL restart (this test restarts the local server) -------------------------------
 
+
 def _pg_cluster() -> list[str] | None:
     if shutil.which("pg_ctlcluster") is None or not Path("/etc/postgresql").is_dir():
         return None
@@ -510,8 +536,7 @@ def _ensure_server_running() -> None:
     cluster = _pg_cluster()
     if cluster is None or _reachable() is None:
         return
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"], check=False,
-                   capture_output=True)
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"], check=False, capture_output=True)
 
 
 @pytest.mark.skipif(_pg_cluster() is None, reason="needs pg_ctlcluster to restart the local PostgreSQL")
@@ -521,15 +546,18 @@ async def test_RESTARTS_POSTGRESQL_the_pool_reconnects_and_an_interrupted_transa
 
     async def interrupted() -> None:
         async with pool.connection() as conn, conn.transaction():
-            await conn.execute("INSERT INTO inbox (platform, chat_id, message_id, lane, tenant, payload) "
-                               "VALUES ('telegram', 'c', 'in-flight', 'L', 't', '{}')")
+            await conn.execute(
+                "INSERT INTO inbox (platform, chat_id, message_id, lane, tenant, payload) "
+                "VALUES ('telegram', 'c', 'in-flight', 'L', 't', '{}')"
+            )
             await conn.execute("SELECT pg_sleep(60)")
 
     task = asyncio.create_task(interrupted())
     await asyncio.sleep(0.5)
     try:
         restart = await asyncio.create_subprocess_exec(
-            "pg_ctlcluster", "--skip-systemctl-redirect", *_pg_cluster(), "restart", "-m", "fast")
+            "pg_ctlcluster", "--skip-systemctl-redirect", *_pg_cluster(), "restart", "-m", "fast"
+        )
         assert await restart.wait() == 0
         with pytest.raises(psycopg.OperationalError):
             await task

@@ -54,7 +54,9 @@ class Model:
 
     def __call__(self, request: dict):
         if is_summary_request(request.get("messages") or []):
-            if self.summary_failure is not None and (self.fail_model is None or request.get("model") == self.fail_model):
+            if self.summary_failure is not None and (
+                self.fail_model is None or request.get("model") == self.fail_model
+            ):
                 return self.summary_failure
             self.summaries += 1
             return reply(f"<think>scratch work</think>## Goals\n- SUMMARY-{self.summaries}")
@@ -473,8 +475,7 @@ async def test_message_arriving_during_a_rotating_compression_lands_in_the_child
         async with store_of(app, "quinn") as store:
             child = await store.route(KEY.format("quinn"))
             child_users = [m.content for m in await store.history(child) if m.role == "user"]
-            parent_users = [m.content for m in await store.history(parent, include_inactive=True)
-                            if m.role == "user"]
+            parent_users = [m.content for m in await store.history(parent, include_inactive=True) if m.role == "user"]
         assert child != parent
         assert child_users[-2:] == ["this turn compresses", "sent during compression"]
         assert "sent during compression" not in parent_users
@@ -577,6 +578,7 @@ async def test_an_unexpected_compression_error_never_breaks_the_turn(config_for,
     model = Model()
     fake_llm.responder = model
     async with gateway(config_for) as (app, adapter):
+
         def broken(*a, **k):
             raise RuntimeError("bug in a stage")
 

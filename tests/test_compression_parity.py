@@ -7,7 +7,12 @@ import pytest
 
 from agent import compression as compression_mod
 from agent.compression import Compressor, CompressionState
-from agent.compression_stages import build_fallback_summary, compute_threshold_tokens, is_summary_request, serialize_for_summary
+from agent.compression_stages import (
+    build_fallback_summary,
+    compute_threshold_tokens,
+    is_summary_request,
+    serialize_for_summary,
+)
 from agent.tokens import TokenCounter
 from agent.turn import Agent
 from gateway.app import GatewayApp
@@ -22,11 +27,24 @@ SK_KEY = "sk-proj-abcdefghijklmnopqrstuvwx1234"
 def _turns() -> list[dict]:
     return [
         {"role": "user", "content": "deploy with my token please", "_uid": "u1"},
-        {"role": "assistant", "content": None, "_uid": "a1",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "shell", "arguments": f'{{"cmd": "export GH={GH_TOKEN}"}}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "_uid": "t1",
-         "content": f"error: push failed for {GH_TOKEN}; config api_key={SK_KEY} Authorization: Bearer abcdef0123456789"},
+        {
+            "role": "assistant",
+            "content": None,
+            "_uid": "a1",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "shell", "arguments": f'{{"cmd": "export GH={GH_TOKEN}"}}'},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "_uid": "t1",
+            "content": f"error: push failed for {GH_TOKEN}; config api_key={SK_KEY} Authorization: Bearer abcdef0123456789",
+        },
         {"role": "assistant", "content": f"I saw your key {SK_KEY} in the logs", "_uid": "a2"},
     ]
 

@@ -37,9 +37,14 @@ def a(text, uid=None):
 
 
 def call(cid, name="session_search", args=None, content=None):
-    return {"role": "assistant", "content": content, "_uid": "c-" + cid,
-            "tool_calls": [{"id": cid, "type": "function",
-                            "function": {"name": name, "arguments": json.dumps(args or {"query": "x"})}}]}
+    return {
+        "role": "assistant",
+        "content": content,
+        "_uid": "c-" + cid,
+        "tool_calls": [
+            {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args or {"query": "x"})}}
+        ],
+    }
 
 
 def res(cid, text, name="session_search"):
@@ -71,11 +76,15 @@ def test_per_model_thresholds_longest_substring_wins():
     assert st.resolve_model_threshold("glm-5.2-1M-chat", th, 0.5) == 0.40
     assert st.resolve_model_threshold("glm-5.1", th, 0.5) == 0.60
     assert st.resolve_model_threshold("llama3", th, 0.5) == 0.5
-    assert st.compute_threshold_tokens(context_length=1_000_000, threshold=0.5, model="glm-5.2-1M",
-                                       model_thresholds=th) == 400_000
+    assert (
+        st.compute_threshold_tokens(context_length=1_000_000, threshold=0.5, model="glm-5.2-1M", model_thresholds=th)
+        == 400_000
+    )
     # the small-context floor stacks on a per-model value
-    assert st.compute_threshold_tokens(context_length=100_000, threshold=0.5, model="glm-5.2-1M",
-                                       model_thresholds=th) == 75_000
+    assert (
+        st.compute_threshold_tokens(context_length=100_000, threshold=0.5, model="glm-5.2-1M", model_thresholds=th)
+        == 75_000
+    )
 
 
 def test_tail_budget_and_summary_budget():
@@ -113,8 +122,15 @@ def test_pass2_summarises_old_tool_results_only_before_the_protected_tail():
 
 
 def test_pass3_truncates_long_tool_arguments_as_valid_json():
-    items = [sys_(), u("q"), call("c1", name="memory", args={"action": "add", "content": "z" * 2000}),
-             res("c1", "ok"), u("a"), u("b"), u("c")]
+    items = [
+        sys_(),
+        u("q"),
+        call("c1", name="memory", args={"action": "add", "content": "z" * 2000}),
+        res("c1", "ok"),
+        u("a"),
+        u("b"),
+        u("c"),
+    ]
     out, stats = st.prune_tool_results(items, protect_tail_count=3, protect_tail_tokens=None, tokens=tok)
     assert stats.args_truncated == 1
     args = json.loads(out[2]["tool_calls"][0]["function"]["arguments"])
@@ -129,7 +145,7 @@ def test_pass4_demotes_bulky_tool_output_inside_an_oversized_tail():
     items += [u("what now?")]
     out, stats = st.prune_tool_results(items, protect_tail_count=20, protect_tail_tokens=600, tokens=tok)
     assert stats.pressure >= 1
-    tail_tokens = sum(tok(it) for it in out[stats.boundary:])
+    tail_tokens = sum(tok(it) for it in out[stats.boundary :])
     assert tail_tokens <= 900
     assert out[-1]["content"] == "what now?"
 
@@ -159,7 +175,12 @@ def test_head_protection_and_forward_alignment_past_tool_results():
 def test_tail_cut_never_splits_a_tool_group_and_keeps_the_last_user():
     items = [sys_()]
     for i in range(12):
-        items += [u(f"question {i} " + "q" * 200), call(f"c{i}"), res(f"c{i}", "r" * 300), a(f"answer {i} " + "a" * 200)]
+        items += [
+            u(f"question {i} " + "q" * 200),
+            call(f"c{i}"),
+            res(f"c{i}", "r" * 300),
+            a(f"answer {i} " + "a" * 200),
+        ]
     items += [u("latest question")]
     for budget in (50, 100, 200, 400, 800):
         cut = st.find_tail_cut(items, 1, budget=budget, protect_last_n=20, min_tail_user_messages=1, tokens=tok)
@@ -190,13 +211,25 @@ def test_summary_messages_do_not_count_as_real_users():
 
 
 def test_sanitize_repairs_orphans_on_both_sides():
-    items = [sys_(), res("gone", "orphan result"), u("q"),
-             call("c1"), res("c1", "r1"),
-             {"role": "assistant", "content": None, "_uid": "multi", "tool_calls": [
-                 {"id": "c2", "type": "function", "function": {"name": "memory", "arguments": "{}"}},
-                 {"id": "c3", "type": "function", "function": {"name": "memory", "arguments": "{}"}}]},
-             res("c2", "r2"),
-             u("next"), call("c4")]
+    items = [
+        sys_(),
+        res("gone", "orphan result"),
+        u("q"),
+        call("c1"),
+        res("c1", "r1"),
+        {
+            "role": "assistant",
+            "content": None,
+            "_uid": "multi",
+            "tool_calls": [
+                {"id": "c2", "type": "function", "function": {"name": "memory", "arguments": "{}"}},
+                {"id": "c3", "type": "function", "function": {"name": "memory", "arguments": "{}"}},
+            ],
+        },
+        res("c2", "r2"),
+        u("next"),
+        call("c4"),
+    ]
     out = st.sanitize_tool_pairs(items)
     roles = [(it["role"], it.get("tool_call_id")) for it in out]
     assert ("tool", "gone") not in roles
@@ -210,17 +243,20 @@ def test_sanitize_repairs_orphans_on_both_sides():
 # --------------------------------------------------------------------------- the summary message
 
 
-@pytest.mark.parametrize("head,tail,survives,expected", [
-    ("system", "user", True, ("user", True)),  # right after the system prompt: user, merged
-    ("system", "assistant", True, ("user", False)),
-    (None, "assistant", True, ("user", False)),
-    ("user", "user", True, ("assistant", False)),
-    ("user", "assistant", True, ("assistant", True)),  # both collide: merge
-    ("assistant", "user", True, ("user", True)),
-    ("assistant", "assistant", True, ("user", False)),
-    ("tool", "user", True, ("assistant", False)),
-    ("user", "assistant", False, ("user", False)),  # no real user anywhere: must be user
-])
+@pytest.mark.parametrize(
+    "head,tail,survives,expected",
+    [
+        ("system", "user", True, ("user", True)),  # right after the system prompt: user, merged
+        ("system", "assistant", True, ("user", False)),
+        (None, "assistant", True, ("user", False)),
+        ("user", "user", True, ("assistant", False)),
+        ("user", "assistant", True, ("assistant", True)),  # both collide: merge
+        ("assistant", "user", True, ("user", True)),
+        ("assistant", "assistant", True, ("user", False)),
+        ("tool", "user", True, ("assistant", False)),
+        ("user", "assistant", False, ("user", False)),  # no real user anywhere: must be user
+    ],
+)
 def test_summary_role_rule(head, tail, survives, expected):
     assert st.choose_summary_role(head, tail, user_survives=survives) == expected
 
@@ -237,22 +273,29 @@ def test_wrap_unwrap_and_merge():
     assert st.unwrap_summary(merged["content"]) == "## Goals\n- x"
 
 
-@pytest.mark.parametrize("raw,clean", [
-    ("<think>plan the answer</think>## Goals\n- g", "## Goals\n- g"),
-    ("<THINKING a=1>x\ny</THINKING>\n\nbody", "body"),
-    ("body before <think>unterminated reasoning", "body before"),
-    ("stray reasoning without an opening tag</think>the summary", "the summary"),
-    ("<reasoning>r</reasoning>a<think>b</think>c", "ac"),
-    ("no tags at all", "no tags at all"),
-])
+@pytest.mark.parametrize(
+    "raw,clean",
+    [
+        ("<think>plan the answer</think>## Goals\n- g", "## Goals\n- g"),
+        ("<THINKING a=1>x\ny</THINKING>\n\nbody", "body"),
+        ("body before <think>unterminated reasoning", "body before"),
+        ("stray reasoning without an opening tag</think>the summary", "the summary"),
+        ("<reasoning>r</reasoning>a<think>b</think>c", "ac"),
+        ("no tags at all", "no tags at all"),
+    ],
+)
 def test_think_blocks_are_stripped(raw, clean):
     assert st.strip_think(raw) == clean
 
 
 def test_serialization_skips_summaries_strips_think_and_shows_tool_calls():
-    items = [u("hello"), {"role": "assistant", "content": "<think>hidden</think>visible", "_uid": "x"},
-             call("c1", args={"query": "trip"}), res("c1", "found 2"),
-             {"role": "user", "content": "OLD SUMMARY", "_summary": True}]
+    items = [
+        u("hello"),
+        {"role": "assistant", "content": "<think>hidden</think>visible", "_uid": "x"},
+        call("c1", args={"query": "trip"}),
+        res("c1", "found 2"),
+        {"role": "user", "content": "OLD SUMMARY", "_summary": True},
+    ]
     text = st.serialize_for_summary(items)
     assert "[USER]: hello" in text and "[ASSISTANT]: visible" in text and "hidden" not in text
     assert 'session_search({"query": "trip"})' in text and "[TOOL RESULT session_search]: found 2" in text
@@ -275,8 +318,7 @@ def test_summary_input_is_capped_at_160k_chars():
 
 
 def test_summary_prompt_update_and_focus():
-    p = st.build_summary_prompt("[USER]: hi", previous_summary="## Goals\n- old", focus="travel",
-                                budget_tokens=2000)
+    p = st.build_summary_prompt("[USER]: hi", previous_summary="## Goals\n- old", focus="travel", budget_tokens=2000)
     assert "PREVIOUS SUMMARY:\n## Goals\n- old" in p and "NEW TURNS TO INCORPORATE:\n[USER]: hi" in p
     assert 'FOCUS TOPIC: "travel"' in p
     assert "## Facts About the Person" in p and "## Open Questions" in p and "## Pending Work" in p
@@ -290,10 +332,12 @@ def test_summary_prompt_update_and_focus():
 def test_static_fallback_is_built_from_the_middle_and_capped_at_8000_chars():
     turns = []
     for i in range(200):
-        turns += [u(f"question {i}: how do I fix /etc/app{i}/config.yaml? " + "q" * 900),
-                  call(f"c{i}", name="memory", args={"action": "add", "target": "user", "content": "c" * 50}),
-                  res(f"c{i}", json.dumps({"success": False, "error": f"Memory full {i}"}), name="memory"),
-                  a(f"I saved it, see https://example.com/doc{i} " + "a" * 900)]
+        turns += [
+            u(f"question {i}: how do I fix /etc/app{i}/config.yaml? " + "q" * 900),
+            call(f"c{i}", name="memory", args={"action": "add", "target": "user", "content": "c" * 50}),
+            res(f"c{i}", json.dumps({"success": False, "error": f"Memory full {i}"}), name="memory"),
+            a(f"I saved it, see https://example.com/doc{i} " + "a" * 900),
+        ]
     body = st.build_fallback_summary(turns, previous_summary="P" * 20_000, reason="the summary model timed out")
     full = st.SUMMARY_PREFIX + "\n" + body
     assert len(full) <= 8000
@@ -308,19 +352,22 @@ def test_static_fallback_is_built_from_the_middle_and_capped_at_8000_chars():
 # --------------------------------------------------------------------------- failure classes and state
 
 
-@pytest.mark.parametrize("err,kind", [
-    (LLMAuthError("HTTP 401", status=401), "auth"),
-    (LLMUnavailable("cannot reach http://x: ConnectError: refused"), "network"),
-    (LLMUnavailable("cannot reach http://x: RemoteProtocolError: Server disconnected"), "stream"),
-    (LLMUnavailable("timed out talking to http://x (ReadTimeout)"), "timeout"),
-    (LLMUnavailable("HTTP 503", status=503), "not_found"),
-    (LLMUnavailable("HTTP 504", status=504), "timeout"),
-    (LLMRateLimited("HTTP 429", status=429), "timeout"),
-    (LLMBadResponse("non-JSON body"), "bad_response"),
-    (LLMError("HTTP 404", status=404, kind="not_found"), "not_found"),
-    (LLMError("bad url", kind="config"), "config"),
-    (ContextLengthExceeded("too long", status=400), "other"),
-])
+@pytest.mark.parametrize(
+    "err,kind",
+    [
+        (LLMAuthError("HTTP 401", status=401), "auth"),
+        (LLMUnavailable("cannot reach http://x: ConnectError: refused"), "network"),
+        (LLMUnavailable("cannot reach http://x: RemoteProtocolError: Server disconnected"), "stream"),
+        (LLMUnavailable("timed out talking to http://x (ReadTimeout)"), "timeout"),
+        (LLMUnavailable("HTTP 503", status=503), "not_found"),
+        (LLMUnavailable("HTTP 504", status=504), "timeout"),
+        (LLMRateLimited("HTTP 429", status=429), "timeout"),
+        (LLMBadResponse("non-JSON body"), "bad_response"),
+        (LLMError("HTTP 404", status=404, kind="not_found"), "not_found"),
+        (LLMError("bad url", kind="config"), "config"),
+        (ContextLengthExceeded("too long", status=400), "other"),
+    ],
+)
 def test_failure_classification(err, kind):
     assert classify_failure(err) == kind
 
@@ -341,10 +388,9 @@ def test_block_reason_cooldown_block_and_probe():
 # --------------------------------------------------------------------------- the wire
 
 
-
-
 def _compressor() -> Compressor:
     from gateway.config import parse_config
+
     cfg = parse_config({"llm": {"context_length": 4000}})
 
     async def system_factory(*a):  # pragma: no cover - not used here
@@ -358,12 +404,29 @@ def test_wire_applies_overrides_note_role_and_merge_without_touching_storage():
     sid = "s1"
     system = StoredMessage(sid, "system", "You are Hermes.")
     u1 = StoredMessage(sid, "user", "first question")
-    tc = StoredMessage(sid, "assistant", None, tool_calls=[
-        {"id": "c1", "type": "function", "function": {"name": "memory", "arguments": '{"content": "' + "z" * 900 + '"}'}}])
+    tc = StoredMessage(
+        sid,
+        "assistant",
+        None,
+        tool_calls=[
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "memory", "arguments": '{"content": "' + "z" * 900 + '"}'},
+            }
+        ],
+    )
     tr = StoredMessage(sid, "tool", "x" * 900, tool_call_id="c1", tool_name="memory")
-    summary = StoredMessage(sid, "assistant", st.wrap_summary("## Goals\n- g"), meta={
-        "compressed_summary": True, "after_uid": system.uid,
-        "overrides": {tr.uid: {"content": "[memory] add on user (900 chars result)"}}})
+    summary = StoredMessage(
+        sid,
+        "assistant",
+        st.wrap_summary("## Goals\n- g"),
+        meta={
+            "compressed_summary": True,
+            "after_uid": system.uid,
+            "overrides": {tr.uid: {"content": "[memory] add on user (900 chars result)"}},
+        },
+    )
     latest = StoredMessage(sid, "user", "latest question")
     wire = comp.wire([system, summary, u1, tc, tr, latest])
     assert "compacted into a handoff summary" in wire[0]["content"]
@@ -412,8 +475,12 @@ def test_agent_threshold_uses_per_model_thresholds_and_the_cap():
     from agent.turn import Agent
     from gateway.config import parse_config
 
-    cfg = parse_config({"llm": {"model": "glm-5.2-1M", "context_length": 1_000_000, "max_tokens": 8000},
-                        "compression": {"model_thresholds": {"glm-5.2": 0.4}}})
+    cfg = parse_config(
+        {
+            "llm": {"model": "glm-5.2-1M", "context_length": 1_000_000, "max_tokens": 8000},
+            "compression": {"model_thresholds": {"glm-5.2": 0.4}},
+        }
+    )
     agent = Agent(cfg, llm=None, tokens=TokenCounter(None))  # type: ignore[arg-type]
     assert agent.threshold_tokens() == 400_000 - 8000
     cfg = parse_config({"llm": {"context_length": 1_000_000}, "compression": {"threshold_tokens": 120_000}})

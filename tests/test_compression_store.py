@@ -115,9 +115,11 @@ async def test_rotate_with_carry_moves_route_and_compacts_parent_in_one_step(pro
     async with SessionStore(profile) as s:
         parent = await s.start_session("lane", source="telegram")
         msgs = await conversation(s, parent, 3)
-        carry = [StoredMessage("placeholder", "system", "fresh sys"),
-                 StoredMessage("placeholder", "user", "sum", meta={"compressed_summary": True}),
-                 StoredMessage("placeholder", "user", "q2", meta={"copied_from": msgs[5].uid})]
+        carry = [
+            StoredMessage("placeholder", "system", "fresh sys"),
+            StoredMessage("placeholder", "user", "sum", meta={"compressed_summary": True}),
+            StoredMessage("placeholder", "user", "q2", meta={"copied_from": msgs[5].uid}),
+        ]
         child = await s.rotate("lane", parent, "compression", carry=carry, compact_uids=[m.uid for m in msgs[1:5]])
         assert await s.route("lane") == child
         info = await s.session_info(child)

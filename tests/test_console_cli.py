@@ -20,9 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 async def chat(config: Path, user: str, stdin: str, *extra: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "chat", "-c", str(config), "--user", user, *extra,
-        cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "chat",
+        "-c",
+        str(config),
+        "--user",
+        user,
+        *extra,
+        cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 60)
     return proc.returncode, out.decode(), err.decode()
 
@@ -30,10 +42,14 @@ async def chat(config: Path, user: str, stdin: str, *extra: str) -> tuple[int, s
 @pytest.fixture
 def config_file(tmp_path, fake_llm) -> Path:
     path = tmp_path / "gw.yaml"
-    path.write_text(yaml.safe_dump({
-        "data_dir": "data",  # relative: resolved next to the config file
-        "llm": {"base_url": fake_llm.base_url, "model": "fake"},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "data_dir": "data",  # relative: resolved next to the config file
+                "llm": {"base_url": fake_llm.base_url, "model": "fake"},
+            }
+        )
+    )
     return path
 
 
@@ -57,8 +73,11 @@ async def test_piped_console_sessions_keep_people_apart(config_file, fake_llm, t
 
 async def test_console_reports_dead_model_in_one_sentence(tmp_path):
     path = tmp_path / "gw.yaml"
-    path.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "d"),
-                                    "llm": {"base_url": "http://127.0.0.1:9/v1", "max_retries": 0}}))
+    path.write_text(
+        yaml.safe_dump(
+            {"data_dir": str(tmp_path / "d"), "llm": {"base_url": "http://127.0.0.1:9/v1", "max_retries": 0}}
+        )
+    )
     code, out, err = await chat(path, "zed", "anyone?\n")
     assert code == 0
     assert "error: The assistant's model is unreachable right now; your message was kept" in out
@@ -102,8 +121,7 @@ def test_doctor_says_what_is_wrong(tmp_path, capsys):
     from tests.fakes.llm import FakeLLM
 
     path = tmp_path / "gw.yaml"
-    path.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "d"),
-                                    "llm": {"base_url": "http://127.0.0.1:9/v1"}}))
+    path.write_text(yaml.safe_dump({"data_dir": str(tmp_path / "d"), "llm": {"base_url": "http://127.0.0.1:9/v1"}}))
     assert main(["doctor", "-c", str(path)]) == 1
     out = capsys.readouterr().out
     assert "[FAIL] model endpoint: cannot reach http://127.0.0.1:9/v1" in out

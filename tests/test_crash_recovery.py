@@ -33,17 +33,23 @@ def journal_uids(profile: Path) -> set[str]:
 def db_messages(profile: Path) -> dict[str, tuple[str, str]]:
     con = sqlite3.connect(profile / "state.db")
     try:
-        return {uid: (role, content) for uid, role, content in
-                con.execute("SELECT uid, role, content FROM messages")}
+        return {uid: (role, content) for uid, role, content in con.execute("SELECT uid, role, content FROM messages")}
     finally:
         con.close()
 
 
 async def run_gateway(config: Path, n: int, *, kill_after_replies: int | None) -> list[str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.fakes.burst_gateway", str(config), str(n),
-        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        sys.executable,
+        "-m",
+        "tests.fakes.burst_gateway",
+        str(config),
+        str(n),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     replies: list[str] = []
     assert proc.stdout is not None
     try:
@@ -71,13 +77,17 @@ async def test_sigkill_mid_burst_then_restart_loses_nothing(tmp_path, fake_llm):
 
     fake_llm.responder = slowish
     config = tmp_path / "gw.yaml"
-    config.write_text(yaml.safe_dump({
-        "data_dir": str(tmp_path / "data"),
-        "llm": {"base_url": fake_llm.base_url, "model": "fake", "max_retries": 0},
-        "storage": {"fsync": "batch"},
-        # queue: one answer per message, so every message's answer can be checked
-        "limits": {"rate_limit_per_minute": 1000, "max_queued_turns": 100, "busy_mode": "queue"},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data_dir": str(tmp_path / "data"),
+                "llm": {"base_url": fake_llm.base_url, "model": "fake", "max_retries": 0},
+                "storage": {"fsync": "batch"},
+                # queue: one answer per message, so every message's answer can be checked
+                "limits": {"rate_limit_per_minute": 1000, "max_queued_turns": 100, "busy_mode": "queue"},
+            }
+        )
+    )
     n = 60
     first = await run_gateway(config, n, kill_after_replies=15)
     assert len(first) >= 15
@@ -94,10 +104,10 @@ async def test_sigkill_mid_burst_then_restart_loses_nothing(tmp_path, fake_llm):
     users = [c for r, c in stored.values() if r == "user"]
     for reply in first + second:
         assert reply.startswith("ok: burst-")
-        asked = reply[len("ok: "):]
+        asked = reply[len("ok: ") :]
         assert asked in users, f"{asked} got a reply but is not stored"
         assert reply in contents, f"reply {reply!r} was sent but not stored"
     # every message of the burst was stored exactly once and answered at least once
     assert sorted(users) == sorted(f"burst-{i}" for i in range(n))
-    answered = {r[len("ok: "):] for r in first + second}
+    answered = {r[len("ok: ") :] for r in first + second}
     assert answered == {f"burst-{i}" for i in range(n)}

@@ -29,16 +29,27 @@ async def test_sigkill_between_the_user_message_call_and_the_answer_call(tmp_pat
 
     fake_llm.responder = hang_on_seven
     config = tmp_path / "gw.yaml"
-    config.write_text(yaml.safe_dump({
-        "data_dir": str(tmp_path / "data"),
-        "llm": {"base_url": fake_llm.base_url, "model": "fake", "max_retries": 0, "timeout_s": 3600},
-        "storage": {"fsync": "batch"},
-        "limits": {"rate_limit_per_minute": 1000, "max_queued_turns": 100},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data_dir": str(tmp_path / "data"),
+                "llm": {"base_url": fake_llm.base_url, "model": "fake", "max_retries": 0, "timeout_s": 3600},
+                "storage": {"fsync": "batch"},
+                "limits": {"rate_limit_per_minute": 1000, "max_queued_turns": 100},
+            }
+        )
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.fakes.burst_gateway", str(config), "10",
-        cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        sys.executable,
+        "-m",
+        "tests.fakes.burst_gateway",
+        str(config),
+        "10",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         await asyncio.wait_for(asked.wait(), 60)
     finally:
@@ -65,9 +76,15 @@ async def test_sigkill_between_the_user_message_call_and_the_answer_call(tmp_pat
 async def test_sigkill_during_a_group_commit_loses_no_acknowledged_message(tmp_path: Path):
     profile = tmp_path / "profiles" / "t"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.fakes.store_writer", str(profile),
-        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        sys.executable,
+        "-m",
+        "tests.fakes.store_writer",
+        str(profile),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     acknowledged: list[str] = []
     fsyncs = 0
     assert proc.stdout is not None

@@ -41,9 +41,12 @@ def test_a_longer_fence_is_closed_only_by_one_as_long():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(["```py", "~~~", "````", "word " * 12, "x" * 40, "", "```", "~~~~"]),
-                min_size=1, max_size=60),
-       st.integers(min_value=40, max_value=400))
+@given(
+    st.lists(
+        st.sampled_from(["```py", "~~~", "````", "word " * 12, "x" * 40, "", "```", "~~~~"]), min_size=1, max_size=60
+    ),
+    st.integers(min_value=40, max_value=400),
+)
 def test_every_chunk_fits_and_keeps_fences_balanced(lines, limit):
     text = "\n".join(lines)
     if _fence_state(text, None) is not None:

@@ -16,7 +16,6 @@ from gateway.cli import main as cli_main
 from gateway.config import load_config
 
 
-
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DATA_DIR = "/var/lib/hermes-gateway"
@@ -51,8 +50,22 @@ def test_dockerfile():
     assert names[0] == "FROM"
     base = instr[0][1]
     assert re.fullmatch(r"python:3\.1[1-9]-slim(-[a-z]+)?", base), base
-    known = {"FROM", "ENV", "RUN", "WORKDIR", "COPY", "VOLUME", "USER", "EXPOSE", "HEALTHCHECK",
-             "STOPSIGNAL", "ENTRYPOINT", "CMD", "ARG", "LABEL"}
+    known = {
+        "FROM",
+        "ENV",
+        "RUN",
+        "WORKDIR",
+        "COPY",
+        "VOLUME",
+        "USER",
+        "EXPOSE",
+        "HEALTHCHECK",
+        "STOPSIGNAL",
+        "ENTRYPOINT",
+        "CMD",
+        "ARG",
+        "LABEL",
+    }
     assert set(names) <= known, set(names) - known
     users = [a for i, a in instr if i == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), "must run as a non-root user"
@@ -79,8 +92,9 @@ def test_healthcheck_command_parses():
     health = next(a for i, a in instr if i == "HEALTHCHECK")
     argv = re.findall(r'"([^"]+)"', health.split("CMD", 1)[1])
     assert argv[0] == "hermes-gateway"
-    rc = cli_main([*argv[1:], "--listen", "127.0.0.1:9", "--timeout", "1", "-c",
-                   str(DEPLOY / "hermes-gateway.example.yaml")])
+    rc = cli_main(
+        [*argv[1:], "--listen", "127.0.0.1:9", "--timeout", "1", "-c", str(DEPLOY / "hermes-gateway.example.yaml")]
+    )
     assert rc == 1  # nothing listens there: unhealthy, not a usage error
 
 
@@ -106,8 +120,7 @@ def test_example_config_and_env_file_agree():
     cfg = load_config(DEPLOY / "hermes-gateway.example.yaml")
     assert str(cfg.data_dir) == DATA_DIR
     assert cfg.observability.listen and cfg.logging.format == "json" and cfg.logging.include_text is False
-    env_names = set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]+)=", (DEPLOY / "hermes-gateway.env.example").read_text(),
-                               re.M))
+    env_names = set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]+)=", (DEPLOY / "hermes-gateway.env.example").read_text(), re.M))
     for name in (cfg.llm.api_key_env, cfg.platforms.telegram.token_env, cfg.platforms.discord.token_env):
         assert name in env_names, name
 
@@ -155,8 +168,13 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path):
         text = (DEPLOY / name).read_text().replace("/opt/hermes-gateway/bin/hermes-gateway", str(stub))
         (tmp_path / name).write_text(text)
     env = {**os.environ, "SYSTEMD_LOG_LEVEL": "notice"}
-    proc = subprocess.run(["systemd-analyze", "verify", *[str(tmp_path / u) for u in units]],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", *[str(tmp_path / u) for u in units]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     for bad in ("Unknown", "ignoring", "Failed", "not executable", "Invalid", "Unsupported"):

@@ -46,13 +46,19 @@ class Harness:
         self.got.append(msg)
 
     def config(self, **kw: Any) -> DiscordConfig:
-        base: dict[str, Any] = dict(enabled=True, api_base=self.fake.api_base, gateway_url=self.fake.gateway_url,
-                                    free_response_channels=[self.world.free])
+        base: dict[str, Any] = dict(
+            enabled=True,
+            api_base=self.fake.api_base,
+            gateway_url=self.fake.gateway_url,
+            free_response_channels=[self.world.free],
+        )
         base.update(kw)
         return DiscordConfig(**base)
 
     async def start(self, token: str | None = None, **kw: Any) -> DiscordAdapter:
-        adapter = DiscordAdapter(self.config(**kw), token or self.fake.token, ready_timeout=10, guild_ready_timeout=0.05)
+        adapter = DiscordAdapter(
+            self.config(**kw), token or self.fake.token, ready_timeout=10, guild_ready_timeout=0.05
+        )
         self.adapters.append(adapter)
         await adapter.start(self.sink)
         return adapter
@@ -180,7 +186,11 @@ async def test_thread_lane_ids(h):
     await h.settle()
     by_id = {m.message_id: m for m in h.got}
     assert set(by_id) == {t1["id"], t2["id"], t3["id"]}
-    assert (by_id[t1["id"]].chat_type, by_id[t1["id"]].chat_id, by_id[t1["id"]].thread_id) == ("thread", w.general, w.thread)
+    assert (by_id[t1["id"]].chat_type, by_id[t1["id"]].chat_id, by_id[t1["id"]].thread_id) == (
+        "thread",
+        w.general,
+        w.thread,
+    )
     assert (by_id[t2["id"]].chat_id, by_id[t2["id"]].thread_id) == (w.free, w.free_thread)
     assert (by_id[t3["id"]].chat_id, by_id[t3["id"]].thread_id) == (w.general, late)
 
@@ -202,8 +212,11 @@ async def test_bots_and_own_messages_are_ignored(h):
     fake.push_guild_message(w.general, w.robot, "beep", mention_bot=True)
     fake.push_dm(w.robot, "beep in dm")
     await adapter.send(OutboundMessage(chat_id=w.free, text="my own message, echoed by the gateway"))
-    await fake.wait_until(lambda: any(c["t"] == "MESSAGE_CREATE" and c["d"]["author"]["id"] == fake.bot_id
-                                      for c in fake.gateway_ops("send")))
+    await fake.wait_until(
+        lambda: any(
+            c["t"] == "MESSAGE_CREATE" and c["d"]["author"]["id"] == fake.bot_id for c in fake.gateway_ops("send")
+        )
+    )
     await h.settle()
     assert h.got == []
 
@@ -344,7 +357,9 @@ async def test_slash_command_roundtrip_via_followups(h):
     (callback,) = fake.rest_calls("POST", r"^/interactions/")
     assert callback["json"]["type"] == 5 and not (callback["json"].get("data") or {}).get("flags")  # public defer
 
-    s1 = await adapter.send(OutboundMessage(chat_id=msg.chat_id, text="part one @everyone", reply_to_message_id=msg.message_id))
+    s1 = await adapter.send(
+        OutboundMessage(chat_id=msg.chat_id, text="part one @everyone", reply_to_message_id=msg.message_id)
+    )
     s2 = await adapter.send(OutboundMessage(chat_id=msg.chat_id, text="part two"))
     sent = fake.sent_messages(w.general)
     assert [m["content"] for m in sent] == ["part one @everyone", "part two"]
@@ -405,7 +420,9 @@ async def test_personal_commands_are_answered_ephemerally_in_servers_only(h):
     for inter in (public, in_dm):
         callback = fake.rest_calls("POST", rf"^/interactions/{inter['id']}/")[0]["json"]
         assert not (callback.get("data") or {}).get("flags")
-    await adapter.send(OutboundMessage(chat_id=dm_channel, text="you are bob", reply_to_message_id=f"interaction-{in_dm['id']}"))
+    await adapter.send(
+        OutboundMessage(chat_id=dm_channel, text="you are bob", reply_to_message_id=f"interaction-{in_dm['id']}")
+    )
     assert not int(fake.sent_messages(dm_channel)[-1]["body"].get("flags") or 0) & 64
 
 

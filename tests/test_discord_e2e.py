@@ -45,8 +45,11 @@ async def rig(fake, config_for):
     rigs: list[Rig] = []
 
     async def build(*others: Any, **discord_cfg: Any) -> Rig:
-        cfg = config_for(platforms={"discord": {"enabled": True, "api_base": fake.api_base,
-                                                "gateway_url": fake.gateway_url, **discord_cfg}})
+        cfg = config_for(
+            platforms={
+                "discord": {"enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url, **discord_cfg}
+            }
+        )
         adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
         app = GatewayApp(cfg, [adapter, *others])
         await app.start()
@@ -222,9 +225,10 @@ async def test_refused_intent_keeps_other_platforms_running(rig, fake, fake_llm)
 async def test_slash_command_from_a_stranger_gets_an_answer_not_silence(rig, fake, fake_llm, config_for):
     r = await rig()
     await r.app.stop(drain_timeout=5)  # rebuild with an allowlist that leaves bob out
-    cfg = config_for(access={"allowed_users": [f"discord:{fake.alice}"]},
-                     platforms={"discord": {"enabled": True, "api_base": fake.api_base,
-                                            "gateway_url": fake.gateway_url}})
+    cfg = config_for(
+        access={"allowed_users": [f"discord:{fake.alice}"]},
+        platforms={"discord": {"enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}},
+    )
     adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
     app = GatewayApp(cfg, [adapter])
     await app.start()
@@ -248,10 +252,13 @@ async def test_slash_command_from_a_stranger_gets_an_answer_not_silence(rig, fak
 def _recorded(app: GatewayApp, channel_id: str, message_id: str) -> bool:
     """Whether the gateway's inbox has taken in a Discord message (sync peek for wait_until)."""
     import sqlite3
+
     con = sqlite3.connect(app.inbox.path)
     try:
-        row = con.execute("SELECT status FROM inbound WHERE platform='discord' AND chat_id=? AND message_id=?",
-                          (str(channel_id), str(message_id))).fetchone()
+        row = con.execute(
+            "SELECT status FROM inbound WHERE platform='discord' AND chat_id=? AND message_id=?",
+            (str(channel_id), str(message_id)),
+        ).fetchone()
     finally:
         con.close()
     return row is not None and row[0] == "done"
@@ -271,8 +278,9 @@ async def test_private_thread_is_its_own_tenant(rig, fake, fake_llm):
     own = tenant_dir(data_dir, chat_tenant_id("discord", private)) / "memories" / "MEMORY.md"
     assert SECRET in own.read_text(), "the private thread keeps its own memory"
     parent = tenant_dir(data_dir, chat_tenant_id("discord", fake.general))
-    assert not parent.exists() or not any(SECRET in p.read_text(errors="ignore")
-                                          for p in parent.rglob("*") if p.is_file())
+    assert not parent.exists() or not any(
+        SECRET in p.read_text(errors="ignore") for p in parent.rglob("*") if p.is_file()
+    )
     # a public thread of the same channel (the parent channel's shared tenant) never sees it
     n = len(fake_llm.requests)
     fake.push_thread_message(fake.thread, fake.bob, "what do you remember?", mention_bot=True)

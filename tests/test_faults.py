@@ -27,8 +27,7 @@ NOTICE = "I can't save anything right now"
 def small_disk(path: Path, size: str = "4m"):
     """A real filesystem of `size` at `path` (tmpfs; needs root, else the test is skipped)."""
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
@@ -61,6 +60,7 @@ async def wait_until(predicate, timeout: float = 20) -> None:
     async def poll() -> None:
         while not predicate():
             await asyncio.sleep(0.02)
+
     await asyncio.wait_for(poll(), timeout)
 
 
@@ -76,8 +76,7 @@ def consistent(data: Path) -> None:
             con.close()
 
 
-async def test_disk_full_while_storing_a_turn_is_told_then_answered_when_space_returns(tmp_path, config_for,
-                                                                                       fake_llm):
+async def test_disk_full_while_storing_a_turn_is_told_then_answered_when_space_returns(tmp_path, config_for, fake_llm):
     data = tmp_path / "data"
     with small_disk(data / "profiles") as disk:
         adapter = RecordingAdapter(max_message_length=30000)
@@ -90,8 +89,10 @@ async def test_disk_full_while_storing_a_turn_is_told_then_answered_when_space_r
             await adapter.sink(dm("ann", long))
             await wait_until(lambda: any(NOTICE in t for t in adapter.texts()))
             consistent(data)  # nothing half-written while the disk is full
-            assert await app.inbox.db.execute_fetchall("SELECT status FROM inbound ORDER BY received_at") == \
-                [("done",), ("pending",)]
+            assert await app.inbox.db.execute_fetchall("SELECT status FROM inbound ORDER BY received_at") == [
+                ("done",),
+                ("pending",),
+            ]
             free(disk)
             await wait_until(lambda: any(t.startswith("ok: second") for t in adapter.texts()))
             assert await app.drain(20)
@@ -99,7 +100,7 @@ async def test_disk_full_while_storing_a_turn_is_told_then_answered_when_space_r
             await app.stop()
         texts = adapter.texts()
         assert texts[0] == "ok: hello" and NOTICE in texts[1] and "disk full" in texts[1]
-        assert [t for t in texts if t.startswith("ok: second")] == [f"ok: {long}"[:len(texts[2])]]
+        assert [t for t in texts if t.startswith("ok: second")] == [f"ok: {long}"[: len(texts[2])]]
         assert len(texts) == 3
         consistent(data)
 
@@ -165,6 +166,7 @@ async def test_gateway_db_locked_beyond_the_busy_timeout_delays_the_answer_and_l
     await app.inbox.db.execute("PRAGMA busy_timeout=100")  # the real 5 s, shortened
     other = sqlite3.connect(app.cfg.data_dir / "gateway.db", isolation_level=None, check_same_thread=False)
     try:
+
         async def lock_then_answer(request):
             other.execute("BEGIN IMMEDIATE")  # another writer holds gateway.db from now on
             return reply("the answer")
@@ -189,13 +191,15 @@ async def test_gateway_db_locked_beyond_the_busy_timeout_delays_the_answer_and_l
 
 
 async def test_flapping_model_endpoint_is_ridden_out_and_an_outage_is_told_without_losing_the_message(
-        config_for, fake_llm):
+    config_for, fake_llm
+):
     adapter = RecordingAdapter(max_message_length=30000)
     app = GatewayApp(config_for(llm={"max_retries": 3}), [adapter])
     await app.start()
     try:
-        fake_llm.script(error(500, "boom"), error(429, "slow", headers={"Retry-After": "0.1"}), disconnect(),
-                        reply("steady again"))
+        fake_llm.script(
+            error(500, "boom"), error(429, "slow", headers={"Retry-After": "0.1"}), disconnect(), reply("steady again")
+        )
         assert await say(app, adapter, dm("di", "are you there")) == ["steady again"]
         fake_llm.script(*[error(503, "down")] * 4)
         out = await say(app, adapter, dm("di", "my plant is called Fern"))

@@ -27,16 +27,31 @@ from tenancy.keys import person_tenant_id, tenant_dir
 from tests.fakes.llm import FakeLLM, error, hang
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
-       # the venv's bin is not on PATH, as for someone who just ran `make install`
-       "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
-                               if Path(p).resolve() != (ROOT / ".venv" / "bin").resolve())}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(ROOT),
+    "TERM": "xterm",
+    "PROMPT_TOOLKIT_NO_CPR": "1",
+    # the venv's bin is not on PATH, as for someone who just ran `make install`
+    "PATH": os.pathsep.join(
+        p
+        for p in os.environ.get("PATH", "").split(os.pathsep)
+        if Path(p).resolve() != (ROOT / ".venv" / "bin").resolve()
+    ),
+}
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def cli(*args: str, stdin: str = "", cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], input=stdin, text=True,
-                          capture_output=True, cwd=cwd, env=ENV, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        input=stdin,
+        text=True,
+        capture_output=True,
+        cwd=cwd,
+        env=ENV,
+        timeout=60,
+    )
 
 
 def closed_port() -> int:
@@ -46,8 +61,15 @@ def closed_port() -> int:
 
 
 def write_config(path: Path, base_url: str, **llm: object) -> Path:
-    path.write_text(yaml.safe_dump({"data_dir": str(path.parent / "data"), "storage": {"fsync": "never"},
-                                    "llm": {"base_url": base_url, "model": "fake", **llm}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "data_dir": str(path.parent / "data"),
+                "storage": {"fsync": "never"},
+                "llm": {"base_url": base_url, "model": "fake", **llm},
+            }
+        )
+    )
     return path
 
 
@@ -66,9 +88,15 @@ class Terminal:
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], stdin=slave, stdout=slave,
-                                     stderr=subprocess.PIPE, cwd=ROOT, env=ENV,
-                                     preexec_fn=become_session_leader)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *args],
+            stdin=slave,
+            stdout=slave,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env=ENV,
+            preexec_fn=become_session_leader,
+        )
         os.close(slave)
         self.master = master
         self.raw = b""
@@ -110,7 +138,7 @@ class Terminal:
     def send(self, data: str) -> None:
         raw = data.encode()
         for i in range(0, len(raw), 512):  # keep reading, so the child never blocks writing
-            os.write(self.master, raw[i:i + 512])
+            os.write(self.master, raw[i : i + 512])
             self._pump(0)
 
     def wait(self, timeout: float = 30) -> int:
@@ -156,6 +184,7 @@ def wait_for(condition, timeout: float = 30) -> None:
 
 # ----- 1. Ctrl-C and Ctrl-D ------------------------------------------------------------------
 
+
 def test_ctrl_c_during_a_slow_reply_quits_at_once_and_keeps_the_message(tmp_path, terminals):
     with FakeLLM() as llm:
         llm.script(hang(300))  # a reply that would take five minutes
@@ -178,9 +207,15 @@ def test_sigint_stops_a_piped_chat_waiting_on_the_model_and_on_stdin(tmp_path):
     with FakeLLM() as llm:
         llm.script(hang(300))
         config = write_config(tmp_path / "gw.yaml", llm.base_url)
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "chat", "-c", str(config), "--user", "amy"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=ROOT, env=ENV, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "chat", "-c", str(config), "--user", "amy"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env=ENV,
+            text=True,
+        )
         try:
             proc.stdin.write("hello\n")
             proc.stdin.flush()  # stdin stays open: the reader thread is blocked on it too
@@ -209,6 +244,7 @@ def test_ctrl_c_at_the_prompt_exits_130_and_ctrl_d_ends_the_line(tmp_path, termi
 
 
 # ----- 2. banner, thinking, a dead model explained -------------------------------------------
+
 
 def test_terminal_chat_has_a_banner_and_a_thinking_line(tmp_path, terminals):
     with FakeLLM() as llm:
@@ -241,6 +277,7 @@ def test_dead_model_names_the_url_the_config_and_doctor(tmp_path):
 
 # ----- 3. kept messages on a role-alternating server -----------------------------------------
 
+
 def test_messages_kept_while_the_model_was_down_reach_a_strict_server_as_one_turn(tmp_path):
     config = write_config(tmp_path / "gw.yaml", f"http://127.0.0.1:{closed_port()}/v1", max_retries=0)
     down = cli("chat", "-c", str(config), "--user", "zed", stdin="hi\nhi\nhi\n")
@@ -257,8 +294,17 @@ def test_messages_kept_while_the_model_was_down_reach_a_strict_server_as_one_tur
 
 def test_a_provider_refusal_says_what_to_do(tmp_path):
     with FakeLLM() as llm:
-        llm.script(error(400, {"object": "error", "type": "BadRequestError", "code": 400,
-                               "message": "Conversation roles must alternate user/assistant/user/assistant/..."}))
+        llm.script(
+            error(
+                400,
+                {
+                    "object": "error",
+                    "type": "BadRequestError",
+                    "code": 400,
+                    "message": "Conversation roles must alternate user/assistant/user/assistant/...",
+                },
+            )
+        )
         config = write_config(tmp_path / "gw.yaml", llm.base_url)
         proc = cli("chat", "-c", str(config), "--user", "zed", stdin="hi\n")
     assert "refused this conversation; send /new to start a fresh one" in proc.stdout
@@ -266,6 +312,7 @@ def test_a_provider_refusal_says_what_to_do(tmp_path):
 
 
 # ----- 4. a read timeout is not retried ------------------------------------------------------
+
 
 def test_a_slow_model_times_out_once_and_says_so(tmp_path):
     with FakeLLM() as llm:
@@ -278,6 +325,7 @@ def test_a_slow_model_times_out_once_and_says_so(tmp_path):
 
 
 # ----- 5. doctor catches broken configs ------------------------------------------------------
+
 
 def test_doctor_fails_a_base_url_without_v1(tmp_path):
     with FakeLLM() as llm:
@@ -311,11 +359,14 @@ def test_doctor_warns_that_run_has_no_platform(tmp_path):
     assert "All checks passed, with 1 warning." in proc.stdout
 
 
-@pytest.mark.parametrize("section, key, value, says", [
-    ("memory", "provider", "mem0", "memory.provider: unknown memory provider 'mem0'"),
-    ("observability", "listen", "banana", "observability.listen: 'banana' must look like 127.0.0.1:9464"),
-    ("llm", "base_url", "localhost:11434/v1", "llm.base_url: 'localhost:11434/v1' must be an http(s) URL"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, says",
+    [
+        ("memory", "provider", "mem0", "memory.provider: unknown memory provider 'mem0'"),
+        ("observability", "listen", "banana", "observability.listen: 'banana' must look like 127.0.0.1:9464"),
+        ("llm", "base_url", "localhost:11434/v1", "llm.base_url: 'localhost:11434/v1' must be an http(s) URL"),
+    ],
+)
 def test_doctor_refuses_config_values_that_would_fail_later(tmp_path, section, key, value, says):
     config = tmp_path / "gw.yaml"
     config.write_text(yaml.safe_dump({section: {key: value}}))
@@ -325,6 +376,7 @@ def test_doctor_refuses_config_values_that_would_fail_later(tmp_path, section, k
 
 
 # ----- 6. one sentence, non-zero exit --------------------------------------------------------
+
 
 def test_a_second_chat_on_a_data_dir_in_use_is_refused_in_one_line(tmp_path):
     config = write_config(tmp_path / "gw.yaml", f"http://127.0.0.1:{closed_port()}/v1")
@@ -340,8 +392,11 @@ def test_unreadable_configs_are_one_sentence(tmp_path):
     latin1.write_bytes("agent_name: Hérmes\n".encode("latin-1"))
     dup = tmp_path / "dup.yaml"
     dup.write_text("llm:\n  model: a\n  timeout_s: 5\n  model: b\n")
-    for path, says in ((latin1, "is not UTF-8 text"), (tmp_path, "is a directory"),
-                       (dup, "line 4: not valid YAML: duplicate key 'model' (first given on line 2)")):
+    for path, says in (
+        (latin1, "is not UTF-8 text"),
+        (tmp_path, "is a directory"),
+        (dup, "line 4: not valid YAML: duplicate key 'model' (first given on line 2)"),
+    ):
         proc = cli("chat", "-c", str(path))
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
@@ -363,9 +418,13 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     config = write_config(tmp_path / "gw.yaml", f"http://127.0.0.1:{closed_port()}/v1", max_retries=0)
     cli("chat", "-c", str(config), "--user", "amy", stdin="hello\n")
     # `profiles show ... | head -0`: the reader is gone before anything is written
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "profiles", "show", "console:amy",
-                             "-c", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=ROOT, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "profiles", "show", "console:amy", "-c", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=ENV,
+    )
     proc.stdout.close()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 141
@@ -373,6 +432,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
 
 
 # ----- 7. a real line editor -----------------------------------------------------------------
+
 
 def test_terminal_input_edits_recalls_history_and_takes_long_pastes(tmp_path, terminals):
     with FakeLLM() as llm:
@@ -406,6 +466,7 @@ def test_piped_long_lines_are_not_cut(tmp_path):
 
 # ----- 9. backups ---------------------------------------------------------------------------
 
+
 def test_backup_is_always_an_archive_in_the_directory_and_keep_is_honoured(tmp_path):
     config = write_config(tmp_path / "gw.yaml", f"http://127.0.0.1:{closed_port()}/v1", max_retries=0)
     cli("chat", "-c", str(config), "--user", "amy", stdin="hello\n")
@@ -427,6 +488,7 @@ def test_backup_is_always_an_archive_in_the_directory_and_keep_is_honoured(tmp_p
 
 
 # ----- 10. small things ----------------------------------------------------------------------
+
 
 def test_every_flag_has_help_text():
     missing = []

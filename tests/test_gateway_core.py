@@ -44,7 +44,7 @@ async def test_secret_told_by_a_never_reaches_b(config_for, fake_llm):
         await say(app, adapter, group("room1", "bob", "hello, what do you know?"))
         fake_llm.script(tool_call("session_search", {"query": "4711"}))
         await say(app, adapter, dm("bob", "search your notes"))
-        bob_requests = fake_llm.requests[n:n + 1] + fake_llm.requests[m:]
+        bob_requests = fake_llm.requests[n : n + 1] + fake_llm.requests[m:]
         assert bob_requests
         for request in bob_requests:
             assert SECRET not in json.dumps(request), "bob's request carried alice's secret"
@@ -77,7 +77,8 @@ async def test_group_member_cannot_see_other_members_memory(config_for, fake_llm
         assert SECRET in (await say(app, adapter, dm("alice", "/memory")))[0]
         # in the group, /memory never prints a member's memory for everyone to read
         assert await say(app, adapter, group("g1", "alice", "/memory")) == [
-            "That's private: send /memory in a private chat with me."]
+            "That's private: send /memory in a private chat with me."
+        ]
     finally:
         await app.stop()
 
@@ -123,6 +124,7 @@ async def test_unanswered_message_is_replayed_after_restart_and_stored_once(conf
     app = await started(cfg, adapter)
     # the model hangs: stop the gateway mid-turn (as a crash would leave it)
     from tests.fakes.llm import hang
+
     fake_llm.script(hang(30))
     await say(app, adapter, dm("dave", "one"))
     await adapter.sink(dm("dave", "two", message_id="two-1"))
@@ -167,14 +169,17 @@ async def test_many_tenants_interleaved_never_mix(config_for, fake_llm):
     assert len(fake_llm.requests) >= 90
     for request in fake_llm.requests:
         blob = json.dumps(request)
-        speaker = {p for p in people if p in json.dumps(request["messages"][-1])} or \
-            {p for p in people if f"secret-{p}-X" in blob}
+        speaker = {p for p in people if p in json.dumps(request["messages"][-1])} or {
+            p for p in people if f"secret-{p}-X" in blob
+        }
         secrets = {p for p in people if f"secret-{p}-X" in blob}
         assert secrets <= speaker, f"request of {speaker} carried secrets of {secrets - speaker}"
     answered = adapter.texts()
     for p in people:
         assert f"ok: who am I, {p}?" in answered
-        assert (tenant_dir(config_for().data_dir, f"testchat-{p}") / "memories" / "MEMORY.md").read_text() == f"secret-{p}-X"
+        assert (
+            tenant_dir(config_for().data_dir, f"testchat-{p}") / "memories" / "MEMORY.md"
+        ).read_text() == f"secret-{p}-X"
 
 
 async def test_rate_limit_refuses_with_clear_message(config_for, fake_llm):
@@ -207,8 +212,9 @@ async def test_dead_llm_gives_one_clear_sentence_and_keeps_input(config_for, fak
     app = await started(cfg, adapter)
     try:
         out = await say(app, adapter, dm("gus", "are you there?"))
-        assert out == ["The assistant's model is unreachable right now; your message was kept — please try again in a minute."] or \
-            (len(out) == 1 and "unreachable" in out[0])
+        assert out == [
+            "The assistant's model is unreachable right now; your message was kept — please try again in a minute."
+        ] or (len(out) == 1 and "unreachable" in out[0])
         assert adapter.sent[-1].kind == "error"
     finally:
         await app.stop()
@@ -219,6 +225,7 @@ async def test_dead_llm_gives_one_clear_sentence_and_keeps_input(config_for, fak
 
 async def test_full_lane_answers_busy(config_for, fake_llm):
     from tests.fakes.llm import hang
+
     adapter = RecordingAdapter()
     app = await started(config_for(limits={"max_queued_turns": 1}), adapter)
     fake_llm.script(hang(0.5, reply("slow")))
@@ -299,8 +306,10 @@ async def test_gateway_db_forgets_old_answered_ids_but_not_pending_ones(tmp_path
             assert await inbox.record(m)
         await inbox.finish(old, "replied")
         await inbox.finish(fresh, "replied")
-        await inbox.db.execute("UPDATE inbound SET received_at=? WHERE message_id IN (?, ?)",
-                               (_time.time() - 30 * 86400, old.message_id, pending.message_id))
+        await inbox.db.execute(
+            "UPDATE inbound SET received_at=? WHERE message_id IN (?, ?)",
+            (_time.time() - 30 * 86400, old.message_id, pending.message_id),
+        )
         assert await inbox.prune(14 * 86400) == 1
         assert await inbox.status("testchat", old.chat_id, old.message_id) is None
         assert await inbox.status("testchat", fresh.chat_id, fresh.message_id) == "done"

@@ -12,8 +12,15 @@ from gateway.inbox import Inbox
 
 
 def message(chat: int, n: int) -> InboundMessage:
-    return InboundMessage(platform="telegram", chat_id=f"c{chat}", chat_type="dm", user_id=f"u{chat}",
-                          user_name="X", message_id=f"m{n}", text=f"hello {n}")
+    return InboundMessage(
+        platform="telegram",
+        chat_id=f"c{chat}",
+        chat_type="dm",
+        user_id=f"u{chat}",
+        user_name="X",
+        message_id=f"m{n}",
+        text=f"hello {n}",
+    )
 
 
 async def test_concurrent_records_from_many_lanes_share_one_transaction(tmp_path: Path) -> None:
@@ -38,10 +45,12 @@ async def test_concurrent_records_from_many_lanes_share_one_transaction(tmp_path
     finally:
         await inbox.close()
     with sqlite3.connect(tmp_path / "gateway.db") as db:  # durable, and the text of answered ones is gone
-        done = db.execute("SELECT count(*) FROM inbound WHERE status='done' AND outcome='replied' "
-                          "AND payload IS NULL").fetchone()[0]
-        pending = db.execute("SELECT count(*) FROM inbound WHERE status='pending' AND payload IS NOT NULL"
-                             ).fetchone()[0]
+        done = db.execute(
+            "SELECT count(*) FROM inbound WHERE status='done' AND outcome='replied' AND payload IS NULL"
+        ).fetchone()[0]
+        pending = db.execute("SELECT count(*) FROM inbound WHERE status='pending' AND payload IS NOT NULL").fetchone()[
+            0
+        ]
     assert (done, pending) == (40, 20)
 
 
@@ -50,7 +59,8 @@ async def test_a_failed_batch_fails_every_caller_in_it_and_the_next_batch_works(
     await inbox.open()
     try:
         await inbox.db.execute(
-            "CREATE TEMP TRIGGER no_more BEFORE INSERT ON inbound BEGIN SELECT RAISE(ABORT, 'disk full'); END")
+            "CREATE TEMP TRIGGER no_more BEFORE INSERT ON inbound BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+        )
         results = await asyncio.gather(*(inbox.record(message(1, i)) for i in range(5)), return_exceptions=True)
         assert all(isinstance(r, sqlite3.Error) for r in results)
         await inbox.db.execute("DROP TRIGGER no_more")

@@ -36,8 +36,7 @@ def snapshot(path) -> dict[str, str]:
     return out
 
 
-async def test_failed_merge_into_an_existing_link_leaves_both_profiles_as_they_were(config_for, fake_llm,
-                                                                                  monkeypatch):
+async def test_failed_merge_into_an_existing_link_leaves_both_profiles_as_they_were(config_for, fake_llm, monkeypatch):
     fake_llm.responder = memory_saving_responder
     cfg = config_for(limits={"rate_limit_per_minute": 100})
     tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
@@ -77,8 +76,7 @@ async def test_failed_merge_into_an_existing_link_leaves_both_profiles_as_they_w
         await app.stop()
 
 
-async def test_shutdown_mid_merge_finishes_the_merge_and_both_accounts_are_told(config_for, fake_llm,
-                                                                                monkeypatch):
+async def test_shutdown_mid_merge_finishes_the_merge_and_both_accounts_are_told(config_for, fake_llm, monkeypatch):
     cfg = config_for(limits={"rate_limit_per_minute": 100})
     tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
     app = await started(cfg, tg, dc)
@@ -129,7 +127,8 @@ class _Crash(BaseException):
 
 
 async def test_crash_after_the_swap_before_the_link_is_recorded_is_undone_on_the_next_start(
-        config_for, fake_llm, monkeypatch):
+    config_for, fake_llm, monkeypatch
+):
     fake_llm.responder = memory_saving_responder
     cfg = config_for(limits={"rate_limit_per_minute": 100})
     tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
@@ -166,8 +165,7 @@ async def test_crash_after_the_swap_before_the_link_is_recorded_is_undone_on_the
         await app.stop()
 
 
-async def test_crash_after_the_link_is_recorded_finishes_the_merge_on_the_next_start(
-        config_for, fake_llm, monkeypatch):
+async def test_crash_after_the_link_is_recorded_finishes_the_merge_on_the_next_start(config_for, fake_llm, monkeypatch):
     cfg = config_for(limits={"rate_limit_per_minute": 100})
     tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
     app = await started(cfg, tg, dc, tc)

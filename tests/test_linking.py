@@ -254,8 +254,11 @@ async def test_link_code_posted_in_group_is_burnt(config_for, fake_llm):
     try:
         # alice pastes her code into a group (lower case, no dash, inside a sentence) ...
         code = code_in(await say(app, tg, dm("111", "/link", platform="telegram")))
-        await say(app, tg, group("g1", "111", f"oops here is my code {code.lower().replace('-', '')} sorry",
-                                 platform="telegram"))
+        await say(
+            app,
+            tg,
+            group("g1", "111", f"oops here is my code {code.lower().replace('-', '')} sorry", platform="telegram"),
+        )
         await app.linking.wait_idle(10)
         # ... the code is dead at once and alice is told in her private chat, not in the group
         notices = [t for t in tg.texts("dm-111") if "cancelled" in t]
@@ -357,19 +360,25 @@ async def test_unlink_removes_principal_and_admin_resolves_live_link(config_for,
         tenant = link_tenant_id(name)
         linked_dir = tenant_dir(data, tenant)
         assert set(json.loads((linked_dir / "tenant.json").read_text())["principals"]) == {
-            "telegram:111", "discord:222", "testchat:777"}
+            "telegram:111",
+            "discord:222",
+            "testchat:777",
+        }
         # /unlink is private, and only names accounts of the caller's own link
-        assert "private chat" in (await say(app, tg, group("g1", "111", "/unlink discord:222",
-                                                            platform="telegram")))[0]
-        assert "isn't one of this link's accounts" in (await say(app, tg, dm("111", "/unlink telegram:999",
-                                                                               platform="telegram")))[0]
+        assert "private chat" in (await say(app, tg, group("g1", "111", "/unlink discord:222", platform="telegram")))[0]
+        assert (
+            "isn't one of this link's accounts"
+            in (await say(app, tg, dm("111", "/unlink telegram:999", platform="telegram")))[0]
+        )
         # alice removes an account from her link, from another account of it
         out = await say(app, tg, dm("111", "/unlink discord:222", platform="telegram"))
         assert out[0].startswith("Done: discord:222 is no longer part")
         assert app.links.name_for("discord:222") is None
         assert sorted(json.loads((data / "links.json").read_text())["links"][name]) == ["telegram:111", "testchat:777"]
         assert set(json.loads((linked_dir / "tenant.json").read_text())["principals"]) == {
-            "telegram:111", "testchat:777"}
+            "telegram:111",
+            "testchat:777",
+        }
         # the removed account sees nothing of the link any more
         n = len(fake_llm.requests)
         await say(app, dc, dm("222", "what do you know about me?", platform="discord"))
@@ -433,8 +442,12 @@ async def test_link_merge_keeps_each_entrys_visibility(config_for, fake_llm):
         await say(app, dc, dm("222", "remember CANARY-dcprivate4", platform="discord"))
         await link(app, tg, dc)
         listing = (await say(app, tg, dm("111", "/memory", platform="telegram")))[0]
-        for canary, vis in (("tgshared1", "shared"), ("tgprivate2", "private"),
-                            ("dcshared3", "shared"), ("dcprivate4", "private")):
+        for canary, vis in (
+            ("tgshared1", "shared"),
+            ("tgprivate2", "private"),
+            ("dcshared3", "shared"),
+            ("dcprivate4", "private"),
+        ):
             assert f"[{vis}] CANARY-{canary}" in listing, listing
         # a new group lane of either account loads the shared entries of both, never a private one
         n = len(fake_llm.requests)
@@ -453,8 +466,10 @@ def test_merge_keeps_an_entry_private_when_any_copy_was_private():
     from agent.visibility import entry_key
 
     lists = [["both", "only-a"], ["both", "only-b"]]
-    marks = [{"memory": {entry_key("memory", "both"): "shared", entry_key("memory", "only-a"): "shared"}},
-             {"memory": {entry_key("memory", "only-b"): "shared"}}]
+    marks = [
+        {"memory": {entry_key("memory", "both"): "shared", entry_key("memory", "only-a"): "shared"}},
+        {"memory": {entry_key("memory", "only-b"): "shared"}},
+    ]
     out = combine_marks("memory", ["both", "only-a", "only-b"], lists, marks)
     assert out == {entry_key("memory", "only-a"): "shared", entry_key("memory", "only-b"): "shared"}
 

@@ -41,8 +41,7 @@ from tests.fakes.llm import (
     when_user_says,
 )
 
-UNAVAILABLE = ("The assistant's model is unreachable right now; your message was kept — "
-               "please try again in a minute.")
+UNAVAILABLE = "The assistant's model is unreachable right now; your message was kept — please try again in a minute."
 AUTH = "The assistant's model provider rejected our credentials; an operator needs to fix the API key."
 SECRET = "sk-test-SECRET-0123456789abcdef"
 USER = [{"role": "user", "content": "hello there"}]
@@ -77,8 +76,11 @@ async def test_plain_reply_with_usage(llm: FakeLLM) -> None:
     assert isinstance(res, ChatResult)
     assert res.content == "hello back" and res.tool_calls is None
     assert res.finish_reason == "stop" and res.model == "fake-model"
-    assert res.usage == Usage(prompt_tokens=len("hello there") // 4, completion_tokens=len("hello back") // 4,
-                              total_tokens=len("hello there") // 4 + len("hello back") // 4)
+    assert res.usage == Usage(
+        prompt_tokens=len("hello there") // 4,
+        completion_tokens=len("hello back") // 4,
+        total_tokens=len("hello there") // 4 + len("hello back") // 4,
+    )
     assert res.raw["object"] == "chat.completion" and res.attempts == 1
     assert llm.requests == [{"model": "fake-model", "messages": USER}]
     assert llm.request_headers[0]["authorization"] == f"Bearer {SECRET}"
@@ -86,8 +88,11 @@ async def test_plain_reply_with_usage(llm: FakeLLM) -> None:
 
 async def test_default_answer_names_last_user_message_and_usage_override(llm: FakeLLM) -> None:
     llm.script(reply("x", usage={"prompt_tokens": 1000}))
-    msgs = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "a"},
-            {"role": "user", "content": "second"}]
+    msgs = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "second"},
+    ]
     async with client_for(llm) as c:
         overridden = await c.chat(msgs)
         default = await c.chat(msgs)
@@ -105,18 +110,36 @@ async def test_tool_call_parsing(llm: FakeLLM) -> None:
         tool_call("memory", {"action": "add", "target": "user", "content": "likes tea"}, call_id="call_1"),
         tool_calls([("a", {"x": 1}), ("b", {})], content="thinking"),
         # a server that sends arguments as an object and no ids
-        assistant_message({"role": "assistant", "content": None, "tool_calls": [
-            {"type": "function", "function": {"name": "session_search", "arguments": {"query": "tea", "limit": 2}}},
-            {"function": {"name": "memory"}},
-        ]}, finish_reason="tool_calls"),
+        assistant_message(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": "session_search", "arguments": {"query": "tea", "limit": 2}},
+                    },
+                    {"function": {"name": "memory"}},
+                ],
+            },
+            finish_reason="tool_calls",
+        ),
     )
     async with client_for(llm) as c:
         one = await c.chat(USER)
         two = await c.chat(USER)
         odd = await c.chat(USER)
     assert one.finish_reason == "tool_calls" and one.content is None
-    assert one.tool_calls == [{"id": "call_1", "type": "function", "function": {
-        "name": "memory", "arguments": json.dumps({"action": "add", "target": "user", "content": "likes tea"})}}]
+    assert one.tool_calls == [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {
+                "name": "memory",
+                "arguments": json.dumps({"action": "add", "target": "user", "content": "likes tea"}),
+            },
+        }
+    ]
     assert [t["function"]["name"] for t in two.tool_calls] == ["a", "b"] and two.content == "thinking"
     assert two.tool_calls[0]["id"] != two.tool_calls[1]["id"]
     first, second = odd.tool_calls
@@ -151,8 +174,10 @@ async def test_from_config_reads_key_from_env(llm: FakeLLM, monkeypatch: pytest.
 
 
 async def test_retry_after_429_honours_retry_after(llm: FakeLLM) -> None:
-    llm.script(error(429, {"error": {"message": "slow down", "type": "rate_limit"}}, headers={"Retry-After": "0.3"}),
-               reply("after the wait"))
+    llm.script(
+        error(429, {"error": {"message": "slow down", "type": "rate_limit"}}, headers={"Retry-After": "0.3"}),
+        reply("after the wait"),
+    )
     async with client_for(llm, backoff_base_s=20) as c:  # the header wins over the backoff
         t0 = time.monotonic()
         res = await c.chat(USER)
@@ -225,8 +250,12 @@ async def test_read_timeout_is_reported_as_timeout_and_never_retried(llm: FakeLL
 
 
 async def test_consecutive_user_messages_reach_a_role_alternating_server_as_one() -> None:
-    history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
-               {"role": "user", "content": "hi again"}, {"role": "user", "content": "anyone?"}]
+    history = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "hi again"},
+        {"role": "user", "content": "anyone?"},
+    ]
     kept = json.loads(json.dumps(history))
     async with FakeLLM(alternating_roles=True) as server, client_for(server) as c:
         result = await c.chat(history)
@@ -237,8 +266,12 @@ async def test_consecutive_user_messages_reach_a_role_alternating_server_as_one(
 
 
 async def test_role_alternation_refusal_tells_the_person_to_start_over() -> None:
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
-               {"role": "assistant", "content": "b"}, {"role": "user", "content": "and?"}]
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "and?"},
+    ]
     async with FakeLLM(alternating_roles=True) as server, client_for(server) as c:
         with pytest.raises(LLMRefused) as info:
             await c.chat(history)
@@ -286,13 +319,25 @@ async def test_every_context_length_dialect(llm: FakeLLM, dialect: str) -> None:
         assert err.requested == 5000
 
 
-@pytest.mark.parametrize("status, body", [
-    (413, "prompt is too long"),
-    (400, {"error": {"message": "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096."}}),
-    (400, {"detail": "requested tokens exceed context window of n_ctx=2048"}),
-    (500, {"error": {"code": 500, "message": "the request exceeds the available context size, try increasing "
-                                              "the context size or enable context shift", "type": "server_error"}}),
-])
+@pytest.mark.parametrize(
+    "status, body",
+    [
+        (413, "prompt is too long"),
+        (400, {"error": {"message": "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096."}}),
+        (400, {"detail": "requested tokens exceed context window of n_ctx=2048"}),
+        (
+            500,
+            {
+                "error": {
+                    "code": 500,
+                    "message": "the request exceeds the available context size, try increasing "
+                    "the context size or enable context shift",
+                    "type": "server_error",
+                }
+            },
+        ),
+    ],
+)
 async def test_context_errors_in_other_shapes(llm: FakeLLM, status: int, body: object) -> None:
     llm.script(error(status, body))
     async with client_for(llm) as c:
@@ -323,11 +368,14 @@ async def test_other_4xx_not_retried(llm: FakeLLM) -> None:
     assert "/new" in bad.value.user_message
 
 
-@pytest.mark.parametrize("response", [
-    error(200, "<html>not json</html>"),
-    error(200, {"id": "x", "object": "chat.completion"}),
-    error(200, {"choices": []}),
-])
+@pytest.mark.parametrize(
+    "response",
+    [
+        error(200, "<html>not json</html>"),
+        error(200, {"id": "x", "object": "chat.completion"}),
+        error(200, {"choices": []}),
+    ],
+)
 async def test_bad_response(llm: FakeLLM, response) -> None:
     llm.script(response)
     async with client_for(llm) as c:
@@ -361,8 +409,7 @@ async def test_api_key_never_in_errors_reprs_or_logs(llm: FakeLLM, caplog: pytes
 
 
 async def test_url_secrets_not_in_errors() -> None:
-    c = LLMClient(f"http://user:urlsecret@127.0.0.1:{closed_port()}/v1", "m", api_key=SECRET,
-                  max_retries=0)
+    c = LLMClient(f"http://user:urlsecret@127.0.0.1:{closed_port()}/v1", "m", api_key=SECRET, max_retries=0)
     with pytest.raises(LLMUnavailable) as info:
         await c.chat(USER)
     await c.aclose()
@@ -373,9 +420,18 @@ async def test_url_secrets_not_in_errors() -> None:
 async def test_custom_transport_is_used() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/v1/chat/completions"
-        return httpx.Response(200, json={"model": "m", "choices": [
-            {"message": {"role": "assistant", "content": [{"type": "text", "text": "parts"}]},
-             "finish_reason": "stop"}]})
+        return httpx.Response(
+            200,
+            json={
+                "model": "m",
+                "choices": [
+                    {
+                        "message": {"role": "assistant", "content": [{"type": "text", "text": "parts"}]},
+                        "finish_reason": "stop",
+                    }
+                ],
+            },
+        )
 
     async with LLMClient("http://llm.invalid/v1", "m", transport=httpx.MockTransport(handler)) as c:
         res = await c.chat(USER)
@@ -387,8 +443,11 @@ async def test_custom_transport_is_used() -> None:
 
 async def test_fake_strict_rejects_orphaned_tool_results(llm: FakeLLM) -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "memory", "arguments": "{}"}}
-    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": "{}"}]
+    good = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "{}"},
+    ]
     async with client_for(llm) as c:
         await c.chat(good)
         with pytest.raises(LLMError) as orphan:
@@ -405,9 +464,11 @@ async def test_fake_responders_and_helpers(llm: FakeLLM) -> None:
     async with client_for(llm) as c:
         res = await c.chat([{"role": "user", "content": "remember that I like tea"}], tools=tools)
         assert json.loads(res.tool_calls[0]["function"]["arguments"])["content"] == "I like tea"
-        msgs = [{"role": "user", "content": "remember that I like tea"},
-                {"role": "assistant", "content": None, "tool_calls": res.tool_calls},
-                {"role": "tool", "tool_call_id": res.tool_calls[0]["id"], "content": '{"ok": true}'}]
+        msgs = [
+            {"role": "user", "content": "remember that I like tea"},
+            {"role": "assistant", "content": None, "tool_calls": res.tool_calls},
+            {"role": "tool", "tool_call_id": res.tool_calls[0]["id"], "content": '{"ok": true}'},
+        ]
         assert (await c.chat(msgs, tools=tools)).content == 'done: {"ok": true}'
 
         async def slow(request: dict) -> object:
@@ -432,8 +493,12 @@ async def test_fakes_are_independent_and_run_in_a_thread() -> None:
         assert len(a.requests) == len(b.requests) == 1 and a.base_url != b.base_url
 
     with FakeLLM(api_key="k") as threaded:  # blocking use, e.g. around subprocess.run
-        resp = httpx.post(threaded.base_url + "/chat/completions", json={"model": "m", "messages": USER},
-                          headers={"Authorization": "Bearer k"}, timeout=5)
+        resp = httpx.post(
+            threaded.base_url + "/chat/completions",
+            json={"model": "m", "messages": USER},
+            headers={"Authorization": "Bearer k"},
+            timeout=5,
+        )
         models = httpx.get(threaded.base_url + "/models", headers={"Authorization": "Bearer k"}, timeout=5)
     assert resp.json()["choices"][0]["message"]["content"] == "ok: hello there"
     assert models.json()["data"][0]["id"] == "fake-model"
@@ -469,8 +534,8 @@ asyncio.run(main())
 async def test_fake_serves_a_subprocess() -> None:
     async with FakeLLM(api_key="k") as llm:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", CHILD, llm.base_url,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable, "-c", CHILD, llm.base_url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
         out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()
     assert out.decode().strip() == "ok: from the child"

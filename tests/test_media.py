@@ -44,10 +44,16 @@ class FilesAdapter(RecordingAdapter):
         self._n += 1
         fid = f"f{self._n}"
         self.files[fid] = data
-        return InboundMessage(platform=self.platform, chat_id=f"dm-{user}", chat_type="dm", user_id=user,
-                              user_name=user, message_id=f"p{self._n}", text=text,
-                              attachments=(Attachment(type="photo", name=f"photo{self._n}.png", file_id=fid,
-                                                      size=len(data)),))
+        return InboundMessage(
+            platform=self.platform,
+            chat_id=f"dm-{user}",
+            chat_type="dm",
+            user_id=user,
+            user_name=user,
+            message_id=f"p{self._n}",
+            text=text,
+            attachments=(Attachment(type="photo", name=f"photo{self._n}.png", file_id=fid, size=len(data)),),
+        )
 
     async def download(self, attachment: Attachment, max_bytes: int) -> bytes:
         if attachment.file_id not in self.files:
@@ -84,13 +90,21 @@ def media_of(app, user: str) -> list[Path]:
 def test_stored_images_count_toward_the_session_tokens_with_the_documented_estimate():
     counter = TokenCounter(None)  # chars/4
     plain = StoredMessage(session_id="s", role="user", content="x" * 40)
-    with_images = StoredMessage(session_id="s", role="user", content="x" * 40,
-                                meta={"images": [{"path": "media/a.png"}, {"path": "media/b.png"}]})
+    with_images = StoredMessage(
+        session_id="s",
+        role="user",
+        content="x" * 40,
+        meta={"images": [{"path": "media/a.png"}, {"path": "media/b.png"}]},
+    )
     assert counter.count_message(with_images) - counter.count_message(plain) == 2 * IMAGE_TOKENS == 1530
     # the pre-request estimate counts an inline image as IMAGE_TOKENS, never its base64 size
     big = "data:image/png;base64," + "A" * 400_000
-    wire = [{"role": "user", "content": [{"type": "text", "text": "x" * 40},
-                                         {"type": "image_url", "image_url": {"url": big}}]}]
+    wire = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "x" * 40}, {"type": "image_url", "image_url": {"url": big}}],
+        }
+    ]
     assert TokenCounter.estimate_rough(wire) == 10 + IMAGE_TOKENS
 
 
@@ -106,8 +120,11 @@ def summarising_model(request: dict):
 @pytest.mark.parametrize("in_place", [True, False])
 async def test_compression_takes_old_images_out_of_the_context_and_keeps_the_files(config_for, fake_llm, in_place):
     fake_llm.responder = summarising_model
-    sections = {"llm": {"context_length": CTX, "vision": True}, "limits": {"rate_limit_per_minute": 1000},
-                "compression": {"protect_first_n": 1, "protect_last_n": 2, "in_place": in_place}}
+    sections = {
+        "llm": {"context_length": CTX, "vision": True},
+        "limits": {"rate_limit_per_minute": 1000},
+        "compression": {"protect_first_n": 1, "protect_last_n": 2, "in_place": in_place},
+    }
     assert compute_threshold_tokens(context_length=CTX, threshold=0.5) == 3000
     async with gateway(config_for, **sections) as (app, adapter):
         images = [png(i + 1, 1) for i in range(4)]
@@ -165,12 +182,14 @@ async def test_doctor_checks_that_the_model_accepts_an_image(config_for, tmp_pat
 async def test_doctor_checks_the_transcription_endpoint(config_for, monkeypatch):
     monkeypatch.setenv("HERMES_STT_KEY", "stt-key")
     async with FakeTranscription(api_key="stt-key") as stt:
-        ok, detail = await check_transcription(config_for(transcription={"base_url": stt.base_url,
-                                                                         "api_key_env": "HERMES_STT_KEY"}))
+        ok, detail = await check_transcription(
+            config_for(transcription={"base_url": stt.base_url, "api_key_env": "HERMES_STT_KEY"})
+        )
         assert ok, detail
         monkeypatch.setenv("HERMES_STT_KEY", "wrong")
-        ok, detail = await check_transcription(config_for(transcription={"base_url": stt.base_url,
-                                                                         "api_key_env": "HERMES_STT_KEY"}))
+        ok, detail = await check_transcription(
+            config_for(transcription={"base_url": stt.base_url, "api_key_env": "HERMES_STT_KEY"})
+        )
         assert not ok and "rejected the API key" in detail
 
 

@@ -32,8 +32,10 @@ async def rig(fake, config_for):
     apps: list[GatewayApp] = []
 
     async def build(**sections: Any) -> GatewayApp:
-        cfg = config_for(platforms={"discord": {"enabled": True, "api_base": fake.api_base,
-                                                "gateway_url": fake.gateway_url}}, **sections)
+        cfg = config_for(
+            platforms={"discord": {"enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}},
+            **sections,
+        )
         adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
         app = GatewayApp(cfg, [adapter])
         await app.start()
@@ -55,8 +57,9 @@ async def test_discord_image_attachment_reaches_the_model_as_an_image_part(rig, 
     app = await rig(llm={"vision": True})
     image = png(5, 5, (10, 200, 10))
     channel = fake.dm_channel(fake.alice)
-    fake.push_dm(fake.alice, "what is in this picture?",
-                 attachments=[fake.attachment(channel, "cat.png", image, "image/png")])
+    fake.push_dm(
+        fake.alice, "what is in this picture?", attachments=[fake.attachment(channel, "cat.png", image, "image/png")]
+    )
     await replies(fake, app, channel, 1)
     [request] = fake_llm.requests
     [url] = image_urls(request)
@@ -69,8 +72,9 @@ async def test_discord_image_attachment_reaches_the_model_as_an_image_part(rig, 
 async def test_discord_pdf_text_reaches_the_model(rig, fake, fake_llm):
     app = await rig()
     channel = fake.dm_channel(fake.alice)
-    fake.push_dm(fake.alice, "", attachments=[fake.attachment(channel, "notes.pdf", pdf("Gate code 8812"),
-                                                              "application/pdf")])
+    fake.push_dm(
+        fake.alice, "", attachments=[fake.attachment(channel, "notes.pdf", pdf("Gate code 8812"), "application/pdf")]
+    )
     await replies(fake, app, channel, 1)
     assert "Gate code 8812" in last_user_text(fake_llm.requests[-1])
 

@@ -187,8 +187,14 @@ async def test_failed_transcription_is_reported_and_the_caption_still_answered(t
 async def test_pdf_text_reaches_the_model(tg, fake_llm, config_for):
     cfg = tg_config(config_for, tg)
     async with gateway(cfg) as app:
-        tg.push_media(111, "document", pdf("Invoice 2231", "Total due: 4711 EUR"), file_name="invoice.pdf",
-                      mime_type="application/pdf", caption="what is the total?")
+        tg.push_media(
+            111,
+            "document",
+            pdf("Invoice 2231", "Total due: 4711 EUR"),
+            file_name="invoice.pdf",
+            mime_type="application/pdf",
+            caption="what is the total?",
+        )
         await answered(tg, app, 1, 111)
     text = last_user_text(fake_llm.requests[-1])
     assert "what is the total?" in text
@@ -198,8 +204,7 @@ async def test_pdf_text_reaches_the_model(tg, fake_llm, config_for):
 async def test_text_document_is_cut_at_max_attachment_chars_and_other_files_are_named(tg, fake_llm, config_for):
     cfg = tg_config(config_for, tg, limits={"max_attachment_chars": 50})
     async with gateway(cfg) as app:
-        tg.push_media(111, "document", ("a,b\n" + "1,2\n" * 100).encode(), file_name="data.csv",
-                      mime_type="text/csv")
+        tg.push_media(111, "document", ("a,b\n" + "1,2\n" * 100).encode(), file_name="data.csv", mime_type="text/csv")
         await answered(tg, app, 1, 111)
         tg.push_media(111, "document", b"PK\x03\x04zip", file_name="archive.zip", mime_type="application/zip")
         await answered(tg, app, 2, 111)
@@ -236,8 +241,9 @@ async def test_file_over_telegrams_download_cap_is_refused(tg, fake_llm, config_
     assert not tg.file_downloads and not fake_llm.requests
 
 
-async def test_bot_token_never_reaches_logs_messages_exports_or_the_model(tg, fake_llm, stt, config_for, caplog,
-                                                                        tmp_path):
+async def test_bot_token_never_reaches_logs_messages_exports_or_the_model(
+    tg, fake_llm, stt, config_for, caplog, tmp_path
+):
     caplog.set_level(logging.DEBUG)
     cfg = tg_config(config_for, tg, llm={"vision": True}, transcription={"base_url": stt.base_url})
     async with gateway(cfg) as app:
@@ -280,8 +286,7 @@ async def test_bot_token_never_reaches_logs_messages_exports_or_the_model(tg, fa
 
 async def test_files_stay_in_the_profile_of_the_lane_they_arrived_in(tg, fake_llm, config_for):
     image = png(4, 4)
-    cfg = tg_config(config_for, tg, llm={"vision": True},
-                    tenancy={"group_sessions_per_user": False})
+    cfg = tg_config(config_for, tg, llm={"vision": True}, tenancy={"group_sessions_per_user": False})
     async with gateway(cfg) as app:
         tg.push_media(111, "photo", image, chat_id=GROUP, caption=f"@{BOT} group photo")
         await answered(tg, app, 1, GROUP)

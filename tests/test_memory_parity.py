@@ -47,8 +47,7 @@ async def test_hand_edited_memory_survives_a_replace(store: MemoryStore, profile
         fh.write(ENTRY_DELIMITER + "Hand-typed: the cat is called Miso")
     edited = path.read_bytes()
 
-    r = await tool(store, action="replace", target="memory", old_text="Python 3.11",
-                   content="Project uses Python 3.12")
+    r = await tool(store, action="replace", target="memory", old_text="Python 3.11", content="Project uses Python 3.12")
     assert r["success"] is False and "changed outside the memory tool" in r["error"]
     assert any("Miso" in e for e in r["entries"]) and r["usage"]
     assert path.read_bytes() == edited  # left exactly as it is
@@ -56,11 +55,13 @@ async def test_hand_edited_memory_survives_a_replace(store: MemoryStore, profile
     assert kept.read_bytes() == edited
 
     # the on-disk text is the base now: the retry applies to what is really there
-    r = await tool(store, action="replace", target="memory", old_text="Python 3.11",
-                   content="Project uses Python 3.12")
+    r = await tool(store, action="replace", target="memory", old_text="Python 3.11", content="Project uses Python 3.12")
     assert r["success"] is True
     assert await store.entries("memory") == [
-        "Project uses Python 3.12", "Deploys on Fridays", "Hand-typed: the cat is called Miso"]
+        "Project uses Python 3.12",
+        "Deploys on Fridays",
+        "Hand-typed: the cat is called Miso",
+    ]
 
 
 async def test_drift_is_detected_by_a_store_opened_after_a_restart(profile: Path) -> None:

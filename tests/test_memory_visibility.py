@@ -95,8 +95,9 @@ async def test_forgotten_entry_is_in_no_prompt_and_no_search(config_for, fake_ll
     app = await started(config_for(), adapter)
     try:
         # the entry is written by the model, so only memory (not the chat text) holds it
-        fake_llm.script(tool_call("memory", {"action": "add", "target": "user", "content": "likes CANARY-blue5"}),
-                        reply("saved"))
+        fake_llm.script(
+            tool_call("memory", {"action": "add", "target": "user", "content": "likes CANARY-blue5"}), reply("saved")
+        )
         await say(app, adapter, dm("alice", "note my favourite colour"))
         assert "share" in (await say(app, adapter, dm("alice", "/memory share 1")))[0].lower()
         await say(app, adapter, dm("alice", "/new"))
@@ -129,8 +130,9 @@ async def test_memory_mode_switch_rebuilds_the_group_prompt(config_for, fake_llm
     adapter = RecordingAdapter()
     app = await started(config_for(), adapter)
     try:
-        fake_llm.script(tool_call("memory", {"action": "add", "target": "user", "content": "plays CANARY-oboe3"}),
-                        reply("saved"))
+        fake_llm.script(
+            tool_call("memory", {"action": "add", "target": "user", "content": "plays CANARY-oboe3"}), reply("saved")
+        )
         await say(app, adapter, group("g1", "alice", "note my instrument"))
         await say(app, adapter, group("g1", "alice", "/new"))
         await say(app, adapter, group("g1", "alice", "hello"))
@@ -165,8 +167,9 @@ async def test_system_prompts_are_never_searchable(config_for, fake_llm):
     adapter = RecordingAdapter()
     app = await started(config_for(), adapter)
     try:
-        fake_llm.script(tool_call("memory", {"action": "add", "target": "memory", "content": "code CANARY-srch9"}),
-                        reply("saved"))
+        fake_llm.script(
+            tool_call("memory", {"action": "add", "target": "memory", "content": "code CANARY-srch9"}), reply("saved")
+        )
         await say(app, adapter, dm("alice", "keep a note"))
         await say(app, adapter, dm("alice", "/new"))
         await say(app, adapter, dm("alice", "hi"))
@@ -183,7 +186,8 @@ async def test_system_prompts_are_never_searchable(config_for, fake_llm):
         db = store._require_db()  # a plain sqlite3 connection, used by this test alone
         rows = db.execute(
             "SELECT count(*) FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid "
-            "WHERE messages_fts MATCH '\"CANARY-srch9\"' AND m.role = 'system'").fetchone()
+            "WHERE messages_fts MATCH '\"CANARY-srch9\"' AND m.role = 'system'"
+        ).fetchone()
         assert rows[0] >= 1
         assert await store.search("CANARY-srch9") == []
         assert await store.search("helpful assistant") == []
@@ -255,8 +259,9 @@ async def test_group_lane_memory_tool_cannot_see_private_entries(config_for, fak
         fake_llm.responder = memory_saving_responder
         await say(app, adapter, dm("alice", "remember CANARY-hidden1 secret"))
         # a group-lane replace aimed at the private entry finds nothing and lists nothing private
-        fake_llm.script(tool_call("memory", {"action": "remove", "target": "memory", "old_text": "CANARY"}),
-                        reply("tried"))
+        fake_llm.script(
+            tool_call("memory", {"action": "remove", "target": "memory", "old_text": "CANARY"}), reply("tried")
+        )
         await say(app, adapter, group("g1", "alice", "drop it"))
         result = tool_result(fake_llm.requests[-1])
         assert result["success"] is False and not canaries_in(result)
@@ -294,8 +299,9 @@ async def test_provider_obeys_memory_mode_and_visibility(config_for, fake_llm):
     assert {r["visibility"] for r in records if "CANARY-rose8" in json.dumps(r)} == {"private"}
     assert {r["visibility"] for r in records if "CANARY-party2" in r.get("user", "")} == {"shared"}
     for mode in ("read", "off"):
-        app = await started(config_for(memory={"provider": "local"}, tenancy={"personal_memory_in_groups": mode}),
-                            adapter)
+        app = await started(
+            config_for(memory={"provider": "local"}, tenancy={"personal_memory_in_groups": mode}), adapter
+        )
         try:
             await say(app, adapter, group("g1", "alice", f"group chatter CANARY-{mode}9 here"))
         finally:
@@ -346,11 +352,12 @@ async def test_rebuilt_system_prompt_leads_the_history_and_keeps_summary_anchors
     profile = tmp_path / "profiles" / "t"
     async with SessionStore(profile) as s:
         sid = await s.start_session("lane")
-        msgs = await s.append_many([StoredMessage(sid, "system", "old prompt")] + [
-            StoredMessage(sid, role, f"{role[0]}{i}") for i in range(4) for role in ("user", "assistant")])
+        msgs = await s.append_many(
+            [StoredMessage(sid, "system", "old prompt")]
+            + [StoredMessage(sid, role, f"{role[0]}{i}") for i in range(4) for role in ("user", "assistant")]
+        )
         # an in-place compression anchored right after the system prompt
-        summary = StoredMessage(sid, "user", "the summary", meta={"compressed_summary": True,
-                                                                 "after_uid": msgs[0].uid})
+        summary = StoredMessage(sid, "user", "the summary", meta={"compressed_summary": True, "after_uid": msgs[0].uid})
         await s.compact(sid, [m.uid for m in msgs[1:5]], [summary])
         fresh = StoredMessage(sid, "system", "new prompt", meta={"replaces": msgs[0].uid})
         await s.compact(sid, [msgs[0].uid], [fresh], reason="prompt_rebuild")
@@ -406,8 +413,10 @@ async def test_export_shows_each_entry_with_its_visibility(config_for, fake_llm,
         await app.stop()
     exports = sorted((profile_dir(cfg, "alice") / "exports").glob("export-*.json"))
     memory = json.loads(exports[-1].read_text())["memory"]["memory"]
-    assert memory == [{"entry": "CANARY-mine1", "visibility": "private"},
-                      {"entry": "CANARY-ours2", "visibility": "shared"}]
+    assert memory == [
+        {"entry": "CANARY-mine1", "visibility": "private"},
+        {"entry": "CANARY-ours2", "visibility": "shared"},
+    ]
     # the operator's archive carries the marks beside the memory files
     archive = export_profile(cfg, find_tenant(cfg, "testchat:alice"), tmp_path / "out")
     with tarfile.open(archive) as tar:

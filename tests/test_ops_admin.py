@@ -21,18 +21,22 @@ from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import memory_saving_responder
 
 
-
 ALICE = "alice-u9f3k2"
 SECRET = "alice's vault combination is 31-41-59"
 
 
 def write_config(path: Path, cfg) -> Path:
-    path.write_text(json.dumps({
-        "data_dir": str(cfg.data_dir),
-        "llm": {"base_url": cfg.llm.base_url, "model": "fake-model"},
-        "memory": {"provider": cfg.memory.provider},
-        "storage": {"fsync": "never"},
-    }), encoding="utf-8")
+    path.write_text(
+        json.dumps(
+            {
+                "data_dir": str(cfg.data_dir),
+                "llm": {"base_url": cfg.llm.base_url, "model": "fake-model"},
+                "memory": {"provider": cfg.memory.provider},
+                "storage": {"fsync": "never"},
+            }
+        ),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -71,11 +75,16 @@ async def test_export_delete_leaves_nothing_then_restore_brings_it_back(config_f
         await say(app, adapter, dm("bob", "remember that bob likes tea", platform="telegram"))
         alice_dir = tenant_dir(data, f"telegram-{ALICE}")
         route_before = await app.profiles._open[f"telegram-{ALICE}"].sessions.route(
-            f"agent:main:telegram:dm:dm-{ALICE}")
+            f"agent:main:telegram:dm:dm-{ALICE}"
+        )
 
         # export works while the gateway runs
-        assert await asyncio.to_thread(cli, "profiles", "export", f"telegram:{ALICE}", "-o", str(tmp_path),
-                                       "-c", str(conf)) == 0
+        assert (
+            await asyncio.to_thread(
+                cli, "profiles", "export", f"telegram:{ALICE}", "-o", str(tmp_path), "-c", str(conf)
+            )
+            == 0
+        )
         archive = next(tmp_path.glob("hermes-export-*.tar.gz"))
         assert archive.stat().st_mode & 0o077 == 0
         # delete does not (the gateway holds the data directory)
@@ -90,8 +99,14 @@ async def test_export_delete_leaves_nothing_then_restore_brings_it_back(config_f
         names = set(tar.getnames())
         manifest = json.load(tar.extractfile("EXPORT.json"))
         dump = tar.extractfile("profile/state.sql").read().decode()
-    assert {"EXPORT.json", "profile/tenant.json", "profile/memories/MEMORY.md", "profile/state.db",
-            "profile/state.sql", "profile/provider/notes.jsonl"} <= names
+    assert {
+        "EXPORT.json",
+        "profile/tenant.json",
+        "profile/memories/MEMORY.md",
+        "profile/state.db",
+        "profile/state.sql",
+        "profile/provider/notes.jsonl",
+    } <= names
     assert any(n.startswith("profile/sessions/") and n.endswith(".jsonl") for n in names)
     assert any(n.startswith("profile/exports/") for n in names)
     assert manifest["tenant_id"] == f"telegram-{ALICE}" and manifest["paired"] == [f"telegram:{ALICE}"]
@@ -145,13 +160,15 @@ async def test_backup_during_a_burst_is_consistent_and_restores(config_for, fake
     backups: list[Path] = []
     busy_at_backup: list[int] = []
     try:
-        await asyncio.gather(*(say(app, adapter, dm(p, f"remember that {p} is here", platform="telegram"))
-                               for p in people[:1]))
+        await asyncio.gather(
+            *(say(app, adapter, dm(p, f"remember that {p} is here", platform="telegram")) for p in people[:1])
+        )
 
         async def burst():
             for round_ in range(6):
-                await asyncio.gather(*(adapter.sink(dm(p, f"message {round_} from {p}", platform="telegram"))
-                                       for p in people))
+                await asyncio.gather(
+                    *(adapter.sink(dm(p, f"message {round_} from {p}", platform="telegram")) for p in people)
+                )
                 await asyncio.sleep(0.01)
 
         async def take_backups():
@@ -169,9 +186,16 @@ async def test_backup_during_a_burst_is_consistent_and_restores(config_for, fake
     assert max(busy_at_backup) > 0, "the backups should run while turns are in flight"
     for i, backup in enumerate(backups):
         target = tmp_path / f"restored{i}"
-        assert await asyncio.to_thread(cli, "restore", str(backup), "-c",
-                                       str(write_config(tmp_path / f"r{i}.yaml", cfg.model_copy(
-                                           update={"data_dir": target})))) == 0
+        assert (
+            await asyncio.to_thread(
+                cli,
+                "restore",
+                str(backup),
+                "-c",
+                str(write_config(tmp_path / f"r{i}.yaml", cfg.model_copy(update={"data_dir": target}))),
+            )
+            == 0
+        )
         dbs = sorted(target.rglob("*.db"))
         assert target / "gateway.db" in dbs and len(dbs) >= 2
         for db in dbs:
@@ -336,9 +360,11 @@ async def test_restore_refuses_foreign_links(config_for, fake_llm, tmp_path, cap
     def rename_link(export, _tenant):
         export["link"]["name"] = "someone-else"
 
-    for edit, why in ((add_victim_to_link, "not one of the principals its tenant.json lists"),
-                      (add_victim_everywhere, "telegram:victim belongs to tenant telegram-victim"),
-                      (rename_link, "is not tenant")):
+    for edit, why in (
+        (add_victim_to_link, "not one of the principals its tenant.json lists"),
+        (add_victim_everywhere, "telegram:victim belongs to tenant telegram-victim"),
+        (rename_link, "is not tenant"),
+    ):
         edited = _edit_archive(archive, tmp_path / f"{edit.__name__}.tar.gz", edit)
         capsys.readouterr()
         assert cli("profiles", "restore", str(edited), "-c", str(conf)) == 1

@@ -21,7 +21,6 @@ from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import error
 
 
-
 # ----- a strict parser of the Prometheus text format -----------------------------------------
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
@@ -51,8 +50,9 @@ def parse_prometheus(text: str) -> tuple[dict[str, str], dict[tuple[str, frozens
             consumed = "".join(x.group(0) for x in _LABEL.finditer(raw_labels))
             assert consumed == raw_labels, f"bad labels: {raw_labels!r}"
             labels = {k: v for k, v in _LABEL.findall(raw_labels)}
-        family = re.sub(r"_(bucket|sum|count)$", "", name) if re.sub(r"_(bucket|sum|count)$", "", name) in types \
-            else name
+        family = (
+            re.sub(r"_(bucket|sum|count)$", "", name) if re.sub(r"_(bucket|sum|count)$", "", name) in types else name
+        )
         assert family in types, f"sample {name} before its TYPE line"
         key = (name, frozenset(labels.items()))
         assert key not in samples, f"duplicate sample {line!r}"
@@ -106,8 +106,11 @@ async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
         assert value(samples, "hermes_turns_total", platform="discord", kind="command", outcome="replied") == 1
         assert value(samples, "hermes_turn_duration_seconds_count", platform="telegram") == 3
         assert value(samples, "hermes_turn_duration_seconds_bucket", platform="telegram", le="+Inf") == 3
-        buckets = sorted((float(dict(l)["le"]), v) for (n, l), v in samples.items()
-                         if n == "hermes_turn_duration_seconds_bucket" and dict(l)["platform"] == "telegram")
+        buckets = sorted(
+            (float(dict(l)["le"]), v)
+            for (n, l), v in samples.items()
+            if n == "hermes_turn_duration_seconds_bucket" and dict(l)["platform"] == "telegram"
+        )
         assert [v for _, v in buckets] == sorted(v for _, v in buckets), "buckets must be cumulative"
         assert value(samples, "hermes_llm_errors_total", kind="auth") == 1
         assert value(samples, "hermes_llm_requests_total", outcome="ok") == 3
@@ -157,8 +160,15 @@ async def test_health_command_exit_status(config_for, fake_llm, tmp_path):
     conf = tmp_path / "hermes.yaml"
     try:
         listen = f"127.0.0.1:{app.observability.bound_port}"
-        conf.write_text(json.dumps({"data_dir": str(cfg.data_dir), "llm": {"base_url": fake_llm.base_url},
-                                    "observability": {"listen": listen}}))
+        conf.write_text(
+            json.dumps(
+                {
+                    "data_dir": str(cfg.data_dir),
+                    "llm": {"base_url": fake_llm.base_url},
+                    "observability": {"listen": listen},
+                }
+            )
+        )
         assert await asyncio.to_thread(cli_main, ["health", "-q", "-c", str(conf)]) == 0
         app.adapters["discord"].status = "failed: bad token"
         assert await asyncio.to_thread(cli_main, ["health", "-q", "-c", str(conf)]) == 1
@@ -199,6 +209,7 @@ def test_metric_labels_cannot_carry_ids():
     with pytest.raises(ValueError):
         m.turns.inc(platform="telegram", kind="turn", outcome="ok", user="42")
     from gateway.metrics import Counter
+
     with pytest.raises(ValueError):
         Counter("bad_total", "h", ["chat_id"])
     m.refused("123456", "rate_limited")
@@ -206,6 +217,7 @@ def test_metric_labels_cannot_carry_ids():
 
 
 # ----- logs ------------------------------------------------------------------------------------
+
 
 def _record(msg: str, *args, **extra) -> logging.LogRecord:
     rec = logging.LogRecord("hermes.test", logging.INFO, __file__, 1, msg, args, None)
@@ -223,12 +235,20 @@ def test_redaction_of_tokens_and_secrets(monkeypatch):
 
     cfg = parse_config({"llm": {"api_key_env": "MY_LLM_KEY"}})
     red = Redactor(secrets_from_config(cfg))
-    text = (f"GET https://api.telegram.org/bot{tg_token}/getUpdates Authorization: Bearer abc.def-ghi_123456 "
-            f"discord {discord_token} key sk-proj-ABCDEFGHIJKLMNOPQRSTUV and s3cret-value-without-pattern "
-            "url?api_key=hunter22hunter")
+    text = (
+        f"GET https://api.telegram.org/bot{tg_token}/getUpdates Authorization: Bearer abc.def-ghi_123456 "
+        f"discord {discord_token} key sk-proj-ABCDEFGHIJKLMNOPQRSTUV and s3cret-value-without-pattern "
+        "url?api_key=hunter22hunter"
+    )
     out = red(text)
-    for secret in (tg_token, discord_token, "abc.def-ghi_123456", "sk-proj-ABCDEFGHIJKLMNOPQRSTUV",
-                   "s3cret-value-without-pattern", "hunter22hunter"):
+    for secret in (
+        tg_token,
+        discord_token,
+        "abc.def-ghi_123456",
+        "sk-proj-ABCDEFGHIJKLMNOPQRSTUV",
+        "s3cret-value-without-pattern",
+        "hunter22hunter",
+    ):
         assert secret not in out, secret
     assert "getUpdates" in out and "Bearer [REDACTED]" in out
     # both formatters redact, including tracebacks
@@ -237,6 +257,7 @@ def test_redaction_of_tokens_and_secrets(monkeypatch):
             raise RuntimeError(f"token was {tg_token}")
         except RuntimeError:
             import sys
+
             rec = _record("failed with %s", tg_token)
             rec.exc_info = sys.exc_info()
         line = formatter.format(rec)
@@ -255,6 +276,7 @@ def test_json_lines_carry_turn_fields():
     logger.propagate = False
     try:
         from gateway.logs import turn_logger
+
         tlog = turn_logger(logger, turn_id="t1", platform="telegram", tenant="telegram-1")
         logger.setLevel(logging.INFO)
         tlog.info("turn %s in %d ms", "replied", 12, extra={"outcome": "replied"})
@@ -262,14 +284,20 @@ def test_json_lines_carry_turn_fields():
         logger.removeHandler(handler)
     obj = json.loads(stream.getvalue())
     assert obj["msg"] == "turn replied in 12 ms"
-    assert (obj["turn_id"], obj["platform"], obj["tenant"], obj["outcome"]) == ("t1", "telegram", "telegram-1", "replied")
+    assert (obj["turn_id"], obj["platform"], obj["tenant"], obj["outcome"]) == (
+        "t1",
+        "telegram",
+        "telegram-1",
+        "replied",
+    )
     assert obj["level"] == "INFO" and obj["ts"].endswith("Z")
 
 
 @pytest.mark.parametrize("include_text", [False, True])
 async def test_gateway_logs_json_with_ids_and_text_only_when_allowed(config_for, fake_llm, include_text):
-    cfg = config_for(logging={"format": "json", "include_text": include_text, "level": "INFO"},
-                     limits={"rate_limit_per_minute": 100})
+    cfg = config_for(
+        logging={"format": "json", "include_text": include_text, "level": "INFO"}, limits={"rate_limit_per_minute": 100}
+    )
     stream = io.StringIO()
     handler = configure_logging(cfg, stream=stream)
     adapter = RecordingAdapter("telegram")

@@ -33,9 +33,10 @@ async def tg(monkeypatch):
 
 
 def tg_config(config_for, tg: FakeTelegram, **delivery: Any):
-    return config_for(platforms={"telegram": {"enabled": True, "token_env": TOKEN_ENV, "base_url": tg.base_url,
-                                              "poll_timeout_s": 1}},
-                      delivery={**FAST, **delivery})
+    return config_for(
+        platforms={"telegram": {"enabled": True, "token_env": TOKEN_ENV, "base_url": tg.base_url, "poll_timeout_s": 1}},
+        delivery={**FAST, **delivery},
+    )
 
 
 @asynccontextmanager
@@ -103,8 +104,7 @@ async def test_answer_is_given_up_after_max_age_with_a_log_line_and_a_metric(tg,
     async with telegram_gateway(tg_config(config_for, tg, max_age_s=0.5)) as app:
         tg.fail_next("sendMessage", status=502, times=10_000)
         tg.push_private(111, "lost in space")
-        await tg.wait_for(lambda: app.metrics.deliveries.value(platform="telegram", outcome="expired") == 1,
-                          timeout=30)
+        await tg.wait_for(lambda: app.metrics.deliveries.value(platform="telegram", outcome="expired") == 1, timeout=30)
         assert await statuses(app) == ["expired"]
         rows = await app.inbox.db.execute_fetchall("SELECT text FROM outbox")
         assert rows == [(None,)]  # nothing of the conversation stays in gateway.db
@@ -129,6 +129,7 @@ async def test_a_clock_jump_neither_expires_nor_stalls_an_unsent_answer(tg, fake
 
 # ----------------------------------------------------------------------------- Discord
 
+
 @pytest.fixture
 async def discord_fake():
     async with FakeDiscord() as f:
@@ -150,8 +151,10 @@ async def discord_gateway(fake: FakeDiscord, cfg):
 
 
 def discord_config(config_for, fake: FakeDiscord):
-    return config_for(platforms={"discord": {"enabled": True, "api_base": fake.api_base,
-                                             "gateway_url": fake.gateway_url}}, delivery=FAST)
+    return config_for(
+        platforms={"discord": {"enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}},
+        delivery=FAST,
+    )
 
 
 async def test_discord_resend_after_a_lost_response_posts_one_message(discord_fake, fake_llm, config_for):
@@ -179,6 +182,7 @@ async def test_discord_outage_is_ridden_out_in_order(discord_fake, fake_llm, con
 
 
 # ----------------------------------------------------------------------------- coalescing
+
 
 async def test_coalesced_batch_is_answered_once_after_a_crash(config_for, fake_llm, monkeypatch):
     cfg = config_for(limits={"coalesce_burst_ms": 300})

@@ -33,9 +33,7 @@ def test_secret_env_files_the_readme_creates_are_gitignored() -> None:
     for path in [*sorted(created), ".env", "deploy/other.env"]:
         res = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT)
         assert res.returncode == 0, f"{path} is not ignored by .gitignore"
-    res = subprocess.run(
-        ["git", "check-ignore", "-q", "--no-index", "deploy/hermes-gateway.env.example"], cwd=ROOT
-    )
+    res = subprocess.run(["git", "check-ignore", "-q", "--no-index", "deploy/hermes-gateway.env.example"], cwd=ROOT)
     assert res.returncode == 1, "the example env file must stay tracked"
 
 

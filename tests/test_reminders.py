@@ -61,7 +61,8 @@ async def test_reminder_set_before_a_restart_is_delivered_once_after_it(config_f
     finally:
         await app.stop()
     assert [(m.chat_id, m.text, m.reply_to_message_id) for m in adapter.sent] == [
-        ("dm-hal", "⏰ Reminder: water the plants", None)]
+        ("dm-hal", "⏰ Reminder: water the plants", None)
+    ]
     # a later restart delivers nothing again
     app, adapter = await run_later(cfg, 2 * 3600)
     try:
@@ -99,8 +100,10 @@ async def test_reminders_are_capped_per_tenant(config_for, fake_llm):
     try:
         await say(app, adapter, dm("jon", "and another"))
         assert await say(app, adapter, dm("jon", "/reminders")) == [
-            "Your reminders:\n" + (await ReminderStore(tenant_dir(cfg.data_dir, "testchat-jon")).all())[0].describe()
-            + "\nCancel one with /reminders cancel N."]
+            "Your reminders:\n"
+            + (await ReminderStore(tenant_dir(cfg.data_dir, "testchat-jon")).all())[0].describe()
+            + "\nCancel one with /reminders cancel N."
+        ]
     finally:
         await app.stop()
     refusal = tool_results(fake_llm)[-1]
@@ -146,8 +149,17 @@ async def test_times_are_read_in_the_persons_time_zone(tmp_path):
     tool = ReminderTool(store, chat, 10, index, group=False, clock=lambda: now)
     refused = json.loads(await tool.handle({"action": "create", "text": "call mum", "at": "2026-03-28 09:00"}))
     assert refused["success"] is False and "time zone" in refused["error"]
-    made = json.loads(await tool.handle({"action": "create", "text": "call mum", "at": "2026-03-28 09:00",
-                                         "timezone": "Europe/Berlin", "repeat": "daily"}))
+    made = json.loads(
+        await tool.handle(
+            {
+                "action": "create",
+                "text": "call mum",
+                "at": "2026-03-28 09:00",
+                "timezone": "Europe/Berlin",
+                "repeat": "daily",
+            }
+        )
+    )
     assert made["success"] is True and "09:00 (Europe/Berlin)" in made["created"]
     (reminder,) = await store.all()
     assert reminder.due == datetime(2026, 3, 28, 9, 0, tzinfo=ZoneInfo("Europe/Berlin")).timestamp()
@@ -156,6 +168,7 @@ async def test_times_are_read_in_the_persons_time_zone(tmp_path):
     nxt = next_occurrence(reminder.due, "Europe/Berlin", "daily", reminder.due)
     assert datetime.fromtimestamp(nxt, ZoneInfo("Europe/Berlin")).strftime("%d %H:%M") == "29 09:00"
     assert nxt - reminder.due == 23 * 3600
-    bad = json.loads(await tool.handle({"action": "create", "text": "x", "at": "2026-03-28 09:00",
-                                        "timezone": "Mars/Olympus"}))
+    bad = json.loads(
+        await tool.handle({"action": "create", "text": "x", "at": "2026-03-28 09:00", "timezone": "Mars/Olympus"})
+    )
     assert bad["success"] is False and "unknown time zone" in bad["error"]

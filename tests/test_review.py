@@ -16,7 +16,16 @@ from agent.visibility import GROUP_LANE, Marks
 from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, group, say
-from tests.fakes.llm import error, hang, is_review_request, last_user_text, offered_tools, reply, tool_call, when_reviewing
+from tests.fakes.llm import (
+    error,
+    hang,
+    is_review_request,
+    last_user_text,
+    offered_tools,
+    reply,
+    tool_call,
+    when_reviewing,
+)
 
 
 @asynccontextmanager
@@ -51,8 +60,9 @@ def save_first_fact(request: dict):
         text = msg.get("content") or ""
         m = re.search(r"my (\w+) is (\w+)", text) if msg["role"] == "user" else None
         if m:
-            return tool_call("memory", {"action": "add", "target": "user",
-                                        "content": f"Their {m.group(1)} is {m.group(2)}"})
+            return tool_call(
+                "memory", {"action": "add", "target": "user", "content": f"Their {m.group(1)} is {m.group(2)}"}
+            )
     return reply("Nothing to save.")
 
 
@@ -102,7 +112,10 @@ async def test_the_review_runs_after_the_reply_is_delivered(config_for, fake_llm
 
 async def test_the_review_uses_the_auxiliary_model(config_for, fake_llm):
     fake_llm.responder = when_reviewing(reply("Nothing to save."))
-    async with gateway(config_for, memory={"nudge_interval": 1}, auxiliary={"review": {"model": "aux-small"}}) as (app, adapter):
+    async with gateway(config_for, memory={"nudge_interval": 1}, auxiliary={"review": {"model": "aux-small"}}) as (
+        app,
+        adapter,
+    ):
         await say(app, adapter, dm("dora", "hello"))
     [review] = reviews(fake_llm)
     assert review["model"] == "aux-small"
@@ -141,8 +154,10 @@ async def test_group_lane_review_writes_only_a_shared_entry(config_for, fake_llm
 async def test_no_review_where_the_lane_may_not_write(config_for, fake_llm):
     fake_llm.responder = when_reviewing(save_first_fact)
     for mode in ("read", "off"):
-        async with gateway(config_for, memory={"nudge_interval": 1},
-                           tenancy={"personal_memory_in_groups": mode}) as (app, adapter):
+        async with gateway(config_for, memory={"nudge_interval": 1}, tenancy={"personal_memory_in_groups": mode}) as (
+            app,
+            adapter,
+        ):
             await say(app, adapter, group(f"g-{mode}", "fred", "my car is Tesla"))
             assert reviews(fake_llm) == []
             assert entries(app, "testchat-fred") == []
@@ -150,8 +165,10 @@ async def test_no_review_where_the_lane_may_not_write(config_for, fake_llm):
 
 async def test_shared_lane_review_writes_the_groups_memory_not_a_members(config_for, fake_llm):
     fake_llm.responder = when_reviewing(save_first_fact)
-    async with gateway(config_for, memory={"nudge_interval": 1},
-                       tenancy={"group_sessions_per_user": False}) as (app, adapter):
+    async with gateway(config_for, memory={"nudge_interval": 1}, tenancy={"group_sessions_per_user": False}) as (
+        app,
+        adapter,
+    ):
         await say(app, adapter, group("g7", "gus", "my band is Owls"))
         assert entries(app, "testchat-chat-g7") == ["Their band is Owls"]
         assert entries(app, "testchat-gus") == []
@@ -206,8 +223,12 @@ async def test_compression_runs_the_flush_before_on_pre_compress(config_for, fak
         return reply("ok")
 
     fake_llm.responder = model
-    async with gateway(config_for, llm={"context_length": 4000}, memory={"flush_min_turns": 3, "provider": "local"},
-                       compression={"in_place": False}) as (app, adapter):
+    async with gateway(
+        config_for,
+        llm={"context_length": 4000},
+        memory={"flush_min_turns": 3, "provider": "local"},
+        compression={"in_place": False},
+    ) as (app, adapter):
         await say(app, adapter, dm("kim", "my horse is Comet " + "x" * 1500))
         for i in range(12):
             await say(app, adapter, dm("kim", f"turn {i} " + "lorem ipsum " * 120))
@@ -263,9 +284,15 @@ async def test_skill_review_after_n_tool_iterations_creates_a_skill_in_the_index
             if request["messages"][-1]["role"] == "tool":
                 return reply("Saved.")
             assert "skill_manage" in offered_tools(request)
-            return tool_call("skill_manage", {"action": "create", "name": "brew-tea",
-                                              "description": "How to brew green tea",
-                                              "content": "1. Water at 80C\n2. Steep 2 minutes"})
+            return tool_call(
+                "skill_manage",
+                {
+                    "action": "create",
+                    "name": "brew-tea",
+                    "description": "How to brew green tea",
+                    "content": "1. Water at 80C\n2. Steep 2 minutes",
+                },
+            )
         msgs = request["messages"]
         if msgs[-1]["role"] == "tool":
             return reply("found it")
@@ -288,8 +315,9 @@ async def test_skill_review_after_n_tool_iterations_creates_a_skill_in_the_index
 
 async def test_zero_turns_off_nudges_and_flush(config_for, fake_llm):
     fake_llm.responder = when_reviewing(save_first_fact)
-    async with gateway(config_for, memory={"nudge_interval": 0, "flush_min_turns": 0},
-                       skills={"creation_nudge_interval": 0}) as (app, adapter):
+    async with gateway(
+        config_for, memory={"nudge_interval": 0, "flush_min_turns": 0}, skills={"creation_nudge_interval": 0}
+    ) as (app, adapter):
         for i in range(12):
             await say(app, adapter, dm("pia", f"my pet is Rex{i}"))
         await say(app, adapter, dm("pia", "/new"))

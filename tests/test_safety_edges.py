@@ -24,8 +24,15 @@ async def test_lone_surrogates_get_a_clear_refusal_and_never_raise_in_the_sink(c
         assert len(out) == 1 and "invalid characters" in out[0]
         assert fake_llm.requests == []
         # a broken user name or user id: the same clear refusal
-        bad_name = InboundMessage(platform="testchat", chat_id="dm-111", chat_type="dm", user_id="111",
-                                  user_name="\udcff", message_id="m-bad-name", text="hi")
+        bad_name = InboundMessage(
+            platform="testchat",
+            chat_id="dm-111",
+            chat_type="dm",
+            user_id="111",
+            user_name="\udcff",
+            message_id="m-bad-name",
+            text="hi",
+        )
         out = await say(app, adapter, bad_name)
         assert "invalid characters" in out[0]
         bad_user = bad_name.model_copy(update={"user_id": "1\ud834", "user_name": "x", "message_id": "m-bad-user"})
@@ -109,8 +116,11 @@ async def test_every_file_under_data_dir_is_owner_only_whatever_the_umask(config
 
 
 async def test_shared_lane_new_undo_forget_are_for_chat_admins(config_for, fake_llm):
-    cfg = config_for(tenancy={"group_sessions_per_user": False}, access={"admins": ["testchat:boss"]},
-                     limits={"rate_limit_per_minute": 100})
+    cfg = config_for(
+        tenancy={"group_sessions_per_user": False},
+        access={"admins": ["testchat:boss"]},
+        limits={"rate_limit_per_minute": 100},
+    )
     adapter = RecordingAdapter("testchat")
     adapter.chat_admins.add(("g1", "mod"))
     app = GatewayApp(cfg, [adapter])

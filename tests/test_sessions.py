@@ -30,7 +30,7 @@ from agent.sessions.journal import Journal
 
 ODD = (
     "héllo 🌍 e\u0301 \u200b zero-width, \u202eRTL\u202c עברית العربية 𝔘𝔫𝔦"
-    " \x00 nul \t tab \\ \" quote"
+    ' \x00 nul \t tab \\ " quote'
     " \u2028 ls \u2029 ps \x85 nel \r\n crlf \ufeff bom \U0010ffff"
 )
 
@@ -211,14 +211,37 @@ async def test_journal_only_lines_are_reconciled(profile: Path) -> None:
     with jpath(profile, sid).open("a", encoding="utf-8") as f:
         for m in extra:
             f.write(json.dumps({"type": "message", **m.to_json()}, ensure_ascii=False) + "\n")
-        f.write(json.dumps({"type": "event", "event": "flags", "uids": [extra[0].uid], "active": False,
-                            "compacted": None, "reason": "undo", "ts": 1.0}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "type": "event",
+                    "event": "flags",
+                    "uids": [extra[0].uid],
+                    "active": False,
+                    "compacted": None,
+                    "reason": "undo",
+                    "ts": 1.0,
+                }
+            )
+            + "\n"
+        )
     child = "20260101_000000_0000abcd"
     child_msg = StoredMessage(child, "user", "in child")
     jpath(profile, child).write_text(
-        json.dumps({"type": "event", "event": "session_start", "session_id": child, "session_key": "lane2",
-                    "parent_session_id": None, "source": "discord", "ts": 2.0}) + "\n"
-        + json.dumps({"type": "message", **child_msg.to_json()}) + "\n",
+        json.dumps(
+            {
+                "type": "event",
+                "event": "session_start",
+                "session_id": child,
+                "session_key": "lane2",
+                "parent_session_id": None,
+                "source": "discord",
+                "ts": 2.0,
+            }
+        )
+        + "\n"
+        + json.dumps({"type": "message", **child_msg.to_json()})
+        + "\n",
         "utf-8",
     )
     async with SessionStore(profile) as s:
@@ -438,11 +461,25 @@ async def test_crash_mid_rotate_is_replayed_with_route(profile: Path) -> None:
         old = await s.start_session("lane")
     child = "20270101_000000_00c0ffee"
     with jpath(profile, old).open("a") as f:
-        f.write(json.dumps({"type": "event", "event": "session_end", "session_id": old,
-                            "reason": "compression", "ts": 5.0}) + "\n")
-    jpath(profile, child).write_text(json.dumps({
-        "type": "event", "event": "session_start", "session_id": child, "session_key": "lane",
-        "parent_session_id": old, "source": "", "route": True, "ts": 5.0}) + "\n")
+        f.write(
+            json.dumps({"type": "event", "event": "session_end", "session_id": old, "reason": "compression", "ts": 5.0})
+            + "\n"
+        )
+    jpath(profile, child).write_text(
+        json.dumps(
+            {
+                "type": "event",
+                "event": "session_start",
+                "session_id": child,
+                "session_key": "lane",
+                "parent_session_id": old,
+                "source": "",
+                "route": True,
+                "ts": 5.0,
+            }
+        )
+        + "\n"
+    )
     async with SessionStore(profile) as s:
         assert await s.route("lane") == child
         assert (await s.session_info(old))["ended_at"] == 5.0
@@ -472,8 +509,12 @@ async def test_get_or_start_and_end_session(profile: Path) -> None:
 async def test_compacted_hidden_from_history_but_searchable_and_exported(profile: Path) -> None:
     async with SessionStore(profile) as s:
         sid = await s.start_session("k")
-        old = await s.append_many([StoredMessage(sid, "user", "the platypus lives in rivers"),
-                                   StoredMessage(sid, "assistant", "indeed, platypus facts")])
+        old = await s.append_many(
+            [
+                StoredMessage(sid, "user", "the platypus lives in rivers"),
+                StoredMessage(sid, "assistant", "indeed, platypus facts"),
+            ]
+        )
         summary = await s.append(StoredMessage(sid, "user", "[summary] animals discussed"))
         assert await s.set_flags([m.uid for m in old], compacted=True, reason="compression") == 2
         assert [m.uid for m in await s.history(sid)] == [summary.uid]
@@ -493,11 +534,16 @@ async def test_compacted_hidden_from_history_but_searchable_and_exported(profile
 async def test_undo_last_turn(profile: Path) -> None:
     async with SessionStore(profile) as s:
         sid = await s.start_session("k")
-        await s.append_many([StoredMessage(sid, "user", "q1"), StoredMessage(sid, "assistant", "a1"),
-                             StoredMessage(sid, "user", "q2"), StoredMessage(sid, "assistant", None,
-                                                                             tool_calls=[{"id": "c"}]),
-                             StoredMessage(sid, "tool", "r", tool_call_id="c"),
-                             StoredMessage(sid, "assistant", "a2")])
+        await s.append_many(
+            [
+                StoredMessage(sid, "user", "q1"),
+                StoredMessage(sid, "assistant", "a1"),
+                StoredMessage(sid, "user", "q2"),
+                StoredMessage(sid, "assistant", None, tool_calls=[{"id": "c"}]),
+                StoredMessage(sid, "tool", "r", tool_call_id="c"),
+                StoredMessage(sid, "assistant", "a2"),
+            ]
+        )
         assert await s.undo_last_turn(sid) == 4
         assert [m.content for m in await s.history(sid)] == ["q1", "a1"]
         assert await s.undo_last_turn(sid) == 2
@@ -509,8 +555,32 @@ async def test_undo_last_turn(profile: Path) -> None:
 
 @pytest.mark.parametrize(
     "query",
-    ['"', "*", "NEAR(", "AND OR", "AND", "OR", "NOT", "(", ")", "-x", "^", "col:val", 'a"b', "''",
-     "{a b}", "NEAR(a b, 2)", "\x00", "💥", "   ", "", "a" * 5000, " ".join(["x"] * 500), "foo*", "content: x"],
+    [
+        '"',
+        "*",
+        "NEAR(",
+        "AND OR",
+        "AND",
+        "OR",
+        "NOT",
+        "(",
+        ")",
+        "-x",
+        "^",
+        "col:val",
+        'a"b',
+        "''",
+        "{a b}",
+        "NEAR(a b, 2)",
+        "\x00",
+        "💥",
+        "   ",
+        "",
+        "a" * 5000,
+        " ".join(["x"] * 500),
+        "foo*",
+        "content: x",
+    ],
 )
 async def test_search_survives_hostile_fts_syntax(profile: Path, query: str) -> None:
     async with SessionStore(profile) as s:
@@ -716,7 +786,11 @@ async def test_counters_info_and_stats(profile: Path) -> None:
         m = await s.append(StoredMessage(sid, "user", "hi"))
         info = await s.session_info(sid)
         assert (info["input_tokens"], info["output_tokens"], info["compressions"], info["summary"]) == (
-            101, 22, 1, "short summary ✓")
+            101,
+            22,
+            1,
+            "short summary ✓",
+        )
         st = await s.stats()
         assert st["sessions"] == 1 and st["messages"] == 1 and st["last_activity"] >= m.timestamp
         assert await s.session_info("nope") is None
@@ -743,8 +817,18 @@ async def test_backup_passes_integrity_check(profile: Path, tmp_path: Path) -> N
     with db(profile) as c:
         c.execute("INSERT INTO messages_fts(messages_fts) VALUES ('integrity-check')")
         cols = {r[1] for r in c.execute("PRAGMA table_info(messages)")}
-        assert {"id", "session_id", "role", "content", "tool_call_id", "tool_calls", "tool_name", "timestamp",
-                "token_count", "finish_reason"} <= cols
+        assert {
+            "id",
+            "session_id",
+            "role",
+            "content",
+            "tool_call_id",
+            "tool_calls",
+            "tool_name",
+            "timestamp",
+            "token_count",
+            "finish_reason",
+        } <= cols
         scols = {r[1] for r in c.execute("PRAGMA table_info(sessions)")}
         assert {"parent_session_id", "started_at", "ended_at", "end_reason"} <= scols
         assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -754,7 +838,8 @@ async def test_backup_passes_integrity_check(profile: Path, tmp_path: Path) -> N
 
 
 async def test_reopen_after_a_clean_close_skips_schema_script_and_journal_scan(
-        profile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    profile: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with SessionStore(profile) as s:
         sid = await s.start_session("k")
         await s.append_many(msgs(sid, 3))
@@ -793,9 +878,13 @@ async def test_profiles_sharing_one_pool_thread_never_see_each_others_messages(t
         b = await SessionStore(tmp_path / "b", pool=pool).open()
         sa, _ = await a.get_or_start("lane")
         sb, _ = await b.get_or_start("lane")
-        await asyncio.gather(*(
-            s.append(StoredMessage(sid, "user", f"{who} secret {i}"))
-            for i in range(20) for s, sid, who in ((a, sa, "alice"), (b, sb, "bob"))))
+        await asyncio.gather(
+            *(
+                s.append(StoredMessage(sid, "user", f"{who} secret {i}"))
+                for i in range(20)
+                for s, sid, who in ((a, sa, "alice"), (b, sb, "bob"))
+            )
+        )
         hits_a, hits_b = await asyncio.gather(a.search("secret", limit=100), b.search("secret", limit=100))
         assert len(hits_a) == len(hits_b) == 20
         assert all("alice" in h["snippet"] for h in hits_a) and all("bob" in h["snippet"] for h in hits_b)

@@ -93,7 +93,9 @@ async def test_stop_ends_the_running_turn_and_the_next_message_starts_cleanly(co
     msgs = await stored(cfg, "testchat-ann")
     assert [m.content for m in msgs if m.role == "user"] == ["write me an epic", "hello again"]
     assert [(m.content, m.meta.get("interrupted")) for m in msgs if m.role == "assistant"] == [
-        (STOPPED_MARKER, True), ("ok: hello again", None)]
+        (STOPPED_MARKER, True),
+        ("ok: hello again", None),
+    ]
 
 
 async def _say_stop(app, adapter) -> str:

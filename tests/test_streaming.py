@@ -75,8 +75,10 @@ async def test_long_streamed_answer_continues_in_further_messages(fake_llm, conf
 
 
 async def test_stop_mid_stream_leaves_an_interrupted_message_and_no_orphan_tool_call(fake_llm, config_for):
-    fake_llm.script(tool_call("session_search", {"query": "trip"}),
-                    paused("Partial answer that goes on and on about the trip", after_chars=16))
+    fake_llm.script(
+        tool_call("session_search", {"query": "trip"}),
+        paused("Partial answer that goes on and on about the trip", after_chars=16),
+    )
     cfg = config_for(delivery=FAST)
     adapter = RecordingAdapter()
     app = GatewayApp(cfg, [adapter])
@@ -99,7 +101,8 @@ async def test_stop_mid_stream_leaves_an_interrupted_message_and_no_orphan_tool_
     msgs = await stored(cfg, "testchat-eve")
     interrupted = [m for m in msgs if m.meta.get("interrupted")]
     assert [(m.role, m.content, m.finish_reason) for m in interrupted] == [
-        ("assistant", "Partial answer t", "interrupted")]
+        ("assistant", "Partial answer t", "interrupted")
+    ]
     assert_no_orphan_tool_calls(msgs)
     # the next turn's request carried the partial answer as what the assistant said
     last = fake_llm.requests[-1]["messages"]
@@ -155,8 +158,10 @@ async def test_streamed_reply_is_edited_in_place_on_discord(fake_llm, config_for
     fake_llm.script(paused(answer, after_chars=10))
     async with FakeDiscord() as fake:
         alice = fake.add_user("alice")
-        cfg = config_for(delivery=FAST, platforms={"discord": {
-            "enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}})
+        cfg = config_for(
+            delivery=FAST,
+            platforms={"discord": {"enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}},
+        )
         adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
         app = GatewayApp(cfg, [adapter])
         await app.start()
@@ -203,14 +208,28 @@ async def test_a_final_text_that_cannot_be_edited_in_is_sent_anew():
 async def test_llm_client_assembles_streamed_tool_calls_and_usage(fake_llm):
     from agent.llm import LLMClient
 
-    fake_llm.script(tool_call("memory", {"action": "add", "target": "user", "content": "likes tea"},
-                              call_id="call_abc", content="Saving that."))
+    fake_llm.script(
+        tool_call(
+            "memory",
+            {"action": "add", "target": "user", "content": "likes tea"},
+            call_id="call_abc",
+            content="Saving that.",
+        )
+    )
     seen: list[str] = []
     async with LLMClient(fake_llm.base_url, "fake-model", max_retries=0) as client:
         result = await client.chat([{"role": "user", "content": "I like tea"}], on_text=seen.append)
     assert len(fake_llm.streamed) == 1 and len(fake_llm.streamed[0]) > 4  # really streamed
-    assert result.tool_calls == [{"id": "call_abc", "type": "function", "function": {
-        "name": "memory", "arguments": json.dumps({"action": "add", "target": "user", "content": "likes tea"})}}]
+    assert result.tool_calls == [
+        {
+            "id": "call_abc",
+            "type": "function",
+            "function": {
+                "name": "memory",
+                "arguments": json.dumps({"action": "add", "target": "user", "content": "likes tea"}),
+            },
+        }
+    ]
     assert result.content == "Saving that." and seen[-1] == "Saving that."
     assert result.finish_reason == "tool_calls"
     assert result.usage is not None and result.usage.completion_tokens > 0

@@ -151,8 +151,12 @@ def test_webhook_mode_requires_a_secret(monkeypatch):
     with pytest.raises(ConfigError, match="secret_token_env"):
         TelegramAdapter.from_config(cfg)
     cfg = TelegramConfig.model_validate(
-        {"enabled": True, "token_env": "HERMES_TEST_TG_TOKEN", "mode": "webhook",
-         "webhook": {"secret_token_env": "HERMES_TEST_TG_SECRET"}}
+        {
+            "enabled": True,
+            "token_env": "HERMES_TEST_TG_TOKEN",
+            "mode": "webhook",
+            "webhook": {"secret_token_env": "HERMES_TEST_TG_SECRET"},
+        }
     )
     with pytest.raises(ConfigError, match="HERMES_TEST_TG_SECRET"):
         TelegramAdapter.from_config(cfg)
@@ -207,7 +211,9 @@ async def test_reply_to_the_bot_counts_as_addressed(tg):
     async with running(tg, rec) as adapter:
         tg.push_group(-100200, 2, f"@{BOT} hi")
         [first] = await rec.wait(1)
-        sent = await adapter.send(OutboundMessage(chat_id="-100200", text="hello!", reply_to_message_id=first.message_id))
+        sent = await adapter.send(
+            OutboundMessage(chat_id="-100200", text="hello!", reply_to_message_id=first.message_id)
+        )
         assert sent is not None
         tg.push_group(-100200, 2, "and another thing", reply_to_bot_message_id=int(sent.message_id))
         # a reply to another person is not addressed
@@ -258,8 +264,13 @@ async def test_supergroup_reply_thread_is_not_a_topic(tg):
     rec = Recorder()
     async with running(tg, rec):
         first = tg.push_group(-100200, 2, f"@{BOT} one")
-        tg.push_group(-100200, 2, f"@{BOT} two", reply_to_message_id=first.message_id,
-                      extra={"message_thread_id": first.message_id})
+        tg.push_group(
+            -100200,
+            2,
+            f"@{BOT} two",
+            reply_to_message_id=first.message_id,
+            extra={"message_thread_id": first.message_id},
+        )
         await rec.wait(2)
     assert [(m.chat_type, m.thread_id) for m in rec.messages] == [("group", None), ("group", None)]
 
@@ -271,9 +282,17 @@ async def test_bots_and_service_messages_are_ignored(tg):
         tg.push_group(-100200, 556, f"@{BOT} bot talk", is_bot=True)
         tg.push_group(-100200, tg.bot_id, f"@{BOT} myself", is_bot=True)
         tg.push_group(-100200, 777000, f"@{BOT} channel relay", extra={"is_automatic_forward": True})
-        tg.push_update({"message": {"message_id": 900, "date": 1, "chat": {"id": -100200, "type": "supergroup"},
-                                    "from": {"id": 9, "is_bot": False, "first_name": "x"},
-                                    "new_chat_members": [{"id": 9, "is_bot": False, "first_name": "x"}]}})
+        tg.push_update(
+            {
+                "message": {
+                    "message_id": 900,
+                    "date": 1,
+                    "chat": {"id": -100200, "type": "supergroup"},
+                    "from": {"id": 9, "is_bot": False, "first_name": "x"},
+                    "new_chat_members": [{"id": 9, "is_bot": False, "first_name": "x"}],
+                }
+            }
+        )
         tg.push_private(111, "real person")
         await settle(tg)
     assert rec.texts() == ["real person"]
@@ -293,8 +312,9 @@ async def test_edits_and_channel_posts_ignored_by_default(tg):
 
 async def test_edits_and_channel_posts_when_configured(tg):
     rec = Recorder()
-    async with running(tg, rec, handle_edited_messages=True, handle_channel_posts=True,
-                       require_mention_in_groups=False):
+    async with running(
+        tg, rec, handle_edited_messages=True, handle_channel_posts=True, require_mention_in_groups=False
+    ):
         p = tg.push_private(111, "first")
         await rec.wait(1)
         tg.push_edit(111, p.message_id, "first (edited)")
@@ -369,10 +389,18 @@ async def test_malformed_update_is_skipped_and_acknowledged(tg, caplog):
     rec = Recorder()
     caplog.set_level(logging.WARNING, logger="adapters.telegram")
     async with running(tg, rec):
-        bad = tg.push_update({"message": {"message_id": 5, "date": 1, "chat": "not-a-chat",
-                                          "text": "SECRET-TEXT"}})
-        tg.push_update({"message": {"message_id": 6, "date": 1, "chat": {"id": 111, "type": "private"},
-                                    "from": "nobody", "text": "SECRET-TEXT"}})
+        bad = tg.push_update({"message": {"message_id": 5, "date": 1, "chat": "not-a-chat", "text": "SECRET-TEXT"}})
+        tg.push_update(
+            {
+                "message": {
+                    "message_id": 6,
+                    "date": 1,
+                    "chat": {"id": 111, "type": "private"},
+                    "from": "nobody",
+                    "text": "SECRET-TEXT",
+                }
+            }
+        )
         tg.push_private(111, "after")
         await rec.wait(1)
         await settle(tg)
@@ -417,10 +445,14 @@ async def test_send_reply_in_topic_with_html(tg):
     async with running(tg) as adapter:
         tg.ensure_topic(-100300, 42)
         user = tg.push_topic(-100300, 42, 7, f"@{BOT} hi")
-        sent = await adapter.send(OutboundMessage(
-            chat_id="-100300", thread_id="42", reply_to_message_id=str(user.message_id),
-            text="**Bold** and `a<b>` & _it_\n```python\nif a < b:\n    pass\n```",
-        ))
+        sent = await adapter.send(
+            OutboundMessage(
+                chat_id="-100300",
+                thread_id="42",
+                reply_to_message_id=str(user.message_id),
+                text="**Bold** and `a<b>` & _it_\n```python\nif a < b:\n    pass\n```",
+            )
+        )
     assert isinstance(sent, SentMessage) and sent.thread_id == "42" and sent.chat_id == "-100300"
     [msg] = tg.sent_messages(-100300)
     assert msg["message_thread_id"] == 42 and msg["reply_to_message"]["message_id"] == user.message_id
@@ -452,15 +484,24 @@ async def test_flood_control_waits_and_sends_once(tg):
 def test_importing_the_adapter_leaves_the_environment_alone():
     env = {k: v for k, v in os.environ.items() if k != "PTB_TIMEDELTA"}
     code = "import os, adapters.telegram; print(os.environ.get('PTB_TIMEDELTA'))"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "None"
 
 
 async def test_polling_and_flood_control_use_public_ptb_api_without_warnings(tg):
     source = (Path(__file__).resolve().parent.parent / "adapters" / "telegram.py").read_text()
-    assert "._post(" not in source and "._request" not in source and "_retry_after" not in source.replace("_retry_after_seconds", "")
+    assert (
+        "._post(" not in source
+        and "._request" not in source
+        and "_retry_after" not in source.replace("_retry_after_seconds", "")
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rec = Recorder()
@@ -598,11 +639,16 @@ async def test_my_chat_member_removal_and_return(tg):
         chat = tg.add_chat(-100200, "supergroup")
 
         def member_update(status: str) -> dict:
-            return {"my_chat_member": {
-                "chat": chat, "from": {"id": 1, "is_bot": False, "first_name": "admin"}, "date": 1,
-                "old_chat_member": {"status": "member", "user": tg.bot_user},
-                "new_chat_member": {"status": status, "user": tg.bot_user} | ({"until_date": 0} if status == "kicked" else {}),
-            }}
+            return {
+                "my_chat_member": {
+                    "chat": chat,
+                    "from": {"id": 1, "is_bot": False, "first_name": "admin"},
+                    "date": 1,
+                    "old_chat_member": {"status": "member", "user": tg.bot_user},
+                    "new_chat_member": {"status": status, "user": tg.bot_user}
+                    | ({"until_date": 0} if status == "kicked" else {}),
+                }
+            }
 
         tg.push_update(member_update("kicked"))
         await settle(tg)
@@ -617,7 +663,11 @@ async def test_my_chat_member_removal_and_return(tg):
 async def test_rejected_markup_falls_back_to_plain_text(tg):
     async with running(tg) as adapter:
         tg.add_chat(111, "private")
-        tg.fail_next("sendMessage", status=400, description="Bad Request: can't parse entities: Can't find end of the entity starting at byte offset 3")
+        tg.fail_next(
+            "sendMessage",
+            status=400,
+            description="Bad Request: can't parse entities: Can't find end of the entity starting at byte offset 3",
+        )
         text = "**odd** <markup> & stuff"
         sent = await adapter.send(OutboundMessage(chat_id="111", text=text))
     assert sent is not None
@@ -697,10 +747,18 @@ def webhook_env(monkeypatch):
 
 
 async def test_webhook_checks_the_secret(tg, webhook_env):
-    cfg = make_cfg(tg, token_env="HERMES_TEST_TG_TOKEN", mode="webhook", webhook={
-        "listen": "127.0.0.1", "port": free_port(), "path": "/tg/hook",
-        "public_url": "https://bot.example.org", "secret_token_env": "HERMES_TEST_TG_SECRET",
-    })
+    cfg = make_cfg(
+        tg,
+        token_env="HERMES_TEST_TG_TOKEN",
+        mode="webhook",
+        webhook={
+            "listen": "127.0.0.1",
+            "port": free_port(),
+            "path": "/tg/hook",
+            "public_url": "https://bot.example.org",
+            "secret_token_env": "HERMES_TEST_TG_SECRET",
+        },
+    )
     rec = Recorder()
     adapter = TelegramAdapter.from_config(cfg)
     await adapter.start(rec)
@@ -786,16 +844,37 @@ def test_markdown_to_html_examples():
     assert markdown_to_telegram_html("a < b & c > d") == "a &lt; b &amp; c &gt; d"
     assert markdown_to_telegram_html("**x** _y_ ~~z~~ `<t>`") == "<b>x</b> <i>y</i> <s>z</s> <code>&lt;t&gt;</code>"
     assert markdown_to_telegram_html("snake_case_name and 2*3*4") == "snake_case_name and 2*3*4"
-    assert markdown_to_telegram_html("```py\nx = '<a>'\n```") == '<pre><code class="language-py">x = \'&lt;a&gt;\'</code></pre>'
+    assert (
+        markdown_to_telegram_html("```py\nx = '<a>'\n```")
+        == "<pre><code class=\"language-py\">x = '&lt;a&gt;'</code></pre>"
+    )
     assert markdown_to_telegram_html("# Title\n* item") == "<b>Title</b>\n• item"
-    assert markdown_to_telegram_html("[site](https://e.org/?a=1&b=2)") == '<a href="https://e.org/?a=1&amp;b=2">site</a>'
+    assert (
+        markdown_to_telegram_html("[site](https://e.org/?a=1&b=2)") == '<a href="https://e.org/?a=1&amp;b=2">site</a>'
+    )
     assert markdown_to_telegram_html("> quoted\n> more\nafter") == "<blockquote>quoted\nmore</blockquote>\nafter"
 
 
 _md_alphabet = st.sampled_from(
     list("ab *_~`|#>[]()<&\n-:")
-    + ["```", "```py\n", "~~~", "~~~yaml\n", "   ```\n", "**", "***", "__", "~~", "||", "http://x.y",
-       "](http://x.y/a_(b))", "|---|---|\n", "> > ", "😀", "&amp;"]
+    + [
+        "```",
+        "```py\n",
+        "~~~",
+        "~~~yaml\n",
+        "   ```\n",
+        "**",
+        "***",
+        "__",
+        "~~",
+        "||",
+        "http://x.y",
+        "](http://x.y/a_(b))",
+        "|---|---|\n",
+        "> > ",
+        "😀",
+        "&amp;",
+    ]
 )
 
 

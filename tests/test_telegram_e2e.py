@@ -107,8 +107,11 @@ async def test_dm_conversation(tg, fake_llm, config_for):
 
 
 async def test_unknown_dm_user_gets_a_pairing_code_that_an_admin_approves(tg, fake_llm, config_for):
-    cfg = tg_config(config_for, tg, sections={"access": {
-        "allowed_users": ["telegram:111"], "admins": ["telegram:111"], "unauthorized_dm": "pair"}})
+    cfg = tg_config(
+        config_for,
+        tg,
+        sections={"access": {"allowed_users": ["telegram:111"], "admins": ["telegram:111"], "unauthorized_dm": "pair"}},
+    )
     async with gateway(cfg) as (app, adapter):
         tg.push_private(222, "hello?")
         [notice] = await answered(tg, app, 1, 222)
@@ -174,7 +177,8 @@ async def test_mention_gating(tg, fake_llm, config_for):
         sent = await answered(tg, app, 3, GROUP)
         assert "/new" in sent[-1]["text"]
     assert [last_user_text(r) for r in fake_llm.requests] and all(
-        "lunch-7Q" not in json.dumps(r) and "ping-8Z" not in json.dumps(r) for r in fake_llm.requests)
+        "lunch-7Q" not in json.dumps(r) and "ping-8Z" not in json.dumps(r) for r in fake_llm.requests
+    )
     assert asked.message_id < follow.message_id
 
 
@@ -309,10 +313,18 @@ async def test_redelivered_update_is_answered_once(tg, fake_llm, config_for):
 async def test_webhook_with_wrong_secret(tg, fake_llm, config_for, monkeypatch):
     monkeypatch.setenv(SECRET_ENV, "right-secret_123")
     port = free_port()
-    cfg = tg_config(config_for, tg, mode="webhook", webhook={
-        "listen": "127.0.0.1", "port": port, "path": "/telegram",
-        "public_url": f"http://127.0.0.1:{port}", "secret_token_env": SECRET_ENV,
-    })
+    cfg = tg_config(
+        config_for,
+        tg,
+        mode="webhook",
+        webhook={
+            "listen": "127.0.0.1",
+            "port": port,
+            "path": "/telegram",
+            "public_url": f"http://127.0.0.1:{port}",
+            "secret_token_env": SECRET_ENV,
+        },
+    )
     async with gateway(cfg) as (app, adapter):
         await tg.wait_for(lambda: tg.webhook["url"] == f"http://127.0.0.1:{port}/telegram")
         assert tg.webhook["secret_token"] == "right-secret_123"
@@ -352,8 +364,9 @@ async def test_lone_surrogate_text_is_refused_clearly_and_acknowledged(tg, fake_
 
 
 async def test_shared_group_new_undo_forget_need_a_telegram_chat_admin(tg, fake_llm, config_for):
-    cfg = tg_config(config_for, tg, {"tenancy": {"group_sessions_per_user": False},
-                                     "limits": {"rate_limit_per_minute": 100}})
+    cfg = tg_config(
+        config_for, tg, {"tenancy": {"group_sessions_per_user": False}, "limits": {"rate_limit_per_minute": 100}}
+    )
     tg.chat_admins[GROUP][9] = "administrator"
     tg.chat_admins[GROUP][8] = "creator"
     async with gateway(cfg) as (app, adapter):

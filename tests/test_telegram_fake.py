@@ -50,7 +50,11 @@ async def test_token_methods_and_long_polling():
 async def test_form_encoded_like_ptb_and_html_checks():
     async with FakeTelegram(token="1:A") as tg, aiohttp.ClientSession() as s:
         tg.add_chat(5, "private")
-        form = {"chat_id": "5", "text": "123", "reply_parameters": json.dumps({"message_id": 77, "allow_sending_without_reply": True})}
+        form = {
+            "chat_id": "5",
+            "text": "123",
+            "reply_parameters": json.dumps({"message_id": 77, "allow_sending_without_reply": True}),
+        }
         async with s.post(f"{tg.base_url}1:A/sendMessage", data=form) as resp:
             body = await resp.json()
         assert body["ok"] and body["result"]["text"] == "123" and "reply_to_message" not in body["result"]

@@ -25,8 +25,23 @@ def convert(name: str) -> str:
 def test_the_corpus_covers_what_models_write():
     assert len(REPLIES) >= 12
     text = "\n".join(p.read_text() for p in REPLIES)
-    for feature in ("\n### ", "\n   - ", "***", "__", "~~", "](https://", "_(", "~~~", "```python",
-                    "|---", "\n> ", "> >", "`a < b", "🇩🇪", "<script>"):
+    for feature in (
+        "\n### ",
+        "\n   - ",
+        "***",
+        "__",
+        "~~",
+        "](https://",
+        "_(",
+        "~~~",
+        "```python",
+        "|---",
+        "\n> ",
+        "> >",
+        "`a < b",
+        "🇩🇪",
+        "<script>",
+    ):
         assert feature in text, feature
 
 

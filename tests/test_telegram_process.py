@@ -16,8 +16,13 @@ BIN = Path(sys.executable).parent / "hermes-gateway"
 
 async def run_gateway(config: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        str(BIN), "run", "-c", str(config), env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        str(BIN),
+        "run",
+        "-c",
+        str(config),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
 
 

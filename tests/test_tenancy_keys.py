@@ -388,12 +388,51 @@ def test_plain_ids_map_to_themselves(tid):
 
 def test_hostile_directories_created_for_real(tmp_path):
     ids = [
-        "", ".", "..", "/", "\\", "\x00", "../../etc/passwd", "a/../..", "telegram-111",
-        "Telegram-111", "TELEGRAM-111", "telegram_111", "telegram-chat--100123",
-        "telegram--chat--100123", "link-alice", "link-Alice", "x-telegram-111",
-        "x-_54elegram-111", "h-abc", "é", "e\u0301", "İ", "i̇", "ß", "ss", "SS",
-        "a" * 64, "a" * 65, "a" * 300, "a" * 300 + "-", "-" * 300, "\ud800", "\u202e", " ",
-        "con", "CON", "alice", "bob_", "_", "x", "x-", "h-", "%2F", "a%2Fb", "a:b",
+        "",
+        ".",
+        "..",
+        "/",
+        "\\",
+        "\x00",
+        "../../etc/passwd",
+        "a/../..",
+        "telegram-111",
+        "Telegram-111",
+        "TELEGRAM-111",
+        "telegram_111",
+        "telegram-chat--100123",
+        "telegram--chat--100123",
+        "link-alice",
+        "link-Alice",
+        "x-telegram-111",
+        "x-_54elegram-111",
+        "h-abc",
+        "é",
+        "e\u0301",
+        "İ",
+        "i̇",
+        "ß",
+        "ss",
+        "SS",
+        "a" * 64,
+        "a" * 65,
+        "a" * 300,
+        "a" * 300 + "-",
+        "-" * 300,
+        "\ud800",
+        "\u202e",
+        " ",
+        "con",
+        "CON",
+        "alice",
+        "bob_",
+        "_",
+        "x",
+        "x-",
+        "h-",
+        "%2F",
+        "a%2Fb",
+        "a:b",
     ]
     assert len(set(ids)) == len(ids)
     profiles = tmp_path / "profiles"
@@ -496,11 +535,16 @@ def test_session_key_injective_pairs(c, a, b):
 
 
 @PROP
-@given(st.lists(st.one_of(
-    st.tuples(st.just("person"), platforms, ids),
-    st.tuples(st.just("chat"), platforms, ids),
-    st.tuples(st.just("link"), ids),
-), max_size=40))
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("person"), platforms, ids),
+            st.tuples(st.just("chat"), platforms, ids),
+            st.tuples(st.just("link"), ids),
+        ),
+        max_size=40,
+    )
+)
 def test_tenant_ids_injective(specs):
     build = {"person": person_tenant_id, "chat": chat_tenant_id, "link": link_tenant_id}
     seen: dict[str, tuple] = {}

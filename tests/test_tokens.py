@@ -27,8 +27,9 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
 
 
-def test_offline_encoding_loads_without_network(no_network: None, monkeypatch: pytest.MonkeyPatch,
-                                                tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+def test_offline_encoding_loads_without_network(
+    no_network: None, monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
     # force a real load (not the in-process copy) and an empty tiktoken cache
     load_encoding.cache_clear()
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
@@ -67,8 +68,9 @@ def test_shipped_encoding_is_the_one_tiktoken_defines(monkeypatch: pytest.Monkey
     assert ours.encode("hello world<|endoftext|>", allowed_special="all") == [15339, 1917, 100257]
 
 
-def test_a_tampered_encoding_file_falls_back_to_chars(monkeypatch: pytest.MonkeyPatch, tmp_path,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_a_tampered_encoding_file_falls_back_to_chars(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
     bad_dir = tmp_path / "encodings"
     bad_dir.mkdir()
     shutil.copy(ENCODINGS_DIR / "cl100k_base.tiktoken", bad_dir / "cl100k_base.tiktoken")
@@ -142,11 +144,15 @@ def test_estimate_rough_is_chars_over_4() -> None:
     msgs = [
         {"role": "system", "content": "a" * 40},
         {"role": "user", "content": [{"type": "text", "text": "b" * 20}]},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "m", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "m", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "c", "content": "ok"},
     ]
     import json
+
     tc_chars = len(json.dumps(msgs[2]["tool_calls"], separators=(",", ":")))
     assert TokenCounter.estimate_rough(msgs) == (40 + 20 + tc_chars + 1 + 2) // 4
     assert TokenCounter.create().estimate_rough([]) == 0

@@ -84,7 +84,8 @@ class World:
     mode: str = "full"
     app: GatewayApp | None = None
     adapters: dict[str, RecordingAdapter] = field(
-        default_factory=lambda: {p: RecordingAdapter(p) for p in ("telegram", "discord")})
+        default_factory=lambda: {p: RecordingAdapter(p) for p in ("telegram", "discord")}
+    )
     # which store an account's memory is in (its own, or a link's shared by several accounts)
     store_of: dict[Account, str] = field(default_factory=lambda: {a: _name(a) for a in ACCOUNTS})
     # a store's memory entries now: canary -> "private" | "shared" (insertion = file order)
@@ -97,8 +98,12 @@ class World:
     stores: int = 0
 
     async def start(self) -> None:
-        cfg = make_config(self.data_dir, self.llm.base_url, tenancy={"personal_memory_in_groups": self.mode},
-                          limits={"rate_limit_per_minute": 1000})
+        cfg = make_config(
+            self.data_dir,
+            self.llm.base_url,
+            tenancy={"personal_memory_in_groups": self.mode},
+            limits={"rate_limit_per_minute": 1000},
+        )
         self.app = GatewayApp(cfg, list(self.adapters.values()))
         await self.app.start()
 

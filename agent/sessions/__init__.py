@@ -12,14 +12,28 @@ statements), `write` (the dual write), `reconcile` (open-time repair), `search` 
 
 from agent.sessions.db import SCHEMA, SCHEMA_VERSION
 from agent.sessions.errors import (
-    DatabaseWriteError, JournalWriteError, SessionStoreError, StaleRouteError, UnknownSessionError,
+    DatabaseWriteError,
+    JournalWriteError,
+    SessionStoreError,
+    StaleRouteError,
+    UnknownSessionError,
 )
 from agent.sessions.pool import BATCH_FSYNC_INTERVAL, StoragePool
 from agent.sessions.search import SEARCH_MAX_LIMIT, fts_query
 from agent.sessions.store import FsyncPolicy, SessionStore
 
 __all__ = [
-    "BATCH_FSYNC_INTERVAL", "DatabaseWriteError", "FsyncPolicy", "JournalWriteError", "SCHEMA", "SCHEMA_VERSION",
-    "SEARCH_MAX_LIMIT", "SessionStore", "SessionStoreError", "StaleRouteError", "StoragePool",
-    "UnknownSessionError", "fts_query",
+    "BATCH_FSYNC_INTERVAL",
+    "DatabaseWriteError",
+    "FsyncPolicy",
+    "JournalWriteError",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "SEARCH_MAX_LIMIT",
+    "SessionStore",
+    "SessionStoreError",
+    "StaleRouteError",
+    "StoragePool",
+    "UnknownSessionError",
+    "fts_query",
 ]

@@ -58,13 +58,27 @@ def message_line(m: StoredMessage) -> dict[str, Any]:
 
 
 def start_line(
-    sid: str, session_key: str | None, *, parent: str | None, route: bool, ts: float,
-    source: str = "", user_id: str = "", model: str = "",
+    sid: str,
+    session_key: str | None,
+    *,
+    parent: str | None,
+    route: bool,
+    ts: float,
+    source: str = "",
+    user_id: str = "",
+    model: str = "",
 ) -> dict[str, Any]:
     return {
-        "type": "event", "event": "session_start", "session_id": sid, "session_key": session_key,
-        "parent_session_id": parent, "source": source, "user_id": user_id, "model": model,
-        "route": route, "ts": ts,
+        "type": "event",
+        "event": "session_start",
+        "session_id": sid,
+        "session_key": session_key,
+        "parent_session_id": parent,
+        "source": source,
+        "user_id": user_id,
+        "model": model,
+        "route": route,
+        "ts": ts,
     }
 
 
@@ -73,8 +87,15 @@ def end_line(sid: str, reason: str | None, ts: float) -> dict[str, Any]:
 
 
 def flags_line(uids: list[str], active: bool | None, compacted: bool | None, reason: str, ts: float) -> dict[str, Any]:
-    return {"type": "event", "event": "flags", "uids": uids, "active": active, "compacted": compacted,
-            "reason": reason, "ts": ts}
+    return {
+        "type": "event",
+        "event": "flags",
+        "uids": uids,
+        "active": active,
+        "compacted": compacted,
+        "reason": reason,
+        "ts": ts,
+    }
 
 
 def prepare_messages(msgs: list[StoredMessage], check_session: bool = True) -> list[StoredMessage]:
@@ -146,8 +167,11 @@ def conversation_order(msgs: list[StoredMessage]) -> list[StoredMessage]:
     an anchor naming the prompt it replaced names the new one."""
     if any(m.role == "system" for m in msgs[1:]):
         msgs = [m for m in msgs if m.role == "system"] + [m for m in msgs if m.role != "system"]
-    alias = {m.meta["replaces"]: m.uid for m in msgs
-             if m.role == "system" and isinstance(m.meta, dict) and isinstance(m.meta.get("replaces"), str)}
+    alias = {
+        m.meta["replaces"]: m.uid
+        for m in msgs
+        if m.role == "system" and isinstance(m.meta, dict) and isinstance(m.meta.get("replaces"), str)
+    }
     present = {m.uid for m in msgs}
     moved: dict[str, list[StoredMessage]] = {}
     for m in msgs:

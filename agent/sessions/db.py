@@ -201,8 +201,15 @@ def insert_messages(db: sqlite3.Connection, fresh: list[StoredMessage]) -> None:
 
 
 def insert_session(
-    db: sqlite3.Connection, sid: str, session_key: str | None, *, parent: str | None, ts: float,
-    source: str = "", user_id: str = "", model: str = "",
+    db: sqlite3.Connection,
+    sid: str,
+    session_key: str | None,
+    *,
+    parent: str | None,
+    ts: float,
+    source: str = "",
+    user_id: str = "",
+    model: str = "",
 ) -> None:
     """Insert a sessions row, or fill in the blanks of a placeholder row."""
     db.execute(
@@ -219,12 +226,14 @@ def insert_session(
 
 
 def set_route(db: sqlite3.Connection, session_key: str, sid: str, ts: float) -> None:
-    db.execute("INSERT OR REPLACE INTO routes(session_key, session_id, updated_at) VALUES (?, ?, ?)",
-               (session_key, sid, ts))
+    db.execute(
+        "INSERT OR REPLACE INTO routes(session_key, session_id, updated_at) VALUES (?, ?, ?)", (session_key, sid, ts)
+    )
 
 
-def apply_end(db: sqlite3.Connection, sid: str, reason: str | None, ts: float,
-              move_routes_to: str | None = None) -> None:
+def apply_end(
+    db: sqlite3.Connection, sid: str, reason: str | None, ts: float, move_routes_to: str | None = None
+) -> None:
     db.execute("UPDATE sessions SET ended_at=?, end_reason=? WHERE id=? AND ended_at IS NULL", (ts, reason, sid))
     if move_routes_to is None:
         db.execute("DELETE FROM routes WHERE session_id=?", (sid,))

@@ -69,8 +69,7 @@ def reconcile(db: sqlite3.Connection, journal: Journal) -> None:
         _rebuild_journal(db, journal, sid)
 
 
-def _reconcile_file(db: sqlite3.Connection, journal: Journal, sid: str, path: Path, offset: int, *,
-                    full: bool) -> None:
+def _reconcile_file(db: sqlite3.Connection, journal: Journal, sid: str, path: Path, offset: int, *, full: bool) -> None:
     """Replay the journal from `offset` (from 0 when `full`, then re-journal SQLite-only messages)."""
     records, end = Journal.read(path, offset)
     with q.Transaction(db):
@@ -127,8 +126,16 @@ def _replay_event(db: sqlite3.Connection, sid: str, d: dict[str, Any]) -> None:
     if ev == "session_start":
         existed = db.execute("SELECT 1 FROM sessions WHERE id=?", (sid,)).fetchone()
         key = d.get("session_key")
-        q.insert_session(db, sid, key, parent=d.get("parent_session_id"), ts=ts,
-                         source=d.get("source") or "", user_id=d.get("user_id") or "", model=d.get("model") or "")
+        q.insert_session(
+            db,
+            sid,
+            key,
+            parent=d.get("parent_session_id"),
+            ts=ts,
+            source=d.get("source") or "",
+            user_id=d.get("user_id") or "",
+            model=d.get("model") or "",
+        )
         if d.get("route", True) and isinstance(key, str) and existed is None:
             _restore_route(db, key, sid, ts)
     elif ev == "session_end":
@@ -152,8 +159,13 @@ def _restore_route(db: sqlite3.Connection, key: str, sid: str, ts: float) -> Non
 def _start_line_from_db(db: sqlite3.Connection, sid: str) -> dict[str, Any]:
     row = q.session_row(db, sid)
     return start_line(
-        sid, row["session_key"], parent=row["parent_session_id"], route=False,
-        ts=row["started_at"] or now(), source=row["source"] or "", user_id=row["user_id"] or "",
+        sid,
+        row["session_key"],
+        parent=row["parent_session_id"],
+        route=False,
+        ts=row["started_at"] or now(),
+        source=row["source"] or "",
+        user_id=row["user_id"] or "",
         model=row["model"] or "",
     )
 

@@ -26,8 +26,18 @@ from agent.fileio import private_file, private_mkdir
 from agent.messages import StoredMessage
 from agent.sessions import db as q
 from agent.sessions.codec import (
-    check_session_id, clean, clean_str, conversation_order, dumps, end_line, flags_line, message_line, now,
-    prepare_messages, row_msg, start_line,
+    check_session_id,
+    clean,
+    clean_str,
+    conversation_order,
+    dumps,
+    end_line,
+    flags_line,
+    message_line,
+    now,
+    prepare_messages,
+    row_msg,
+    start_line,
 )
 from agent.sessions.errors import SessionStoreError, StaleRouteError, UnknownSessionError
 from agent.sessions.journal import Journal
@@ -206,8 +216,9 @@ class SessionStore:
             raise SessionStoreError("session store is not open")
         return self._db
 
-    async def _call(self, fn: Callable[[_Call], T], *, then: Callable[[T], None] | None = None,
-                    soft_first: bool = True) -> T:
+    async def _call(
+        self, fn: Callable[[_Call], T], *, then: Callable[[T], None] | None = None, soft_first: bool = True
+    ) -> T:
         """Run `fn` as one pool job under this store's lock, shielded so a cancelled caller
         can't split journal and db. Pending soft writes go first (`soft_first`) or inside
         `fn`'s journaled transaction. `then` updates the in-memory state on the loop."""
@@ -276,8 +287,15 @@ class SessionStore:
         """Create a session (journaled first); with `route`, point the lane at it atomically."""
 
         def job(c: _Call) -> str:
-            return self._start(c, session_key, source=source, user_id=user_id, model=model,
-                               parent_session_id=parent_session_id, route=route)
+            return self._start(
+                c,
+                session_key,
+                source=source,
+                user_id=user_id,
+                model=model,
+                parent_session_id=parent_session_id,
+                route=route,
+            )
 
         def then(sid: str) -> None:
             self._started(sid, session_key if route else None)
@@ -290,8 +308,17 @@ class SessionStore:
         if session_key is not None:
             self._routes[session_key] = sid
 
-    def _start(self, c: _Call, session_key: str, *, source: str = "", user_id: str = "", model: str = "",
-               parent_session_id: str | None = None, route: bool = True) -> str:
+    def _start(
+        self,
+        c: _Call,
+        session_key: str,
+        *,
+        source: str = "",
+        user_id: str = "",
+        model: str = "",
+        parent_session_id: str | None = None,
+        route: bool = True,
+    ) -> str:
         if parent_session_id is not None:
             check_session_id(parent_session_id)
         sid = c.journal.new_session_id()
@@ -316,14 +343,22 @@ class SessionStore:
             if info["ended_at"] is not None:
                 return
             ts = now()
-            c.journaled({session_id: [end_line(session_id, reason, ts)]},
-                        lambda db: q.apply_end(db, session_id, reason, ts))
+            c.journaled(
+                {session_id: [end_line(session_id, reason, ts)]}, lambda db: q.apply_end(db, session_id, reason, ts)
+            )
 
         await self._call(job, then=lambda _: self._ended(session_id), soft_first=False)
 
-    async def rotate(self, session_key: str, old_session_id: str, reason: str, *,
-                     carry: list[StoredMessage] | None = None, compact_uids: list[str] | None = None,
-                     **start_kwargs: Any) -> str:
+    async def rotate(
+        self,
+        session_key: str,
+        old_session_id: str,
+        reason: str,
+        *,
+        carry: list[StoredMessage] | None = None,
+        compact_uids: list[str] | None = None,
+        **start_kwargs: Any,
+    ) -> str:
         """End `old_session_id` and start its child, moving the lane's route, in one transaction.
 
         The child inherits source/user_id/model unless given. `carry` messages (any session_id;
@@ -365,9 +400,16 @@ class SessionStore:
                 if flagged:
                     q.apply_flags(db, flagged, None, True)
 
-            c.journaled({old_session_id: old_lines,
-                         new_id: [start_line(new_id, session_key, parent=old_session_id, route=True, ts=ts, **kw),
-                                  *(message_line(m) for m in msgs)]}, tx)
+            c.journaled(
+                {
+                    old_session_id: old_lines,
+                    new_id: [
+                        start_line(new_id, session_key, parent=old_session_id, route=True, ts=ts, **kw),
+                        *(message_line(m) for m in msgs),
+                    ],
+                },
+                tx,
+            )
             return new_id
 
         def then(new_id: str) -> None:
@@ -462,8 +504,9 @@ class SessionStore:
         await self._call(job, then=then, soft_first=False)
         return cleaned
 
-    async def compact(self, session_id: str, uids: list[str], messages: list[StoredMessage], *,
-                      reason: str = "compression") -> int:
+    async def compact(
+        self, session_id: str, uids: list[str], messages: list[StoredMessage], *, reason: str = "compression"
+    ) -> int:
         """Append `messages` to `session_id` and flag its `uids` compacted, atomically: one
         journal write (message lines, then a flags event) and one SQLite transaction.
         Returns how many messages were flagged."""
@@ -506,8 +549,9 @@ class SessionStore:
                 return list(live.history)
 
         def job(c: _Call) -> list[StoredMessage]:
-            return conversation_order([row_msg(r) for r in q.session_messages(
-                c.db, session_id, include_inactive=include_inactive)])
+            return conversation_order(
+                [row_msg(r) for r in q.session_messages(c.db, session_id, include_inactive=include_inactive)]
+            )
 
         def then(msgs: list[StoredMessage]) -> None:
             if not include_inactive and (session_id in self._live or session_id in self._routes.values()):
@@ -536,8 +580,11 @@ class SessionStore:
         """Flip `active`/`compacted` on messages (journaled as a flags event). Returns how many matched."""
         if active is None and compacted is None:
             raise ValueError("set_flags needs active and/or compacted")
-        return await self._call(lambda c: self._set_flags(c, list(uids), active, compacted, reason),
-                                then=lambda _: self._forget_history(), soft_first=False)
+        return await self._call(
+            lambda c: self._set_flags(c, list(uids), active, compacted, reason),
+            then=lambda _: self._forget_history(),
+            soft_first=False,
+        )
 
     async def undo_last_turn(self, session_id: str) -> int:
         """Deactivate the last visible user message and everything active after it; returns the count.
@@ -600,7 +647,9 @@ class SessionStore:
             return
         await self._update_session(
             session_id,
-            "input_tokens = COALESCE(input_tokens,0) + ?, output_tokens = COALESCE(output_tokens,0) + ?", (i, o))
+            "input_tokens = COALESCE(input_tokens,0) + ?, output_tokens = COALESCE(output_tokens,0) + ?",
+            (i, o),
+        )
 
     async def increment_compressions(self, session_id: str, by: int = 1) -> None:
         """Count `by` more compressions of this session (SQLite only)."""
@@ -652,8 +701,9 @@ class SessionStore:
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         """Every sessions row, oldest first."""
-        return await self._call(lambda c: [dict(r) for r in c.db.execute(
-            f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")])
+        return await self._call(
+            lambda c: [dict(r) for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")]
+        )
 
     async def stats(self) -> dict[str, Any]:
         """Counts of sessions and messages, and the latest message/session timestamp."""

@@ -20,8 +20,9 @@ Lines = dict[str, list[dict[str, Any]]]
 Tx = Callable[[sqlite3.Connection], None]
 
 
-def journaled(db: sqlite3.Connection, journal: Journal, lines: Lines, tx: Tx | None = None,
-              extra: Tx | None = None) -> None:
+def journaled(
+    db: sqlite3.Connection, journal: Journal, lines: Lines, tx: Tx | None = None, extra: Tx | None = None
+) -> None:
     """Journal `lines` (per session), then run `tx` (and `extra`, e.g. counters that ride
     along) and record the new offsets, all in one transaction."""
     payload = {sid: "".join(journal_line(d) for d in ds).encode("utf-8") for sid, ds in lines.items() if ds}
@@ -35,10 +36,13 @@ def journaled(db: sqlite3.Connection, journal: Journal, lines: Lines, tx: Tx | N
                 tx(db)
             if extra is not None:
                 extra(db)
-            record_offsets(db, [
-                (sid, end, sum(1 for d in lines[sid] if d.get("type") == "message"))
-                for sid, (_, end) in spans.items()
-            ])
+            record_offsets(
+                db,
+                [
+                    (sid, end, sum(1 for d in lines[sid] if d.get("type") == "message"))
+                    for sid, (_, end) in spans.items()
+                ],
+            )
     except Exception as e:
         journal.withdraw(spans)
         if isinstance(e, sqlite3.Error):

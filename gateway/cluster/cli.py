@@ -24,9 +24,13 @@ def run_cluster_command(cfg: Config, args: argparse.Namespace) -> int:
     import psycopg
 
     from gateway.cluster.db import ClusterError
+
     if not cfg.cluster.postgres_dsn_env:
-        print("error: cluster.postgres_dsn_env is not set in the config; cluster commands need "
-              "the name of the environment variable that holds the PostgreSQL DSN", file=sys.stderr)
+        print(
+            "error: cluster.postgres_dsn_env is not set in the config; cluster commands need "
+            "the name of the environment variable that holds the PostgreSQL DSN",
+            file=sys.stderr,
+        )
         return 2
     try:
         return asyncio.run(_run(cfg, args.cluster_command))

@@ -30,15 +30,20 @@ async def put_pairing_code(pool: Pool, code: str, platform: str, user_id: str, t
             """INSERT INTO pairing_codes (code, platform, user_id, expires_at)
                VALUES (%s, %s, %s, now() + make_interval(secs => %s))
                ON CONFLICT (code) DO UPDATE SET platform = EXCLUDED.platform, user_id = EXCLUDED.user_id,
-                   created_at = now(), expires_at = EXCLUDED.expires_at""", (code, platform, user_id, ttl_s))
+                   created_at = now(), expires_at = EXCLUDED.expires_at""",
+            (code, platform, user_id, ttl_s),
+        )
 
 
 async def get_pairing_code(pool: Pool, code: str) -> PairingCode | None:
     """The code if it exists and has not expired."""
     async with pool.connection() as conn:
-        r = await (await conn.execute(
-            "SELECT code, platform, user_id, expires_at FROM pairing_codes WHERE code = %s AND expires_at > now()",
-            (code,))).fetchone()
+        r = await (
+            await conn.execute(
+                "SELECT code, platform, user_id, expires_at FROM pairing_codes WHERE code = %s AND expires_at > now()",
+                (code,),
+            )
+        ).fetchone()
         return PairingCode(r["code"], r["platform"], r["user_id"], r["expires_at"]) if r else None
 
 
@@ -47,15 +52,19 @@ async def put_link_code(pool: Pool, code: str, principal: str, ttl_s: float) -> 
         await conn.execute(
             """INSERT INTO link_codes (code, principal, expires_at) VALUES (%s, %s, now() + make_interval(secs => %s))
                ON CONFLICT (code) DO UPDATE SET principal = EXCLUDED.principal, created_at = now(),
-                   expires_at = EXCLUDED.expires_at""", (code, principal, ttl_s))
+                   expires_at = EXCLUDED.expires_at""",
+            (code, principal, ttl_s),
+        )
 
 
 async def get_link_code(pool: Pool, code: str) -> LinkCode | None:
     """The code if it exists and has not expired."""
     async with pool.connection() as conn:
-        r = await (await conn.execute(
-            "SELECT code, principal, expires_at FROM link_codes WHERE code = %s AND expires_at > now()",
-            (code,))).fetchone()
+        r = await (
+            await conn.execute(
+                "SELECT code, principal, expires_at FROM link_codes WHERE code = %s AND expires_at > now()", (code,)
+            )
+        ).fetchone()
         return LinkCode(r["code"], r["principal"], r["expires_at"]) if r else None
 
 
@@ -65,11 +74,13 @@ async def put_identity_link(pool: Pool, principal: str, link_name: str) -> None:
         await conn.execute(
             """INSERT INTO identity_links (principal, link_name) VALUES (%s, %s)
                ON CONFLICT (principal) DO UPDATE SET link_name = EXCLUDED.link_name, created_at = now()""",
-            (principal, link_name))
+            (principal, link_name),
+        )
 
 
 async def get_identity_link(pool: Pool, principal: str) -> str | None:
     async with pool.connection() as conn:
-        r = await (await conn.execute(
-            "SELECT link_name FROM identity_links WHERE principal = %s", (principal,))).fetchone()
+        r = await (
+            await conn.execute("SELECT link_name FROM identity_links WHERE principal = %s", (principal,))
+        ).fetchone()
         return r["link_name"] if r else None

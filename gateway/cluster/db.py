@@ -21,8 +21,10 @@ def dsn_from_env(env_name: str) -> str:
     """The DSN held by the variable `cluster.postgres_dsn_env` names."""
     dsn = os.environ.get(env_name, "").strip()
     if not dsn:
-        raise ClusterError(f"cluster.postgres_dsn_env names {env_name}, but that environment variable "
-                           "is not set (put the PostgreSQL DSN in it, e.g. postgresql://user@host/db)")
+        raise ClusterError(
+            f"cluster.postgres_dsn_env names {env_name}, but that environment variable "
+            "is not set (put the PostgreSQL DSN in it, e.g. postgresql://user@host/db)"
+        )
     return dsn
 
 
@@ -48,13 +50,22 @@ async def probe(dsn: str, schema: str | None = None) -> None:
     await conn.close()
 
 
-async def open_pool(dsn: str, *, schema: str | None = None, min_size: int = 1, max_size: int = 4,
-                    timeout_s: float = 10.0) -> Pool:
+async def open_pool(
+    dsn: str, *, schema: str | None = None, min_size: int = 1, max_size: int = 4, timeout_s: float = 10.0
+) -> Pool:
     """An open pool whose connections are checked on checkout: after a server restart the
     dead ones are dropped and replaced instead of failing the next query."""
     pool: Pool = AsyncConnectionPool(
-        dsn, connection_class=Conn, kwargs=connect_kwargs(schema), min_size=min_size, max_size=max_size, open=False,
-        check=AsyncConnectionPool.check_connection, timeout=timeout_s, reconnect_timeout=300.0)
+        dsn,
+        connection_class=Conn,
+        kwargs=connect_kwargs(schema),
+        min_size=min_size,
+        max_size=max_size,
+        open=False,
+        check=AsyncConnectionPool.check_connection,
+        timeout=timeout_s,
+        reconnect_timeout=300.0,
+    )
     try:
         await pool.open(wait=True, timeout=timeout_s)
     except PoolTimeout:

@@ -63,14 +63,16 @@ async def record_inbound(pool: Pool, msg: Inbound) -> int | None:
             """INSERT INTO inbox (platform, chat_id, message_id, lane, tenant, payload)
                VALUES (%s, %s, %s, %s, %s, %s)
                ON CONFLICT (platform, chat_id, message_id) DO NOTHING RETURNING id""",
-            (msg.platform, msg.chat_id, msg.message_id, msg.lane, msg.tenant, Jsonb(msg.payload)))
+            (msg.platform, msg.chat_id, msg.message_id, msg.lane, msg.tenant, Jsonb(msg.payload)),
+        )
         row = await cur.fetchone()
         if row is None:
             return None
         await conn.execute(
             """INSERT INTO lanes AS l (lane, tenant, head_id) VALUES (%s, %s, %s)
                ON CONFLICT (lane) DO UPDATE SET head_id = coalesce(l.head_id, EXCLUDED.head_id)""",
-            (msg.lane, msg.tenant, row["id"]))
+            (msg.lane, msg.tenant, row["id"]),
+        )
         await conn.execute(NOTIFY_SQL)  # delivered on commit: idle nodes wake up and claim
         return int(row["id"])
 
@@ -95,15 +97,17 @@ async def claim_lane(pool: Pool, node_id: str, limit: int = 100) -> Claim | None
     Concurrent claimers skip each other's candidate rows, so no lane is handed out twice."""
     await reap_expired_claims(pool)
     async with pool.connection() as conn, conn.transaction():
-        alive = await (await conn.execute(
-            "SELECT 1 FROM nodes WHERE node_id = %s AND lease_expires_at > now()", (node_id,))).fetchone()
+        alive = await (
+            await conn.execute("SELECT 1 FROM nodes WHERE node_id = %s AND lease_expires_at > now()", (node_id,))
+        ).fetchone()
         if alive is None:
             raise NotClaimed(f"node {node_id} has no live lease (register it or let it heartbeat)")
         row = await (await conn.execute(CLAIM_SQL)).fetchone()
         if row is None:
             return None
-        await conn.execute("UPDATE lanes SET claimed_by = %s, claimed_at = now() WHERE lane = %s",
-                           (node_id, row["lane"]))
+        await conn.execute(
+            "UPDATE lanes SET claimed_by = %s, claimed_at = now() WHERE lane = %s", (node_id, row["lane"])
+        )
         messages = await _pending(conn, row["lane"], limit)
         return Claim(row["lane"], row["tenant"], node_id, messages)
 
@@ -117,10 +121,23 @@ async def pending_messages(pool: Pool, lane: str, limit: int = 100) -> list[Pend
 async def _pending(conn: Conn, lane: str, limit: int) -> list[PendingMessage]:
     cur = await conn.execute(
         """SELECT id, lane, tenant, platform, chat_id, message_id, payload, received_at, answered_at
-           FROM inbox WHERE lane = %s AND done_at IS NULL ORDER BY id LIMIT %s""", (lane, limit))
-    return [PendingMessage(r["id"], r["lane"], r["tenant"], r["platform"], r["chat_id"], r["message_id"],
-                           r["payload"], r["received_at"], r["answered_at"] is not None)
-            for r in await cur.fetchall()]
+           FROM inbox WHERE lane = %s AND done_at IS NULL ORDER BY id LIMIT %s""",
+        (lane, limit),
+    )
+    return [
+        PendingMessage(
+            r["id"],
+            r["lane"],
+            r["tenant"],
+            r["platform"],
+            r["chat_id"],
+            r["message_id"],
+            r["payload"],
+            r["received_at"],
+            r["answered_at"] is not None,
+        )
+        for r in await cur.fetchall()
+    ]
 
 
 async def lock_claimed_lane(conn: Conn, lane: str, node_id: str) -> None:
@@ -135,7 +152,9 @@ async def refresh_lane_head(conn: Conn, lane: str) -> None:
     A separate statement after the row lock, so it sees every insert that committed before."""
     await conn.execute(
         """UPDATE lanes SET head_id = (SELECT min(id) FROM inbox WHERE lane = %s AND done_at IS NULL)
-           WHERE lane = %s""", (lane, lane))
+           WHERE lane = %s""",
+        (lane, lane),
+    )
 
 
 async def release_lane(pool: Pool, node_id: str, lane: str) -> bool:

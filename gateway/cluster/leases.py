@@ -38,7 +38,9 @@ async def register_node(pool: Pool, node_id: str, ttl_s: float) -> None:
         await conn.execute(
             """INSERT INTO nodes (node_id, lease_expires_at) VALUES (%s, now() + make_interval(secs => %s))
                ON CONFLICT (node_id) DO UPDATE SET started_at = now(), heartbeat_at = now(),
-                   lease_expires_at = EXCLUDED.lease_expires_at""", (node_id, ttl_s))
+                   lease_expires_at = EXCLUDED.lease_expires_at""",
+            (node_id, ttl_s),
+        )
         await conn.execute("UPDATE lanes SET claimed_by = NULL, claimed_at = NULL WHERE claimed_by = %s", (node_id,))
 
 
@@ -48,7 +50,9 @@ async def heartbeat(pool: Pool, node_id: str, ttl_s: float) -> bool:
     async with pool.connection() as conn:
         cur = await conn.execute(
             """UPDATE nodes SET heartbeat_at = now(), lease_expires_at = now() + make_interval(secs => %s)
-               WHERE node_id = %s AND lease_expires_at > now()""", (ttl_s, node_id))
+               WHERE node_id = %s AND lease_expires_at > now()""",
+            (ttl_s, node_id),
+        )
         return cur.rowcount == 1
 
 
@@ -76,7 +80,9 @@ async def acquire_lease(pool: Pool, tenant: str, node_id: str, ttl_s: float) -> 
                    acquired_at = CASE WHEN l.holder = EXCLUDED.holder THEN l.acquired_at ELSE now() END,
                    holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
                WHERE l.holder = EXCLUDED.holder OR l.expires_at <= now()
-               RETURNING tenant, holder, epoch, expires_at""", (tenant, node_id, ttl_s))
+               RETURNING tenant, holder, epoch, expires_at""",
+            (tenant, node_id, ttl_s),
+        )
         row = await cur.fetchone()
         return _lease(row) if row else None
 
@@ -87,7 +93,9 @@ async def renew_lease(pool: Pool, lease: Lease, ttl_s: float) -> Lease | None:
         cur = await conn.execute(
             """UPDATE tenant_leases SET expires_at = now() + make_interval(secs => %s)
                WHERE tenant = %s AND holder = %s AND epoch = %s
-               RETURNING tenant, holder, epoch, expires_at""", (ttl_s, lease.tenant, lease.holder, lease.epoch))
+               RETURNING tenant, holder, epoch, expires_at""",
+            (ttl_s, lease.tenant, lease.holder, lease.epoch),
+        )
         row = await cur.fetchone()
         return _lease(row) if row else None
 
@@ -97,7 +105,8 @@ async def release_lease(pool: Pool, lease: Lease) -> None:
     async with pool.connection() as conn:
         await conn.execute(
             "UPDATE tenant_leases SET expires_at = '-infinity' WHERE tenant = %s AND holder = %s AND epoch = %s",
-            (lease.tenant, lease.holder, lease.epoch))
+            (lease.tenant, lease.holder, lease.epoch),
+        )
 
 
 @asynccontextmanager
@@ -108,7 +117,9 @@ async def fenced(pool: Pool, lease: Lease) -> AsyncIterator[Conn]:
     async with pool.connection() as conn, conn.transaction():
         cur = await conn.execute(
             """SELECT 1 FROM tenant_leases WHERE tenant = %s AND holder = %s AND epoch = %s
-               AND expires_at > now() FOR SHARE""", (lease.tenant, lease.holder, lease.epoch))
+               AND expires_at > now() FOR SHARE""",
+            (lease.tenant, lease.holder, lease.epoch),
+        )
         if await cur.fetchone() is None:
             raise FencedOut(f"lease on {lease.tenant} at epoch {lease.epoch} is no longer held by {lease.holder}")
         yield conn

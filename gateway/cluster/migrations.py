@@ -21,7 +21,10 @@ class Migration:
 
 
 MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "nodes, leases, inbox, lanes, outbox, pairing and links", """
+    Migration(
+        1,
+        "nodes, leases, inbox, lanes, outbox, pairing and links",
+        """
 CREATE TABLE nodes (
     node_id          text PRIMARY KEY,
     started_at       timestamptz NOT NULL DEFAULT now(),
@@ -112,7 +115,8 @@ CREATE TABLE identity_links (
     created_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX identity_links_by_name ON identity_links (link_name);
-"""),
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version
@@ -133,8 +137,10 @@ async def migrate(pool: Pool) -> list[int]:
         done = {r["version"] for r in await (await conn.execute("SELECT version FROM schema_migrations")).fetchall()}
         newest = max(done, default=0)
         if newest > LATEST:
-            raise ClusterError(f"the database schema is at version {newest}, newer than this gateway "
-                               f"knows ({LATEST}); upgrade hermes-gateway on this node")
+            raise ClusterError(
+                f"the database schema is at version {newest}, newer than this gateway "
+                f"knows ({LATEST}); upgrade hermes-gateway on this node"
+            )
         applied = []
         for m in MIGRATIONS:
             if m.version in done:

@@ -32,8 +32,11 @@ async def finish_turn(pool: Pool, lease: Lease, node_id: str, inbox_id: int, chu
     and only under a current lease (FencedOut) on a lane this node holds (NotClaimed).
     A message answered already keeps its first reply (idempotent). No chunks: done at once."""
     async with fenced(pool, lease) as conn:
-        msg = await (await conn.execute(
-            "SELECT lane, tenant, platform, chat_id, answered_at FROM inbox WHERE id = %s", (inbox_id,))).fetchone()
+        msg = await (
+            await conn.execute(
+                "SELECT lane, tenant, platform, chat_id, answered_at FROM inbox WHERE id = %s", (inbox_id,)
+            )
+        ).fetchone()
         if msg is None:
             raise ValueError(f"no inbox message {inbox_id}")
         if msg["tenant"] != lease.tenant:
@@ -45,13 +48,17 @@ async def finish_turn(pool: Pool, lease: Lease, node_id: str, inbox_id: int, chu
         ids = []
         for seq, body in enumerate(chunks):
             row = await fetch_one(
-                conn, """INSERT INTO outbox (inbox_id, seq, lane, tenant, platform, chat_id, body, epoch)
+                conn,
+                """INSERT INTO outbox (inbox_id, seq, lane, tenant, platform, chat_id, body, epoch)
                          VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id""",
-                (inbox_id, seq, msg["lane"], msg["tenant"], msg["platform"], msg["chat_id"], Jsonb(body), lease.epoch))
+                (inbox_id, seq, msg["lane"], msg["tenant"], msg["platform"], msg["chat_id"], Jsonb(body), lease.epoch),
+            )
             ids.append(row["id"])
-        await conn.execute("""UPDATE inbox SET answered_at = now(), done_epoch = %s,
+        await conn.execute(
+            """UPDATE inbox SET answered_at = now(), done_epoch = %s,
                                   done_at = CASE WHEN %s THEN now() END WHERE id = %s""",
-                           (lease.epoch, not chunks, inbox_id))
+            (lease.epoch, not chunks, inbox_id),
+        )
         if not chunks:
             await refresh_lane_head(conn, msg["lane"])
         return ids
@@ -62,9 +69,13 @@ async def unsent_replies(pool: Pool, lane: str) -> list[OutboxEntry]:
     async with pool.connection() as conn:
         cur = await conn.execute(
             """SELECT id, inbox_id, seq, lane, platform, chat_id, body FROM outbox
-               WHERE lane = %s AND sent_at IS NULL ORDER BY inbox_id, seq""", (lane,))
-        return [OutboxEntry(r["id"], r["inbox_id"], r["seq"], r["lane"], r["platform"], r["chat_id"], r["body"])
-                for r in await cur.fetchall()]
+               WHERE lane = %s AND sent_at IS NULL ORDER BY inbox_id, seq""",
+            (lane,),
+        )
+        return [
+            OutboxEntry(r["id"], r["inbox_id"], r["seq"], r["lane"], r["platform"], r["chat_id"], r["body"])
+            for r in await cur.fetchall()
+        ]
 
 
 async def mark_sent(pool: Pool, lease: Lease, node_id: str, entry: OutboxEntry) -> None:
@@ -74,11 +85,15 @@ async def mark_sent(pool: Pool, lease: Lease, node_id: str, entry: OutboxEntry) 
         await lock_claimed_lane(conn, entry.lane, node_id)
         cur = await conn.execute(
             "UPDATE outbox SET sent_at = now(), sent_epoch = %s WHERE id = %s AND tenant = %s AND sent_at IS NULL",
-            (lease.epoch, entry.id, lease.tenant))
+            (lease.epoch, entry.id, lease.tenant),
+        )
         if cur.rowcount == 0:
             return  # sent already (or not this tenant's): nothing to do
-        left = await (await conn.execute(
-            "SELECT 1 FROM outbox WHERE inbox_id = %s AND sent_at IS NULL LIMIT 1", (entry.inbox_id,))).fetchone()
+        left = await (
+            await conn.execute(
+                "SELECT 1 FROM outbox WHERE inbox_id = %s AND sent_at IS NULL LIMIT 1", (entry.inbox_id,)
+            )
+        ).fetchone()
         if left is None:
             await conn.execute("UPDATE inbox SET done_at = now() WHERE id = %s AND done_at IS NULL", (entry.inbox_id,))
             await refresh_lane_head(conn, entry.lane)

@@ -64,8 +64,10 @@ def format_status(st: ClusterStatus) -> str:
     out.append(f"nodes: {len(st.nodes)} ({alive} alive)")
     for n in st.nodes:
         state = "alive" if n["alive"] else "EXPIRED"
-        out.append(f"    {n['node_id']}  {state}, heartbeat {_ago(st.now, n['heartbeat_at'])}, "
-                   f"up since {n['started_at']:%Y-%m-%d %H:%M:%S}")
+        out.append(
+            f"    {n['node_id']}  {state}, heartbeat {_ago(st.now, n['heartbeat_at'])}, "
+            f"up since {n['started_at']:%Y-%m-%d %H:%M:%S}"
+        )
     out.append(f"tenant leases: {st.live_leases} held")
     for le in st.leases:
         out.append(f"    {le['tenant']}  {le['holder']}  epoch {le['epoch']}, expires {_ago(st.now, le['expires_at'])}")

@@ -44,4 +44,3 @@ class InboxWakeups:
 
 
 NOTIFY_SQL = "SELECT pg_notify('" + CHANNEL_PREFIX + "' || current_schema(), '')"
-

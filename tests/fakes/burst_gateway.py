@@ -20,16 +20,23 @@ from gateway.config import load_config
 
 async def main(config_path: str, n: int) -> None:
     cfg = load_config(config_path)
-    adapter = LoopbackAdapter("burst", record=False,
-                              on_send=lambda m: print(f"SENT {m.chat_id} {m.text}", flush=True))
+    adapter = LoopbackAdapter("burst", record=False, on_send=lambda m: print(f"SENT {m.chat_id} {m.text}", flush=True))
     app = GatewayApp(cfg, [adapter])
     await app.start()
     print("READY", flush=True)
     people = [f"p{i}" for i in range(5)]
     for i in range(n):
         person = people[i % len(people)]
-        await adapter.push(InboundMessage(platform="burst", chat_id=f"dm-{person}", chat_type="dm",
-                                          user_id=person, message_id=f"burst-{i}", text=f"burst-{i}"))
+        await adapter.push(
+            InboundMessage(
+                platform="burst",
+                chat_id=f"dm-{person}",
+                chat_type="dm",
+                user_id=person,
+                message_id=f"burst-{i}",
+                text=f"burst-{i}",
+            )
+        )
     await app.drain(120)
     print("DONE", flush=True)
     await app.stop()

@@ -216,7 +216,9 @@ class FakeDiscord:
         self.member_roles.setdefault(user_id, []).append(role_id)
 
     @staticmethod
-    def _role(rid: str, name: str, *, permissions: str = "0", managed: bool = False, bot_id: str | None = None) -> dict[str, Any]:
+    def _role(
+        rid: str, name: str, *, permissions: str = "0", managed: bool = False, bot_id: str | None = None
+    ) -> dict[str, Any]:
         role: dict[str, Any] = {
             "id": rid,
             "name": name,
@@ -332,7 +334,9 @@ class FakeDiscord:
         g = self.guilds[gid]
         channels = [self.channels[c] for c in g["channel_ids"]]
         threads = [
-            c for c in self.channels.values() if c.get("guild_id") == gid and c["type"] in (CH_PUBLIC_THREAD, CH_PRIVATE_THREAD)
+            c
+            for c in self.channels.values()
+            if c.get("guild_id") == gid and c["type"] in (CH_PUBLIC_THREAD, CH_PRIVATE_THREAD)
         ]
         return {
             "id": gid,
@@ -398,7 +402,14 @@ class FakeDiscord:
         """Close with 4014 on IDENTIFY when the message content intent is requested."""
         self._refuse_intents = refuse
 
-    def rate_limit_next(self, path_regex: str = r"^/channels/\d+/messages$", *, retry_after: float = 0.05, is_global: bool = False, count: int = 1) -> None:
+    def rate_limit_next(
+        self,
+        path_regex: str = r"^/channels/\d+/messages$",
+        *,
+        retry_after: float = 0.05,
+        is_global: bool = False,
+        count: int = 1,
+    ) -> None:
         """The next `count` POSTs matching `path_regex` answer 429 with Discord's headers."""
         for _ in range(count):
             self._rate_limits.append((path_regex, retry_after, is_global))
@@ -428,7 +439,9 @@ class FakeDiscord:
     def session_seq(self) -> int:
         return self._session.seq if self._session else 0
 
-    async def drop_connection(self, *, resume: bool = True, replay_last: int = 0, replay_from_message: str | None = None) -> None:
+    async def drop_connection(
+        self, *, resume: bool = True, replay_last: int = 0, replay_from_message: str | None = None
+    ) -> None:
         """Cut the gateway socket. `resume=True`: close with 4000 (the client RESUMEs and
         gets every event it missed; `replay_last=N` also re-sends the last N events it had
         already received, as Discord may; `replay_from_message=id` re-sends everything from that
@@ -476,7 +489,11 @@ class FakeDiscord:
         return [m for m in self._sent if channel_id is None or m["channel_id"] == channel_id]
 
     def typing_calls(self, channel_id: str | None = None) -> list[dict[str, Any]]:
-        return [c for c in self.rest_calls("POST", r"^/channels/\d+/typing$") if channel_id is None or c["path"].split("/")[2] == channel_id]
+        return [
+            c
+            for c in self.rest_calls("POST", r"^/channels/\d+/typing$")
+            if channel_id is None or c["path"].split("/")[2] == channel_id
+        ]
 
     # ------------------------------------------------------------------ event injection
     def dispatch(self, event: str, data: Any) -> int:
@@ -547,16 +564,22 @@ class FakeDiscord:
         channel["last_message_id"] = msg["id"]
         return msg
 
-    def attachment(self, channel_id: str, filename: str, data: bytes, content_type: str | None = None,
-                   *, size: int | None = None) -> dict[str, Any]:
+    def attachment(
+        self, channel_id: str, filename: str, data: bytes, content_type: str | None = None, *, size: int | None = None
+    ) -> dict[str, Any]:
         """An attachment object for `attachments=[...]` of a pushed message; its `url` (CDN
         style, with signed-looking query parameters) serves `data`. `size` overrides the
         stated size."""
         aid = self.snowflake()
         self.attachment_files[aid] = data
         url = f"{self.base_url}/attachments/{channel_id}/{aid}/{filename}?ex=6790&is=678f&hm=abc123"
-        att: dict[str, Any] = {"id": aid, "filename": filename, "size": len(data) if size is None else size,
-                               "url": url, "proxy_url": url}
+        att: dict[str, Any] = {
+            "id": aid,
+            "filename": filename,
+            "size": len(data) if size is None else size,
+            "url": url,
+            "proxy_url": url,
+        }
         if content_type:
             att["content_type"] = content_type
         return att
@@ -641,8 +664,15 @@ class FakeDiscord:
             payload["member"] = {**self._member(user_id), "permissions": "0"}
         else:
             payload["user"] = self.users[user_id]
-        self.interactions[token] = {"id": iid, "token": token, "channel_id": channel_id, "guild_id": guild_id,
-                                    "user_id": user_id, "response": None, "original_id": None}
+        self.interactions[token] = {
+            "id": iid,
+            "token": token,
+            "channel_id": channel_id,
+            "guild_id": guild_id,
+            "user_id": user_id,
+            "response": None,
+            "original_id": None,
+        }
         self.dispatch("INTERACTION_CREATE", payload)
         return payload
 
@@ -655,8 +685,16 @@ class FakeDiscord:
             for payload in payloads:
                 if ws.closed:
                     return
-                self.calls.append({"kind": "gateway", "direction": "send", "op": payload["op"], "t": payload.get("t"),
-                                   "s": payload.get("s"), "d": payload.get("d")})
+                self.calls.append(
+                    {
+                        "kind": "gateway",
+                        "direction": "send",
+                        "op": payload["op"],
+                        "t": payload.get("t"),
+                        "s": payload.get("s"),
+                        "d": payload.get("d"),
+                    }
+                )
                 try:
                     await ws.send_str(json.dumps(payload))
                 except ConnectionError:
@@ -674,7 +712,9 @@ class FakeDiscord:
         self._ws_ready = False
         if old is not None and not old.closed:
             await old.close(code=4000)
-        await self._send(ws, {"op": OP_HELLO, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None})
+        await self._send(
+            ws, {"op": OP_HELLO, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None}
+        )
         async for frame in ws:
             if frame.type != WSMsgType.TEXT:
                 continue
@@ -778,8 +818,11 @@ class FakeDiscord:
     @staticmethod
     def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
         # exactly "application/json": discord.py only parses that (no charset suffix)
-        return web.Response(body=json.dumps(data).encode(), status=status,
-                            headers={**(headers or {}), "Content-Type": "application/json"})
+        return web.Response(
+            body=json.dumps(data).encode(),
+            status=status,
+            headers={**(headers or {}), "Content-Type": "application/json"},
+        )
 
     def _error(self, status: int, code: int, message: str) -> web.Response:
         return self._json({"message": message, "code": code}, status=status)
@@ -806,7 +849,11 @@ class FakeDiscord:
         }
         if is_global:
             headers["X-RateLimit-Global"] = "true"
-        return self._json({"message": "You are being rate limited.", "retry_after": retry_after, "global": is_global}, status=429, headers=headers)
+        return self._json(
+            {"message": "You are being rate limited.", "retry_after": retry_after, "global": is_global},
+            status=429,
+            headers=headers,
+        )
 
     @staticmethod
     def _ok_headers() -> dict[str, str]:
@@ -819,7 +866,9 @@ class FakeDiscord:
             "X-RateLimit-Bucket": "fake-bucket-messages",
         }
 
-    async def _route(self, method: str, path: str, body: Any, call: dict[str, Any], query: dict[str, str]) -> web.Response:
+    async def _route(
+        self, method: str, path: str, body: Any, call: dict[str, Any], query: dict[str, str]
+    ) -> web.Response:
         webhook = re.match(r"^/webhooks/(\d+)/([^/]+)(?:/messages/([^/]+))?$", path)
         callback = re.match(r"^/interactions/(\d+)/([^/]+)/callback$", path)
         # interaction endpoints authenticate with the interaction token, not the bot token
@@ -842,7 +891,10 @@ class FakeDiscord:
         if method == "GET" and path in ("/gateway", "/gateway/bot"):
             data: dict[str, Any] = {"url": self.gateway_url}
             if path == "/gateway/bot":
-                data.update(shards=1, session_start_limit={"total": 1000, "remaining": 999, "reset_after": 0, "max_concurrency": 1})
+                data.update(
+                    shards=1,
+                    session_start_limit={"total": 1000, "remaining": 999, "reset_after": 0, "max_concurrency": 1},
+                )
             return self._json(data)
         m = re.match(r"^/applications/(\d+)(?:/guilds/(\d+))?/commands$", path)
         if m:
@@ -923,7 +975,9 @@ class FakeDiscord:
         }
 
     # -- pings: what Discord would notify for this content + allowed_mentions
-    def _pings(self, content: str, allowed: dict[str, Any] | None, channel_id: str, reply_author: str | None) -> dict[str, Any]:
+    def _pings(
+        self, content: str, allowed: dict[str, Any] | None, channel_id: str, reply_author: str | None
+    ) -> dict[str, Any]:
         if allowed is None:  # Discord's default: everything parses
             parse = {"everyone", "users", "roles"}
             users_ok: list[str] = []
@@ -941,11 +995,21 @@ class FakeDiscord:
             users.append(reply_author)
         return {"everyone": everyone, "users": users, "roles": roles, "any": bool(everyone or users or roles)}
 
-    def _bot_message(self, channel_id: str, body: dict[str, Any], *, reference: dict[str, Any] | None, via: str, interaction: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _bot_message(
+        self,
+        channel_id: str,
+        body: dict[str, Any],
+        *,
+        reference: dict[str, Any] | None,
+        via: str,
+        interaction: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         channel = self.channels[channel_id]
         content = body.get("content") or ""
         ref_msg = self.messages.get(str(reference["message_id"])) if reference else None
-        pings = self._pings(content, body.get("allowed_mentions"), channel_id, ref_msg["author"]["id"] if ref_msg else None)
+        pings = self._pings(
+            content, body.get("allowed_mentions"), channel_id, ref_msg["author"]["id"] if ref_msg else None
+        )
         msg: dict[str, Any] = {
             "id": self.snowflake(),
             "channel_id": channel_id,
@@ -974,21 +1038,27 @@ class FakeDiscord:
             msg["type"] = 20
             msg["webhook_id"] = self.app_id
             msg["application_id"] = self.app_id
-            msg["interaction_metadata"] = {"id": interaction["id"], "type": 2, "user": self.users[interaction["user_id"]],
-                                           "authorizing_integration_owners": {}}
+            msg["interaction_metadata"] = {
+                "id": interaction["id"],
+                "type": 2,
+                "user": self.users[interaction["user_id"]],
+                "authorizing_integration_owners": {},
+            }
         self.messages[msg["id"]] = msg
         channel["last_message_id"] = msg["id"]
-        self._sent.append({
-            "id": msg["id"],
-            "channel_id": channel_id,
-            "content": content,
-            "message_reference": body.get("message_reference"),
-            "allowed_mentions": body.get("allowed_mentions"),
-            "pings": pings,
-            "via": via,
-            "interaction_id": interaction["id"] if interaction else None,
-            "body": body,
-        })
+        self._sent.append(
+            {
+                "id": msg["id"],
+                "channel_id": channel_id,
+                "content": content,
+                "message_reference": body.get("message_reference"),
+                "allowed_mentions": body.get("allowed_mentions"),
+                "pings": pings,
+                "via": via,
+                "interaction_id": interaction["id"] if interaction else None,
+                "body": body,
+            }
+        )
         if self._session is not None:
             self.dispatch("MESSAGE_CREATE", msg)  # Discord echoes the bot's own messages
         return msg
@@ -1000,15 +1070,35 @@ class FakeDiscord:
             return self._error(403, 50013, "Missing Permissions")
         content = body.get("content") or ""
         if len(content) > 2000:
-            return self._json({"message": "Invalid Form Body", "code": 50035,
-                               "errors": {"content": {"_errors": [{"code": "BASE_TYPE_MAX_LENGTH", "message": "Must be 2000 or fewer in length."}]}}}, status=400)
+            return self._json(
+                {
+                    "message": "Invalid Form Body",
+                    "code": 50035,
+                    "errors": {
+                        "content": {
+                            "_errors": [{"code": "BASE_TYPE_MAX_LENGTH", "message": "Must be 2000 or fewer in length."}]
+                        }
+                    },
+                },
+                status=400,
+            )
         if not content and not body.get("embeds"):
             return self._error(400, 50006, "Cannot send an empty message")
         reference = body.get("message_reference")
         if reference is not None and str(reference.get("message_id")) not in self.messages:
             if reference.get("fail_if_not_exists", True):
-                return self._json({"message": "Invalid Form Body", "code": 50035,
-                                   "errors": {"message_reference": {"_errors": [{"code": "REPLIES_UNKNOWN_MESSAGE", "message": "Unknown message"}]}}}, status=400)
+                return self._json(
+                    {
+                        "message": "Invalid Form Body",
+                        "code": 50035,
+                        "errors": {
+                            "message_reference": {
+                                "_errors": [{"code": "REPLIES_UNKNOWN_MESSAGE", "message": "Unknown message"}]
+                            }
+                        },
+                    },
+                    status=400,
+                )
             reference = None
         if self._fail_creates:
             return self._error(self._fail_creates.pop(0), 0, "fake: outage")
@@ -1050,15 +1140,27 @@ class FakeDiscord:
         state["response"] = body
         rtype = int((body or {}).get("type", 0))
         if rtype == 4:  # immediate message
-            msg = self._bot_message(state["channel_id"], (body or {}).get("data") or {}, reference=None, via="interaction", interaction=state)
+            msg = self._bot_message(
+                state["channel_id"],
+                (body or {}).get("data") or {},
+                reference=None,
+                via="interaction",
+                interaction=state,
+            )
             state["original_id"] = msg["id"]
         if query.get("with_response") in ("1", "true", "True"):
-            return self._json({
-                "interaction": {"id": iid, "type": 2, "response_message_loading": rtype == 5,
-                                "response_message_ephemeral": bool(((body or {}).get("data") or {}).get("flags", 0) & 64),
-                                **({"response_message_id": state["original_id"]} if state["original_id"] else {})},
-                "resource": {"type": rtype},
-            })
+            return self._json(
+                {
+                    "interaction": {
+                        "id": iid,
+                        "type": 2,
+                        "response_message_loading": rtype == 5,
+                        "response_message_ephemeral": bool(((body or {}).get("data") or {}).get("flags", 0) & 64),
+                        **({"response_message_id": state["original_id"]} if state["original_id"] else {}),
+                    },
+                    "resource": {"type": rtype},
+                }
+            )
         return web.Response(status=204)
 
     def _webhook(self, method: str, app_id: str, token: str, message_id: str | None, body: Any) -> web.Response:
@@ -1073,8 +1175,13 @@ class FakeDiscord:
             if len(content) > 2000:
                 return self._error(400, 50035, "Invalid Form Body")
             deferred = int(state["response"].get("type", 0)) == 5
-            msg = self._bot_message(state["channel_id"], body, reference=None,
-                                    via="followup" if state["original_id"] or not deferred else "interaction", interaction=state)
+            msg = self._bot_message(
+                state["channel_id"],
+                body,
+                reference=None,
+                via="followup" if state["original_id"] or not deferred else "interaction",
+                interaction=state,
+            )
             if deferred and state["original_id"] is None:
                 state["original_id"] = msg["id"]  # the first followup replaces "thinking..."
             return self._json(msg)
@@ -1093,4 +1200,3 @@ class FakeDiscord:
         if method == "GET":
             return self._json(self.messages[mid])
         return self._error(405, 0, "405: Method Not Allowed")
-

@@ -131,11 +131,13 @@ def tool_calls(
     for call in calls:
         name, args = call[0], call[1]
         call_id = call[2] if len(call) > 2 else None  # type: ignore[misc]
-        out.append({
-            "id": call_id or f"call_{uuid.uuid4().hex[:16]}",
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(dict(args), ensure_ascii=False)},
-        })
+        out.append(
+            {
+                "id": call_id or f"call_{uuid.uuid4().hex[:16]}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(dict(args), ensure_ascii=False)},
+            }
+        )
     msg = {"role": "assistant", "content": content, "tool_calls": out}
     return assistant_message(msg, finish_reason="tool_calls", usage=usage)
 
@@ -167,28 +169,67 @@ def context_length_error(
 ) -> Response:
     """The 'prompt does not fit' error exactly as each server family words it."""
     if dialect == "openai":
-        return error(400, {"error": {
-            "message": f"This model's maximum context length is {limit} tokens. However, your messages "
-                       f"resulted in {requested} tokens. Please reduce the length of the messages.",
-            "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}})
+        return error(
+            400,
+            {
+                "error": {
+                    "message": f"This model's maximum context length is {limit} tokens. However, your messages "
+                    f"resulted in {requested} tokens. Please reduce the length of the messages.",
+                    "type": "invalid_request_error",
+                    "param": "messages",
+                    "code": "context_length_exceeded",
+                }
+            },
+        )
     if dialect == "vllm":
-        return error(400, {
-            "object": "error",
-            "message": f"This model's maximum context length is {limit} tokens. However, you requested "
-                       f"{requested} tokens ({requested - 100} in the messages, 100 in the completion). "
-                       "Please reduce the length of the messages or completion.",
-            "type": "BadRequestError", "param": None, "code": 400})
+        return error(
+            400,
+            {
+                "object": "error",
+                "message": f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{requested} tokens ({requested - 100} in the messages, 100 in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            },
+        )
     if dialect == "llamacpp":
-        return error(400, {"error": {
-            "code": 400, "message": "the request exceeds the available context size, try increasing it",
-            "type": "exceed_context_size_error", "n_prompt_tokens": requested, "n_ctx": limit}})
+        return error(
+            400,
+            {
+                "error": {
+                    "code": 400,
+                    "message": "the request exceeds the available context size, try increasing it",
+                    "type": "exceed_context_size_error",
+                    "n_prompt_tokens": requested,
+                    "n_ctx": limit,
+                }
+            },
+        )
     if dialect == "ollama":
-        return error(400, {"error": {
-            "message": "input length exceeds the context length", "type": "invalid_request_error",
-            "param": None, "code": None}})
+        return error(
+            400,
+            {
+                "error": {
+                    "message": "input length exceeds the context length",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            },
+        )
     if dialect == "anthropic":
-        return error(400, {"type": "error", "error": {
-            "type": "invalid_request_error", "message": f"prompt is too long: {requested} tokens > {limit} maximum"}})
+        return error(
+            400,
+            {
+                "type": "error",
+                "error": {
+                    "type": "invalid_request_error",
+                    "message": f"prompt is too long: {requested} tokens > {limit} maximum",
+                },
+            },
+        )
     raise ValueError(f"unknown dialect {dialect!r}")
 
 
@@ -393,7 +434,8 @@ def _violations(body: Any) -> list[str]:
             if cid not in pending:
                 problems.append(
                     f"messages[{i}]: messages with role 'tool' must be a response to a preceding "
-                    f"message with 'tool_calls' (tool_call_id {cid!r})")
+                    f"message with 'tool_calls' (tool_call_id {cid!r})"
+                )
             else:
                 del pending[cid]
             if not isinstance(msg.get("content"), (str, list)):
@@ -402,7 +444,8 @@ def _violations(body: Any) -> list[str]:
         if pending:
             problems.append(
                 f"messages[{i}]: an assistant message with 'tool_calls' must be followed by tool messages "
-                f"responding to each 'tool_call_id'; missing: {sorted(pending)}")
+                f"responding to each 'tool_call_id'; missing: {sorted(pending)}"
+            )
             pending.clear()
         if role == "user" and msg.get("content") is None:
             problems.append(f"messages[{i}]: user message content is required")
@@ -425,8 +468,12 @@ def _violations(body: Any) -> list[str]:
         problems.append(f"tool_call_ids without a tool response: {sorted(pending)}")
     for k, tool in enumerate(body.get("tools") or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
             problems.append(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
     return problems
 
@@ -447,6 +494,8 @@ def _part_violations(i: int, role: str, parts: list[Any]) -> list[str]:
             continue
         problems.append(f"messages[{i}].content[{j}]: unsupported content part {kind!r} for role {role!r}")
     return problems
+
+
 ALTERNATION_ERROR = "Conversation roles must alternate user/assistant/user/assistant/..."
 
 
@@ -544,8 +593,11 @@ class FakeLLM:
 
     def requests_containing(self, text: str) -> list[dict[str, Any]]:
         """Requests where any message's content contains `text`."""
-        return [r for r in self.requests
-                if any(isinstance(m, Mapping) and text in message_text(m) for m in r.get("messages") or [])]
+        return [
+            r
+            for r in self.requests
+            if any(isinstance(m, Mapping) and text in message_text(m) for m in r.get("messages") or [])
+        ]
 
     def resume_streams(self) -> None:
         """Let every paused stream (`paused(...)`) go on to its end."""
@@ -653,17 +705,26 @@ class FakeLLM:
     async def _handle_models(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
             return self._unauthorized()
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]}
+        )
 
     def _authorized(self, request: web.Request) -> bool:
         return self._api_key is None or request.headers.get("Authorization") == f"Bearer {self._api_key}"
 
     @staticmethod
     def _unauthorized() -> web.Response:
-        return web.json_response({"error": {
-            "message": "Incorrect API key provided.", "type": "invalid_request_error",
-            "param": None, "code": "invalid_api_key"}}, status=401)
+        return web.json_response(
+            {
+                "error": {
+                    "message": "Incorrect API key provided.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            },
+            status=401,
+        )
 
     async def _handle_chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -677,8 +738,9 @@ class FakeLLM:
             response = await self._answer(request, body)
         except Exception as exc:
             self.responder_errors.append(exc)
-            response = web.json_response({"error": {"message": f"FakeLLM responder failed: {exc!r}",
-                                                    "type": "server_error"}}, status=500)
+            response = web.json_response(
+                {"error": {"message": f"FakeLLM responder failed: {exc!r}", "type": "server_error"}}, status=500
+            )
         self.statuses.append(response.status if response is not None else 0)  # 0: disconnected
         if response is None:
             if request.transport is not None:
@@ -693,24 +755,45 @@ class FakeLLM:
             problems = _violations(body) if self.strict else ["request body must be a JSON object"]
             if problems:
                 self.violations.extend(problems)
-                return web.json_response({"error": {"message": "; ".join(problems),
-                                                    "type": "invalid_request_error", "code": None}}, status=400)
+                return web.json_response(
+                    {"error": {"message": "; ".join(problems), "type": "invalid_request_error", "code": None}},
+                    status=400,
+                )
         if body.get("stream") and self.streaming == "reject":
             self.violations.append("stream requested from a server that cannot stream")
-            return web.json_response({"error": {"message": "Unrecognized request argument supplied: stream_options",
-                                                "type": "invalid_request_error", "code": None}}, status=400)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "Unrecognized request argument supplied: stream_options",
+                        "type": "invalid_request_error",
+                        "code": None,
+                    }
+                },
+                status=400,
+            )
         if not self.vision and image_urls(body):
             self.violations.append("image input sent to a model without vision")
-            return web.json_response({"error": {"message": "this model does not support image input",
-                                                "type": "invalid_request_error", "code": None}}, status=400)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "this model does not support image input",
+                        "type": "invalid_request_error",
+                        "code": None,
+                    }
+                },
+                status=400,
+            )
         if self.alternating_roles and (problem := _alternation_violation(body)):
             self.violations.append(problem)
-            return web.json_response({"object": "error", "message": problem, "type": "BadRequestError",
-                                      "param": None, "code": 400}, status=400)
+            return web.json_response(
+                {"object": "error", "message": problem, "type": "BadRequestError", "param": None, "code": 400},
+                status=400,
+            )
         estimate = prompt_chars(body) // 4
         if self.context_length is not None and estimate > self.context_length:
             chosen: ResponseLike = context_length_error(
-                self.context_dialect, limit=self.context_length, requested=estimate)  # type: ignore[arg-type]
+                self.context_dialect, limit=self.context_length, requested=estimate
+            )  # type: ignore[arg-type]
         elif self._queue:
             chosen = self._queue.popleft()
         else:
@@ -724,8 +807,9 @@ class FakeLLM:
             except asyncio.TimeoutError:
                 pass
         if resp.kind == "default":
-            resp = replace(default_responder(body), chunk_chars=resp.chunk_chars,
-                           pause_after_chars=resp.pause_after_chars)
+            resp = replace(
+                default_responder(body), chunk_chars=resp.chunk_chars, pause_after_chars=resp.pause_after_chars
+            )
         if body.get("stream") and self.streaming == "sse" and resp.kind == "completion":
             return await self._stream(request, resp, body)
         return self._render(resp, body)
@@ -778,12 +862,24 @@ class FakeLLM:
                 if pause is not None and i >= pause:
                     pause = None
                     await self._wait_resume()
-                await send(chunk({"content": text[i:i + step]}))
+                await send(chunk({"content": text[i : i + step]}))
             for k, call in enumerate(message.get("tool_calls") or []):
                 args = call["function"]["arguments"]
                 half = len(args) // 2
-                await send(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                                  "function": {"name": call["function"]["name"], "arguments": args[:half]}}]}))
+                await send(
+                    chunk(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": k,
+                                    "id": call["id"],
+                                    "type": "function",
+                                    "function": {"name": call["function"]["name"], "arguments": args[:half]},
+                                }
+                            ]
+                        }
+                    )
+                )
                 await send(chunk({"tool_calls": [{"index": k, "function": {"arguments": args[half:]}}]}))
             await send(chunk({}, choice["finish_reason"]))
             if (body.get("stream_options") or {}).get("include_usage") and "usage" in data:

@@ -80,12 +80,35 @@ _COMMAND_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 _MENTION_RE = re.compile(r"@[A-Za-z0-9_]{3,32}")
 _LEADING_COMMAND_RE = re.compile(r"^/[A-Za-z0-9_]{1,32}(?:@[A-Za-z0-9_]{3,32})?")
 _ALLOWED_TAGS = {
-    "b", "strong", "i", "em", "u", "ins", "s", "strike", "del", "code", "pre", "a",
-    "tg-spoiler", "span", "blockquote", "tg-emoji",
+    "b",
+    "strong",
+    "i",
+    "em",
+    "u",
+    "ins",
+    "s",
+    "strike",
+    "del",
+    "code",
+    "pre",
+    "a",
+    "tg-spoiler",
+    "span",
+    "blockquote",
+    "tg-emoji",
 }
 _CHAT_ACTIONS = {
-    "typing", "upload_photo", "record_video", "upload_video", "record_voice", "upload_voice",
-    "upload_document", "choose_sticker", "find_location", "record_video_note", "upload_video_note",
+    "typing",
+    "upload_photo",
+    "record_video",
+    "upload_video",
+    "record_voice",
+    "upload_voice",
+    "upload_document",
+    "choose_sticker",
+    "find_location",
+    "record_video_note",
+    "upload_video_note",
 }
 
 
@@ -141,7 +164,9 @@ class _TelegramHTML(html.parser.HTMLParser):
 
     def handle_endtag(self, tag: str) -> None:
         if not self.stack or self.stack[-1] != tag:
-            raise _ParseError(f'Can\'t find end tag corresponding to start tag "{self.stack[-1] if self.stack else tag}"')
+            raise _ParseError(
+                f'Can\'t find end tag corresponding to start tag "{self.stack[-1] if self.stack else tag}"'
+            )
         self.stack.pop()
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -318,6 +343,7 @@ class FakeTelegram:
     async def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         """Wait until `predicate()` holds (checked after every call and push, and every 50 ms
         for conditions that change outside the fake)."""
+
         async def waiter() -> None:
             async with self._changed:
                 while not predicate():
@@ -363,12 +389,16 @@ class FakeTelegram:
             self.chats[chat_id] = chat
         return chat
 
-    def _user(self, user_id: int, *, is_bot: bool = False, username: str | None = None, first_name: str | None = None) -> dict[str, Any]:
+    def _user(
+        self, user_id: int, *, is_bot: bool = False, username: str | None = None, first_name: str | None = None
+    ) -> dict[str, Any]:
         user: dict[str, Any] = {"id": user_id, "is_bot": is_bot, "first_name": first_name or f"User{user_id}"}
         user["username"] = username if username is not None else f"user{user_id}"
         return user
 
-    def _new_message(self, chat: dict[str, Any], sender: dict[str, Any] | None, text: str | None, **extra: Any) -> dict[str, Any]:
+    def _new_message(
+        self, chat: dict[str, Any], sender: dict[str, Any] | None, text: str | None, **extra: Any
+    ) -> dict[str, Any]:
         message_id = next(self._message_ids[chat["id"]])
         msg: dict[str, Any] = {"message_id": message_id, "date": int(time.time()), "chat": dict(chat)}
         if sender is not None:
@@ -420,13 +450,27 @@ class FakeTelegram:
         ext = {"photo": "jpg", "voice": "oga", "audio": "mp3"}.get(kind, "bin")
         ref = self.add_file(data, file_path=f"{kind}s/file_{len(self.files) + 1}.{ext}", size=size)
         if kind == "photo":
-            value: Any = [{**ref, "file_id": ref["file_id"] + "s", "file_unique_id": "thumb", "file_size": 100,
-                           "width": 90, "height": 90}, {**ref, "width": 800, "height": 600}]
+            value: Any = [
+                {
+                    **ref,
+                    "file_id": ref["file_id"] + "s",
+                    "file_unique_id": "thumb",
+                    "file_size": 100,
+                    "width": 90,
+                    "height": 90,
+                },
+                {**ref, "width": 800, "height": 600},
+            ]
             self.files[ref["file_id"] + "s"] = {**self.files[ref["file_id"]], "data": data[:100]}
         elif kind == "voice":
             value = {**ref, "duration": 3, "mime_type": mime_type or "audio/ogg"}
         elif kind == "audio":
-            value = {**ref, "duration": 30, "mime_type": mime_type or "audio/mpeg", "file_name": file_name or "audio.mp3"}
+            value = {
+                **ref,
+                "duration": 30,
+                "mime_type": mime_type or "audio/mpeg",
+                "file_name": file_name or "audio.mp3",
+            }
         else:
             value = {**ref, "file_name": file_name or "file.bin", "mime_type": mime_type or "application/octet-stream"}
         fields: dict[str, Any] = {kind: value}
@@ -503,9 +547,16 @@ class FakeTelegram:
             "reply_to_message": self._reply_stub(chat_id, target) if target else None,
         }
         if caption:
-            fields.update(caption=text, caption_entities=ents or None, document={
-                "file_id": "doc1", "file_unique_id": "u1", "file_name": "notes.txt", "file_size": 12,
-            })
+            fields.update(
+                caption=text,
+                caption_entities=ents or None,
+                document={
+                    "file_id": "doc1",
+                    "file_unique_id": "u1",
+                    "file_name": "notes.txt",
+                    "file_size": 12,
+                },
+            )
             msg = self._new_message(chat, user, None, **fields)
         else:
             msg = self._new_message(chat, user, text, entities=ents or None, **fields)
@@ -551,9 +602,9 @@ class FakeTelegram:
         chat = self.chats[chat_id]
         user = self._user(user_id, is_bot=is_bot, username=username)
         ents = make_entities(text) if entities is None else entities
-        reply = self._reply_stub(chat_id, reply_to_message_id) if reply_to_message_id else {
-            k: v for k, v in root.items()
-        }
+        reply = (
+            self._reply_stub(chat_id, reply_to_message_id) if reply_to_message_id else {k: v for k, v in root.items()}
+        )
         msg = self._new_message(
             chat,
             user,
@@ -627,7 +678,9 @@ class FakeTelegram:
                 decoded[key] = value
         return decoded
 
-    def _error(self, method: str, status: int, description: str, parameters: dict[str, Any] | None = None) -> web.Response:
+    def _error(
+        self, method: str, status: int, description: str, parameters: dict[str, Any] | None = None
+    ) -> web.Response:
         body: dict[str, Any] = {"ok": False, "error_code": status, "description": description}
         if parameters:
             body["parameters"] = parameters
@@ -691,22 +744,36 @@ class FakeTelegram:
             return self._error("getFile", 400, "Bad Request: invalid file_id")
         if entry["file_size"] > 20 * 1024 * 1024:  # the Bot API's download cap
             return self._error("getFile", 400, "Bad Request: file is too big")
-        return self._ok("getFile", {"file_id": params["file_id"], "file_unique_id": entry["file_unique_id"],
-                                    "file_size": entry["file_size"], "file_path": entry["file_path"]})
+        return self._ok(
+            "getFile",
+            {
+                "file_id": params["file_id"],
+                "file_unique_id": entry["file_unique_id"],
+                "file_size": entry["file_size"],
+                "file_path": entry["file_path"],
+            },
+        )
 
     async def _api_getme(self, params: dict[str, Any]) -> web.Response:
-        return self._ok("getMe", {
-            **self.bot_user,
-            "can_join_groups": True,
-            "can_read_all_group_messages": self.can_read_all_group_messages,
-            "supports_inline_queries": False,
-            "can_connect_to_business": False,
-            "has_main_web_app": False,
-        })
+        return self._ok(
+            "getMe",
+            {
+                **self.bot_user,
+                "can_join_groups": True,
+                "can_read_all_group_messages": self.can_read_all_group_messages,
+                "supports_inline_queries": False,
+                "can_connect_to_business": False,
+                "has_main_web_app": False,
+            },
+        )
 
     async def _api_getupdates(self, params: dict[str, Any]) -> web.Response:
         if self.webhook["url"]:
-            return self._error("getUpdates", 409, "Conflict: can't use getUpdates method while webhook is active; use deleteWebhook to delete the webhook first")
+            return self._error(
+                "getUpdates",
+                409,
+                "Conflict: can't use getUpdates method while webhook is active; use deleteWebhook to delete the webhook first",
+            )
         offset = params.get("offset")
         limit = int(params.get("limit") or 100)
         timeout = float(params.get("timeout") or 0)
@@ -731,7 +798,11 @@ class FakeTelegram:
         async with self._changed:
             while True:
                 if generation != self._poll_generation:
-                    return self._error("getUpdates", 409, "Conflict: terminated by other getUpdates request; make sure that only one bot instance is running")
+                    return self._error(
+                        "getUpdates",
+                        409,
+                        "Conflict: terminated by other getUpdates request; make sure that only one bot instance is running",
+                    )
                 batch = ready()
                 if batch:
                     return self._ok("getUpdates", batch)
@@ -787,7 +858,11 @@ class FakeTelegram:
                 extra["is_topic_message"] = True
         reply = params.get("reply_parameters")
         reply_id = reply.get("message_id") if isinstance(reply, dict) else params.get("reply_to_message_id")
-        allow_without = (reply or {}).get("allow_sending_without_reply") if isinstance(reply, dict) else params.get("allow_sending_without_reply")
+        allow_without = (
+            (reply or {}).get("allow_sending_without_reply")
+            if isinstance(reply, dict)
+            else params.get("allow_sending_without_reply")
+        )
         if reply_id is not None:
             try:
                 extra["reply_to_message"] = self._reply_stub(chat["id"], int(reply_id))
@@ -795,7 +870,9 @@ class FakeTelegram:
                 if not allow_without:
                     return self._error("sendMessage", 400, "Bad Request: message to be replied not found")
         elif "message_thread_id" in extra:
-            extra["reply_to_message"] = {k: v for k, v in self.messages[(chat["id"], extra["message_thread_id"])].items()}
+            extra["reply_to_message"] = {
+                k: v for k, v in self.messages[(chat["id"], extra["message_thread_id"])].items()
+            }
         msg = self._new_message(chat, dict(self.bot_user), text, **extra)
         record = dict(msg)
         record["_params"] = dict(params)
@@ -817,7 +894,11 @@ class FakeTelegram:
         if isinstance(text, web.Response):
             return text
         if msg.get("text") == text:
-            return self._error("editMessageText", 400, "Bad Request: message is not modified: specified new message content and reply markup are exactly the same as a current content and reply markup of the message")
+            return self._error(
+                "editMessageText",
+                400,
+                "Bad Request: message is not modified: specified new message content and reply markup are exactly the same as a current content and reply markup of the message",
+            )
         msg = dict(msg, text=text, edit_date=int(time.time()))
         self.messages[key] = msg
         for sent in self.sent:
@@ -849,10 +930,25 @@ class FakeTelegram:
         if status == "creator":
             member["is_anonymous"] = False
         elif status == "administrator":
-            member.update({k: True for k in (
-                "can_be_edited", "can_manage_chat", "can_delete_messages", "can_manage_video_chats",
-                "can_restrict_members", "can_change_info", "can_invite_users", "can_post_stories",
-                "can_edit_stories", "can_delete_stories")}, is_anonymous=False, can_promote_members=False)
+            member.update(
+                {
+                    k: True
+                    for k in (
+                        "can_be_edited",
+                        "can_manage_chat",
+                        "can_delete_messages",
+                        "can_manage_video_chats",
+                        "can_restrict_members",
+                        "can_change_info",
+                        "can_invite_users",
+                        "can_post_stories",
+                        "can_edit_stories",
+                        "can_delete_stories",
+                    )
+                },
+                is_anonymous=False,
+                can_promote_members=False,
+            )
         return self._ok("getChatMember", member)
 
     async def _api_setmycommands(self, params: dict[str, Any]) -> web.Response:

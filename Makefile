@@ -4,7 +4,7 @@ PIP := $(VENV)/bin/pip
 CONFIG ?= hermes-gateway.yaml
 CHAT_USER ?= me
 
-.PHONY: install run test bench clean
+.PHONY: install run check test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,7 +18,13 @@ run: install
 	@test -f $(CONFIG) || $(VENV)/bin/hermes-gateway init -c $(CONFIG)
 	$(VENV)/bin/hermes-gateway chat -c $(CONFIG) --user $(CHAT_USER)
 
-test: install
+# Lint, format and types: the same checks CI runs before the suite.
+check: install
+	$(VENV)/bin/ruff check gateway adapters tenancy agent tests bench
+	$(VENV)/bin/ruff format --check gateway adapters tenancy agent tests bench
+	$(VENV)/bin/mypy
+
+test: check
 	$(VENV)/bin/python -m pytest -q
 
 bench: install

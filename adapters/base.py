@@ -7,7 +7,8 @@ it never touches storage and never decides anything about tenants or sessions.
 from __future__ import annotations
 
 import time
-from typing import Any, Awaitable, Callable, Literal, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -10,11 +10,11 @@ import asyncio
 import itertools
 import sys
 import time
-from typing import Awaitable, Callable, TextIO
+from collections.abc import Awaitable, Callable
+from typing import TextIO
 
 from adapters.base import InboundMessage, InboundSink, OutboundMessage, SentMessage
 from adapters.console_input import LineSource, PipedLines, PromptLines
-
 
 THINKING = "thinking… (Ctrl-C quits)"
 

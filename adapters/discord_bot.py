@@ -36,7 +36,7 @@ import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import aiohttp
 import discord
@@ -152,7 +152,7 @@ def _install_redactor(token: str) -> None:
     are not inherited, so each existing logger gets it)."""
     _REDACTOR.secrets.add(token)
     names = [n for n in logging.root.manager.loggerDict if n == "discord" or n.startswith("discord.")]
-    for name in names + ["discord", __name__]:
+    for name in [*names, "discord", __name__]:
         lg = logging.getLogger(name)
         if _REDACTOR not in lg.filters:
             lg.addFilter(_REDACTOR)
@@ -194,7 +194,7 @@ class _LRU:
 
 
 class _Client(discord.Client):
-    def __init__(self, adapter: "DiscordAdapter", **options: Any) -> None:
+    def __init__(self, adapter: DiscordAdapter, **options: Any) -> None:
         super().__init__(**options)
         self._adapter = adapter
 
@@ -266,7 +266,7 @@ class DiscordAdapter:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, cfg: DiscordConfig, **kw: Any) -> "DiscordAdapter":
+    def from_config(cls, cfg: DiscordConfig, **kw: Any) -> DiscordAdapter:
         token = os.environ.get(cfg.token_env, "").strip()
         if not token:
             raise ConfigError(
@@ -369,7 +369,7 @@ class DiscordAdapter:
                     f"{PORTAL_URL} → your app → Bot → Reset Token"
                 )
                 return None
-            except (discord.HTTPException, aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, discord.HTTPException, aiohttp.ClientError, OSError, ValueError) as exc:
                 await self._close_client()
                 self.last_error = f"cannot reach the Discord API at {self._api_base}: {type(exc).__name__}: {exc}"
                 log.warning("discord: %s; retrying in %.0fs", self.last_error, delay)
@@ -389,7 +389,7 @@ class DiscordAdapter:
                 try:
                     _, url, _ = await client.http.get_bot_gateway()
                     DiscordWebSocket.DEFAULT_GATEWAY = yarl.URL(url)
-                except Exception as exc:  # noqa: BLE001 - fall back to Discord's gateway
+                except Exception as exc:
                     log.warning(
                         "discord: GET /gateway/bot on %s failed (%r); using %s", self._api_base, exc, DISCORD_GATEWAY
                     )
@@ -403,7 +403,7 @@ class DiscordAdapter:
                 self._fail(f"the Discord gateway closed the connection (code {exc.code}): {exc.reason or ''}".strip())
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - must not take the gateway down
+        except Exception as exc:
             if not self._stopping:
                 self._fail(f"Discord connection stopped: {exc!r}")
         finally:
@@ -415,7 +415,7 @@ class DiscordAdapter:
         if client is not None and not client.is_closed():
             try:
                 await client.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("discord: error while closing the client", exc_info=True)
 
     async def stop(self) -> None:
@@ -428,8 +428,8 @@ class DiscordAdapter:
         # hand what Discord already delivered to the gateway (it records it for the next
         # start); Discord would not deliver it again
         deadline = time.monotonic() + 5
-        while not self._inbound.empty() and time.monotonic() < deadline and self._sink is not None:
-            await asyncio.sleep(0.01)
+        while not self._inbound.empty() and time.monotonic() < deadline and self._sink is not None:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)  # a bounded poll: the queue has no "drained" event to wait on
         for t in self._tasks:
             if not t.done():
                 t.cancel()
@@ -493,7 +493,7 @@ class DiscordAdapter:
         description = spec.description[:100] or name
         if spec.takes_args:
 
-            async def with_args(interaction: discord.Interaction, args: Optional[str] = None) -> None:
+            async def with_args(interaction: discord.Interaction, args: str | None = None) -> None:
                 await self._on_interaction(interaction, name, args)
 
             cmd: app_commands.Command[Any, Any, Any] = app_commands.Command(
@@ -540,7 +540,7 @@ class DiscordAdapter:
             self.commands_synced = True
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - typed /commands still work
+        except Exception as exc:
             log.warning("discord: could not register slash commands (%r); typed /commands still work", exc)
 
     async def _on_interaction(self, interaction: discord.Interaction, name: str, args: str | None) -> None:
@@ -602,7 +602,7 @@ class DiscordAdapter:
                     pend.answered = True
                     try:
                         await pend.interaction.delete_original_response()
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         log.debug("discord: could not remove an unanswered interaction", exc_info=True)
 
     # ------------------------------------------------------------------ inbound
@@ -617,7 +617,7 @@ class DiscordAdapter:
                     await self._overhear(item)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - one bad message must not stop the stream
+            except Exception:
                 log.exception("discord: failed to hand an inbound message to the gateway")
 
     async def _overhear(self, message: Any) -> None:
@@ -632,7 +632,7 @@ class DiscordAdapter:
             return
         try:
             await self.overheard("discord", content)
-        except Exception:  # noqa: BLE001 - screening must never stop the stream
+        except Exception:
             log.exception("discord: could not screen an unanswered server message")
 
     async def _place(
@@ -675,7 +675,7 @@ class DiscordAdapter:
             return "group"
         try:
             fetched = await self._client.fetch_channel(int(cid))
-        except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, discord.HTTPException, aiohttp.ClientError) as exc:
             log.warning("discord: could not look up private channel %s (%r); treating it as a group", cid, exc)
             return "group"
         kind = "dm" if isinstance(fetched, discord.DMChannel) else "group"
@@ -707,7 +707,7 @@ class DiscordAdapter:
         if message.guild is not None:
             try:
                 self_role = message.guild.self_role
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self_role = None
         role_rx = re.compile(rf"<@&{self_role.id}>") if self_role is not None else None
         if role_rx is not None and role_rx.search(content):
@@ -719,9 +719,7 @@ class DiscordAdapter:
         if message.reference is not None and message.reference.message_id is not None:
             ref_id = str(message.reference.message_id)
             resolved = message.reference.resolved
-            if isinstance(resolved, discord.Message) and resolved.author.id == bot_id:
-                replied_to_bot = True
-            elif ref_id in self._own_messages:
+            if (isinstance(resolved, discord.Message) and resolved.author.id == bot_id) or ref_id in self._own_messages:
                 replied_to_bot = True
             # the quoted text only as Discord sent it with this message (never fetched)
             if isinstance(resolved, discord.Message) and resolved.content:
@@ -778,7 +776,7 @@ class DiscordAdapter:
         if self._client is None and not self._stopping:  # a message replayed before the connection is up
             try:
                 await asyncio.wait_for(self._ready.wait(), min(self._ready_timeout, 30.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         client = self._client
         if client is None or not attachment.url.startswith(("https://", "http://")):
@@ -789,7 +787,7 @@ class DiscordAdapter:
             data = await client.http.get_from_cdn(attachment.url)
         except discord.NotFound:
             raise DownloadError("the file was deleted") from None
-        except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, discord.HTTPException, aiohttp.ClientError, OSError) as exc:
             log.warning("discord: downloading an attachment failed (%s)", type(exc).__name__)
             raise DownloadError("the download from Discord failed") from None
         if len(data) > max_bytes:
@@ -896,7 +894,7 @@ class DiscordAdapter:
         except discord.HTTPException as exc:
             log.warning("discord: message refused in channel %s (%s %s)", channel_id, exc.status, exc.code)
             return None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise DeliveryDeferred(type(exc).__name__) from None
         self._own_messages.add(str(sent_msg.id))
         return SentMessage(chat_id=message.chat_id, thread_id=message.thread_id, message_id=str(sent_msg.id))
@@ -919,7 +917,7 @@ class DiscordAdapter:
         except (discord.Forbidden, discord.NotFound) as exc:
             self._warn_channel_once(channel_id, "edit a message", exc)
             return False
-        except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, discord.HTTPException, aiohttp.ClientError) as exc:
             log.warning("discord: edit failed in channel %s: %r", channel_id, exc)
             return False
 
@@ -935,7 +933,7 @@ class DiscordAdapter:
                 return False
             member = guild.get_member(int(user_id)) or await guild.fetch_member(int(user_id))
             return channel.permissions_for(member).manage_messages  # type: ignore[union-attr]
-        except (discord.HTTPException, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, discord.HTTPException, aiohttp.ClientError) as exc:
             log.warning("discord: could not look up a member of channel %s (%r)", chat_id, exc)
             return False
 
@@ -948,7 +946,7 @@ class DiscordAdapter:
             await asyncio.wait_for(client.http.send_typing(int(channel_id)), timeout=10)
         except (discord.Forbidden, discord.NotFound) as exc:
             self._warn_channel_once(channel_id, "show typing", exc)
-        except Exception:  # noqa: BLE001 - typing is cosmetic
+        except Exception:
             log.debug("discord: typing failed in %s", channel_id, exc_info=True)
 
 
@@ -977,7 +975,7 @@ async def doctor(cfg: DiscordConfig, *, token: str | None = None, timeout: float
             async with http.get(f"{api}/oauth2/applications/@me", headers=headers) as r:
                 if r.status == 200:
                     app = await r.json()
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return False, f"cannot reach {api}: {type(exc).__name__}: {str(exc).replace(token, '<redacted>')}"
 
     name = me.get("username", "?")

@@ -7,7 +7,7 @@ real adapter without a network.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 from adapters.base import InboundMessage, InboundSink, OutboundMessage, SentMessage
 

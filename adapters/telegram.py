@@ -9,11 +9,11 @@ Nothing here touches storage or decides anything about tenants: inbound updates 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dtm
 import hmac
 import logging
 import os
-import random
 import re
 import time
 import warnings
@@ -212,7 +212,7 @@ async def _shutdown_bot(bot: Bot, polling: HTTPXRequest) -> None:
         try:
             await request.shutdown()
         except Exception:  # pragma: no cover
-            pass
+            log.debug("closing a Bot API connection failed", exc_info=True)
 
 
 def telegram_commands() -> list[BotCommand]:
@@ -282,7 +282,7 @@ class TelegramAdapter:
     # ----------------------------------------------------------------- construction
 
     @classmethod
-    def from_config(cls, cfg: TelegramConfig, **kwargs: Any) -> "TelegramAdapter":
+    def from_config(cls, cfg: TelegramConfig, **kwargs: Any) -> TelegramAdapter:
         """Build from config, reading the token (and webhook secret) from the environment."""
         token = os.environ.get(cfg.token_env, "").strip()
         if not token:
@@ -359,7 +359,7 @@ class TelegramAdapter:
             # itself is abandoned, which acknowledges nothing.
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout=15.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             except asyncio.CancelledError:
@@ -378,7 +378,7 @@ class TelegramAdapter:
         try:
             await self._polling_request.shutdown()
         except Exception:  # pragma: no cover
-            pass
+            log.debug("closing the polling connection failed", exc_info=True)
 
     async def aclose(self) -> None:
         """Stop, and release every HTTP connection (call after the last send)."""
@@ -428,7 +428,7 @@ class TelegramAdapter:
         """Sleep, but wake up at stop(); True when stopping."""
         try:
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -461,10 +461,8 @@ class TelegramAdapter:
             stop.cancel()
         if not poll.done():
             poll.cancel()
-            try:
+            with contextlib.suppress(BaseException):  # the cancelled poll's outcome is moot
                 await poll
-            except BaseException:
-                pass
             return None
         self._acked_offset = self._offset
         result = poll.result()
@@ -579,7 +577,7 @@ class TelegramAdapter:
             return
         try:
             await self.overheard("telegram", text)
-        except Exception:  # noqa: BLE001 - screening must never stop the update stream
+        except Exception:
             log.exception("telegram: could not screen an unanswered group message")
 
     async def _ack_final_offset(self) -> None:

@@ -28,7 +28,7 @@ class AuxTarget:
             await self.client.aclose()
 
 
-def aux_target(aux: "AuxModelConfig", main: "LLMConfig", main_client: LLMClient) -> AuxTarget:
+def aux_target(aux: AuxModelConfig, main: LLMConfig, main_client: LLMClient) -> AuxTarget:
     """Where requests for an auxiliary task go."""
     base = aux.base_url or main.base_url
     model = aux.model or main_client.model

@@ -25,9 +25,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
+from agent.auxiliary import AuxTarget, aux_target
 from agent.compression_stages import (
     INEFFECTIVE_SAVINGS_PCT,
     MIN_MIDDLE_MESSAGES,
@@ -35,9 +37,9 @@ from agent.compression_stages import (
     align_forward,
     build_fallback_summary,
     build_summary_prompt,
-    fallback_summary_limit,
     choose_summary_role,
     compute_threshold_tokens,
+    fallback_summary_limit,
     find_tail_cut,
     is_real_user,
     merge_summary_into,
@@ -53,7 +55,6 @@ from agent.compression_stages import (
     unwrap_summary,
     wrap_summary,
 )
-from agent.auxiliary import AuxTarget, aux_target
 from agent.llm import (
     LLMAuthError,
     LLMBadResponse,
@@ -128,7 +129,7 @@ class CompressionState:
     last_savings_pct: float | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "CompressionState":
+    def from_dict(cls, data: dict[str, Any]) -> CompressionState:
         state = cls()
         for f in fields(cls):
             if f.name not in data:
@@ -237,7 +238,7 @@ def classify_failure(err: LLMError) -> str:
 class Compressor:
     """Compression for any session; holds configuration only (no per-session state)."""
 
-    def __init__(self, cfg: "Config", llm: LLMClient, tokens: TokenCounter, *, system_factory: SystemFactory) -> None:
+    def __init__(self, cfg: Config, llm: LLMClient, tokens: TokenCounter, *, system_factory: SystemFactory) -> None:
         self.cfg = cfg
         self.llm = llm
         self.tokens = tokens
@@ -559,7 +560,7 @@ class Compressor:
             user_survives=any(is_real_user(it) for it in head + tail),
         )
         prospective = self.estimate(
-            self.finalize(head + [{"role": role, "content": wrap_summary(body), "_summary": True}] + tail)
+            self.finalize([*head, {"role": role, "content": wrap_summary(body), "_summary": True}, *tail])
         )
         if prospective >= before:
             log.info("compression would not shrink the prompt (%d -> %d tokens); nothing changed", before, prospective)

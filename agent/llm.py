@@ -134,7 +134,7 @@ class Usage:
     total_tokens: int
 
     @classmethod
-    def from_dict(cls, data: Any) -> "Usage | None":
+    def from_dict(cls, data: Any) -> Usage | None:
         if not isinstance(data, dict):
             return None
 
@@ -287,7 +287,7 @@ class LLMClient:
         )
 
     @classmethod
-    def from_config(cls, cfg: "LLMConfig", **kw: Any) -> "LLMClient":
+    def from_config(cls, cfg: LLMConfig, **kw: Any) -> LLMClient:
         """Build from the `llm` config section (the key is read from `cfg.api_key_env`)."""
         return cls(
             base_url=cfg.base_url,
@@ -301,7 +301,7 @@ class LLMClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "LLMClient":
+    async def __aenter__(self) -> LLMClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -613,7 +613,7 @@ def _join_contents(a: Any, b: Any) -> Any:
     def parts(c: Any) -> list[Any]:
         return list(c) if isinstance(c, list) else [{"type": "text", "text": c or ""}]
 
-    return parts(a) + [{"type": "text", "text": "\n\n"}] + parts(b)
+    return [*parts(a), {"type": "text", "text": "\n\n"}, *parts(b)]
 
 
 def _content_text(content: Any) -> str | None:

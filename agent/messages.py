@@ -65,7 +65,7 @@ class StoredMessage:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "StoredMessage":
+    def from_json(cls, data: dict[str, Any]) -> StoredMessage:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)
 

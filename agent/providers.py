@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from agent.fileio import open_private, private_mkdir
 from agent.visibility import Scope, Visibility
@@ -113,7 +114,7 @@ class LocalNotesProvider(MemoryProvider):
 
     async def prefetch(self, query: str, *, shared_only: bool = False) -> str:
         path = self._file()
-        words = {w for w in re.findall(r"\w{4,}", query.lower())}
+        words = set(re.findall(r"\w{4,}", query.lower()))
         if not words or not path.exists():
             return ""
         records = []

@@ -20,8 +20,9 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from agent.auxiliary import aux_target
 from agent.llm import LLMClient, LLMError
@@ -98,7 +99,7 @@ class Reviewer:
     """Schedules and runs reviews for any tenant; per-lane counters and per-tenant locks are
     keyed explicitly by (tenant_id, session_key) and tenant_id."""
 
-    def __init__(self, cfg: "Config", llm: LLMClient, *, wire: Wire, toolbox: Toolbox) -> None:
+    def __init__(self, cfg: Config, llm: LLMClient, *, wire: Wire, toolbox: Toolbox) -> None:
         self.cfg = cfg
         self.llm = llm
         self._wire = wire
@@ -108,7 +109,7 @@ class Reviewer:
         self.on_outcome: Callable[[str, str], None] | None = None  # (trigger, outcome), e.g. /metrics
 
     # ----- triggers ------------------------------------------------------------------------
-    def _counts(self, lane: "Lane") -> _LaneCounts:
+    def _counts(self, lane: Lane) -> _LaneCounts:
         key = (lane.tenant_id, lane.session_key)
         counts = self._lanes.get(key)
         if counts is None:
@@ -118,7 +119,7 @@ class Reviewer:
         self._lanes.move_to_end(key)
         return counts
 
-    def note_turn(self, lane: "Lane", tool_iterations: int) -> tuple[bool, bool]:
+    def note_turn(self, lane: Lane, tool_iterations: int) -> tuple[bool, bool]:
         """Count a finished turn; (review memory, review skills) when a nudge is due."""
         if lane.personal_memory != "full":
             return False, False  # nothing may be written from this lane
@@ -136,11 +137,11 @@ class Reviewer:
                 skills, counts.since_skill = True, 0
         return memory, skills
 
-    def has_unreviewed(self, lane: "Lane") -> bool:
+    def has_unreviewed(self, lane: Lane) -> bool:
         counts = self._lanes.get((lane.tenant_id, lane.session_key))
         return counts is not None and counts.unreviewed > 0
 
-    def flush_due(self, lane: "Lane", history: list[StoredMessage]) -> bool:
+    def flush_due(self, lane: Lane, history: list[StoredMessage]) -> bool:
         """A session of `lane` ends: does it have `flush_min_turns` turns no review has seen?"""
         need = self.cfg.memory.flush_min_turns
         if need <= 0 or lane.personal_memory != "full":
@@ -149,7 +150,7 @@ class Reviewer:
         turns = counts.unreviewed if counts is not None and counts.reviewed else user_turns(history)
         return turns >= need
 
-    def session_ended(self, lane: "Lane") -> None:
+    def session_ended(self, lane: Lane) -> None:
         """The lane starts afresh: nothing of the new session is unreviewed yet."""
         counts = self._lanes.get((lane.tenant_id, lane.session_key))
         if counts is not None:
@@ -158,9 +159,9 @@ class Reviewer:
     # ----- running -------------------------------------------------------------------------
     async def review(
         self,
-        profile: "Profile",
-        lane: "Lane",
-        place: "ChatPlace",
+        profile: Profile,
+        lane: Lane,
+        place: ChatPlace,
         history: list[StoredMessage],
         *,
         memory: bool,
@@ -199,9 +200,9 @@ class Reviewer:
 
     async def _run(
         self,
-        profile: "Profile",
-        lane: "Lane",
-        place: "ChatPlace",
+        profile: Profile,
+        lane: Lane,
+        place: ChatPlace,
         history: list[StoredMessage],
         *,
         memory: bool,

@@ -247,4 +247,4 @@ def render_skill_index(skills: list[SkillInfo]) -> str:
     )
 
 
-__all__ = ["MAX_SKILL_CHARS", "MAX_SKILLS", "SKILL_ACTIONS", "SkillInfo", "SkillStore", "render_skill_index"]
+__all__ = ["MAX_SKILLS", "MAX_SKILL_CHARS", "SKILL_ACTIONS", "SkillInfo", "SkillStore", "render_skill_index"]

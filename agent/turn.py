@@ -8,8 +8,9 @@ import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from agent.compression import Compressor
 from agent.llm import ContextLengthExceeded, LLMClient, LLMError
@@ -17,10 +18,10 @@ from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.prompt import ChatPlace, build_system_prompt
+from agent.providers import NO_ACCESS, ProviderAccess, provider_access
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool
 from agent.review import Reviewer
 from agent.skills import SkillStore, render_skill_index
-from agent.providers import NO_ACCESS, ProviderAccess, provider_access
 from agent.tokens import TokenCounter
 from agent.tools import ToolBox
 from agent.visibility import RULES_VERSION, lane_scope
@@ -260,7 +261,7 @@ class Agent:
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:
         """End the lane's session (if any) and route the lane to a fresh one (/new)."""
         old = await profile.sessions.route(lane.session_key)
-        kwargs = dict(source=place.platform, user_id=lane.principal, model=self.cfg.llm.model)
+        kwargs = {"source": place.platform, "user_id": lane.principal, "model": self.cfg.llm.model}
         if old is None:
             session_id = await profile.sessions.start_session(lane.session_key, **kwargs)
         else:

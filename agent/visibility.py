@@ -24,11 +24,11 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 from agent.fileio import atomic_write
 
@@ -125,7 +125,7 @@ class WriteView:
     marks: dict[str, dict[str, str]]
 
     @classmethod
-    def open(cls, memory_dir: Path, target: str, full: list[str], scope: Scope) -> "WriteView":
+    def open(cls, memory_dir: Path, target: str, full: list[str], scope: Scope) -> WriteView:
         return cls(Path(memory_dir), target, scope, list(full), Marks(memory_dir).load())
 
     @property

@@ -40,13 +40,14 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.compression import Compressor  # noqa: E402
-from agent.compression_stages import (  # noqa: E402
+from agent.compression import Compressor
+from agent.compression_stages import (
     align_forward,
     build_fallback_summary,
     build_summary_prompt,
@@ -55,19 +56,114 @@ from agent.compression_stages import (  # noqa: E402
     prune_tool_results,
     serialize_for_summary,
 )
-from agent.messages import StoredMessage  # noqa: E402
-from agent.tokens import TokenCounter  # noqa: E402
-from gateway.config import parse_config  # noqa: E402
+from agent.messages import StoredMessage
+from agent.tokens import TokenCounter
+from gateway.config import parse_config
 
-WORDS = (
-    "the a to of and in is it you that for on with as this be are have not was but at can "
-    "what about your my we they so if do there from how would just one all time like more "
-    "trip booking museum kyoto garden recipe tomato budget meeting friday doctor appointment "
-    "invoice password reminder birthday sister project deadline train ticket hotel flight "
-    "weather umbrella marathon training knee physio schedule dentist groceries pasta basil "
-    "garlic olive oil lemon coffee tea chamomile novel chapter poem guitar chord lesson "
-    "spanish vocabulary verb tense bicycle repair tyre chain brake mortgage rate bank loan"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "to",
+    "of",
+    "and",
+    "in",
+    "is",
+    "it",
+    "you",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "this",
+    "be",
+    "are",
+    "have",
+    "not",
+    "was",
+    "but",
+    "at",
+    "can",
+    "what",
+    "about",
+    "your",
+    "my",
+    "we",
+    "they",
+    "so",
+    "if",
+    "do",
+    "there",
+    "from",
+    "how",
+    "would",
+    "just",
+    "one",
+    "all",
+    "time",
+    "like",
+    "more",
+    "trip",
+    "booking",
+    "museum",
+    "kyoto",
+    "garden",
+    "recipe",
+    "tomato",
+    "budget",
+    "meeting",
+    "friday",
+    "doctor",
+    "appointment",
+    "invoice",
+    "password",
+    "reminder",
+    "birthday",
+    "sister",
+    "project",
+    "deadline",
+    "train",
+    "ticket",
+    "hotel",
+    "flight",
+    "weather",
+    "umbrella",
+    "marathon",
+    "training",
+    "knee",
+    "physio",
+    "schedule",
+    "dentist",
+    "groceries",
+    "pasta",
+    "basil",
+    "garlic",
+    "olive",
+    "oil",
+    "lemon",
+    "coffee",
+    "tea",
+    "chamomile",
+    "novel",
+    "chapter",
+    "poem",
+    "guitar",
+    "chord",
+    "lesson",
+    "spanish",
+    "vocabulary",
+    "verb",
+    "tense",
+    "bicycle",
+    "repair",
+    "tyre",
+    "chain",
+    "brake",
+    "mortgage",
+    "rate",
+    "bank",
+    "loan",
+]
 
 
 def sentence(rng: random.Random, n: int) -> str:

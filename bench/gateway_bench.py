@@ -128,7 +128,7 @@ class FakeLLMProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.base_url = ""
 
-    def __enter__(self) -> "FakeLLMProcess":
+    def __enter__(self) -> FakeLLMProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", FAKE_LLM_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -223,7 +223,7 @@ def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(q / 100 * (len(s) - 1)))))
+    k = max(0, min(len(s) - 1, round(q / 100 * (len(s) - 1))))
     return s[k]
 
 
@@ -359,7 +359,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
         await adapter.sink(msg)
         try:
             t1 = await asyncio.wait_for(fut, 120)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             failures["timeout"] += 1
             adapter.waiting.pop(mid, None)
             return
@@ -496,7 +496,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
 class RawTenant:
     """One tenant's storage done raw: an O_APPEND journal fd and a sqlite3 connection."""
 
-    __slots__ = ("fd", "db", "sid", "dirty")
+    __slots__ = ("db", "dirty", "fd", "sid")
 
     def __init__(self, root: Path, t: int, fsync: str, schema: str) -> None:
         prof = root / "profiles" / tenant_user(t)
@@ -569,7 +569,7 @@ async def run_raw(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     # Each open tenant holds 4 descriptors (journal, db, -wal, -shm); beyond what the fd
     # limit allows, the least recently used tenant is closed (only at ~5,000+ tenants).
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     max_open = max(64, (soft - open_fds() - 256) // 4)
     reopened = 0
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -145,6 +146,7 @@ class Storm:
         self.workdir, self.cycles, self.people, self.seed = workdir, cycles, people, seed
         self.min_up, self.max_up, self.interval, self.say = min_up, max_up, interval, say
         self.rng = random.Random(seed)
+        self._restart_timers: set[asyncio.Task] = set()  # referenced until done
         self.result = StormResult(cycles=cycles, people=people)
         # token -> (platform, chat key, sender, index in that person's chat)
         self.pushed: dict[str, tuple[str, str, str, int]] = {}
@@ -169,7 +171,7 @@ class Storm:
             self.group_members = {g: self.tg_users[i :: len(self.groups)][:4] for i, g in enumerate(self.groups)}
             self.dc_users = [dc.add_user(f"storm{i}") for i in range(n_dc)]
             traffic = asyncio.create_task(self._traffic())
-            log = open(self.workdir / "gateway.log", "ab")
+            log = open(self.workdir / "gateway.log", "ab")  # noqa: ASYNC230, SIM115 (the children's log for the whole storm; closed below)
             try:
                 for cycle in range(self.cycles):
                     proc = await self._spawn(env, config, log)
@@ -190,7 +192,7 @@ class Storm:
                 proc.send_signal(signal.SIGTERM)
                 try:
                     await asyncio.wait_for(proc.wait(), 60)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     proc.kill()
                     await proc.wait()
                     self.result.details.append("the final gateway did not stop on SIGTERM within 60 s")
@@ -209,7 +211,8 @@ class Storm:
         proc = await asyncio.create_subprocess_exec(
             str(BIN), "run", "-c", str(config), env=env, stdout=log, stderr=log, cwd=str(self.workdir)
         )
-        asyncio.create_task(self._time_restart(t0, calls))
+        self._restart_timers.add(task := asyncio.create_task(self._time_restart(t0, calls)))
+        task.add_done_callback(self._restart_timers.discard)
         return proc
 
     async def _wait_up(self, proc: asyncio.subprocess.Process) -> None:
@@ -327,7 +330,7 @@ class Storm:
         r.lost = len(lost)
         r.details += [f"lost: {t} {self.pushed.get(t)}" for t in sorted(lost)[:20]]
         for token, seen in copies.items():
-            for (platform, life, at), (_, life2, _) in zip(seen, seen[1:]):
+            for (platform, life, at), (_, life2, _) in itertools.pairwise(seen):
                 if life2 > life:  # a kill between the two copies: the documented window
                     if platform == "tg":
                         r.dup_window_telegram += 1
@@ -349,7 +352,7 @@ class Storm:
             _, key, sender, idx = self.pushed[token]
             firsts[(key, sender)].append(idx)
         for key, idxs in firsts.items():
-            bad = sum(1 for a, b in zip(idxs, idxs[1:]) if b < a)
+            bad = sum(1 for a, b in itertools.pairwise(idxs) if b < a)
             if bad:
                 r.order_violations += bad
                 r.details.append(f"order: {key} answered {idxs}")

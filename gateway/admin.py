@@ -24,9 +24,10 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import unquote
 
 from agent.fileio import open_private, private_file, private_mkdir, tighten_tree, write_private
@@ -59,7 +60,7 @@ class RunLock:
         self.path = Path(data_dir) / LOCK_NAME
         self._fd: int | None = None
 
-    def acquire(self, what: str = "the gateway") -> "RunLock":
+    def acquire(self, what: str = "the gateway") -> RunLock:
         private_mkdir(self.path.parent)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -79,7 +80,7 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire() if self._fd is None else self
 
     def __exit__(self, *exc: object) -> None:
@@ -349,7 +350,7 @@ def integrity_check(db: Path) -> str:
 
 
 def _fsync_tree(path: Path) -> None:
-    for root, dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(path):
         for name in files:
             try:
                 fd = os.open(os.path.join(root, name), os.O_RDONLY)
@@ -808,31 +809,33 @@ def restore_data_dir(src: Path, data_dir: Path) -> dict[str, Any]:
             f"{data_dir} is not empty; restore goes into an empty data directory (move the old one aside first)"
         )
     private_mkdir(data_dir)
-    with RunLock(data_dir).acquire("`restore`"):
-        with tempfile.TemporaryDirectory(prefix=".hermes-restore-", dir=data_dir) as tmp:
-            if src.is_dir():
-                stage = Path(tmp) / "data"
-                shutil.copytree(src, stage, symlinks=False)
-                tighten_tree(stage)
-            elif src.is_file():
-                _safe_extract(src, Path(tmp))
-                stage = Path(tmp)
-            else:
-                raise AdminError(f"{src}: no such backup")
-            try:
-                report = json.loads((stage / "BACKUP.json").read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                raise AdminError(f"{src}: not a hermes-gateway backup (no BACKUP.json)") from None
-            if report.get("format") != BACKUP_FORMAT:
-                raise AdminError(f"{src}: not a hermes-gateway backup")
-            for db in report.get("databases", []):
-                if (stage / db).exists() and integrity_check(stage / db) != "ok":
-                    raise AdminError(f"{src}: {db} fails PRAGMA integrity_check")
-            _fsync_tree(stage)
-            for entry in stage.iterdir():
-                if entry.name in ("BACKUP.json", LOCK_NAME) or entry.name.startswith(".hermes-restore-"):
-                    continue
-                os.replace(entry, data_dir / entry.name)
+    with (
+        RunLock(data_dir).acquire("`restore`"),
+        tempfile.TemporaryDirectory(prefix=".hermes-restore-", dir=data_dir) as tmp,
+    ):
+        if src.is_dir():
+            stage = Path(tmp) / "data"
+            shutil.copytree(src, stage, symlinks=False)
+            tighten_tree(stage)
+        elif src.is_file():
+            _safe_extract(src, Path(tmp))
+            stage = Path(tmp)
+        else:
+            raise AdminError(f"{src}: no such backup")
+        try:
+            report = json.loads((stage / "BACKUP.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise AdminError(f"{src}: not a hermes-gateway backup (no BACKUP.json)") from None
+        if report.get("format") != BACKUP_FORMAT:
+            raise AdminError(f"{src}: not a hermes-gateway backup")
+        for db in report.get("databases", []):
+            if (stage / db).exists() and integrity_check(stage / db) != "ok":
+                raise AdminError(f"{src}: {db} fails PRAGMA integrity_check")
+        _fsync_tree(stage)
+        for entry in stage.iterdir():
+            if entry.name in ("BACKUP.json", LOCK_NAME) or entry.name.startswith(".hermes-restore-"):
+                continue
+            os.replace(entry, data_dir / entry.name)
     return report
 
 
@@ -897,7 +900,7 @@ def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
     return 0
 
 
@@ -941,7 +944,7 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
     print(f"directory:     {info.path}")
     print(f"principals:    {', '.join(principals) or '-'}")
     if data["links"]:
-        print(f"linked:        " + "; ".join(f"{n}: {', '.join(ps)}" for n, ps in data["links"].items()))
+        print("linked:        " + "; ".join(f"{n}: {', '.join(ps)}" for n, ps in data["links"].items()))
     if info.merged_into:
         print(f"merged into:   {info.merged_into} (left behind by /link; safe to delete)")
     print(f"created:       {_when(info.created_at)}")

@@ -13,8 +13,8 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from adapters.base import Adapter, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from agent.fileio import private_mkdir
@@ -36,9 +36,9 @@ from gateway.linking import LaneMoved, Linking
 from gateway.logs import log_text, turn_logger
 from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
+from gateway.outbox import Deliverer, Draft, Outbox
 from gateway.reminders import ReminderScheduler, delivered_message, delivery_text, is_reminder
 from gateway.streaming import StreamingReply
-from gateway.outbox import Deliverer, Draft, Outbox
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
 from tenancy.profiles import ProfileManager
@@ -79,7 +79,7 @@ class _Notifier:
     """Progress notices of one turn: the start notice is edited into the end notice where
     the platform can edit; routine ones are dropped unless `progress_notices` is on."""
 
-    def __init__(self, app: "GatewayApp", msg: InboundMessage) -> None:
+    def __init__(self, app: GatewayApp, msg: InboundMessage) -> None:
         self.app, self.msg = app, msg
         self._progress: int | None = None  # the outbox chunk of the start notice
 

@@ -7,13 +7,14 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from adapters.base import InboundMessage
 from agent.compression import CompressionState, Compressor
-from agent.memory import MemoryStore
 from agent.fileio import private_mkdir, write_private
+from agent.memory import MemoryStore
 from agent.memory_approval import PendingWrites
 from agent.prompt import ChatPlace
 from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks
@@ -38,11 +39,11 @@ def parse_command(text: str) -> tuple[CommandSpec, str] | None:
 
 @dataclass
 class CommandContext:
-    app: "GatewayApp"
+    app: GatewayApp
     msg: InboundMessage
     lane: Lane
     place: ChatPlace
-    profile: "Profile"
+    profile: Profile
     args: str
     #: whether the sender moderates this chat on the platform (the adapter's capability)
     chat_admin: Callable[[], Awaitable[bool]] | None = None
@@ -187,7 +188,7 @@ async def _numbered(memory: MemoryStore) -> list[tuple[str, str, str]]:
     for target in ("user", "memory"):
         entries = await memory.entries(target)
         marks = await asyncio.to_thread(Marks(memory.memory_dir).of, target, entries)
-        out += [(target, e, v) for e, v in zip(entries, marks)]
+        out += [(target, e, v) for e, v in zip(entries, marks, strict=False)]
     return out
 
 

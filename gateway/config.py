@@ -34,7 +34,7 @@ class LLMConfig(_Section):
     vision: bool = False  # images go to the model as inline image parts (doctor checks it accepts one)
 
     @model_validator(mode="after")
-    def _answer_fits_the_window(self) -> "LLMConfig":
+    def _answer_fits_the_window(self) -> LLMConfig:
         if self.max_tokens is not None and self.max_tokens >= self.context_length:
             raise ValueError(
                 f"max_tokens ({self.max_tokens}) must be smaller than context_length "
@@ -89,7 +89,7 @@ class CompressionConfig(_Section):
     min_prune_chars: int = Field(default=200, ge=0)
 
     @model_validator(mode="after")
-    def _unsupported_switches_stay_off(self) -> "CompressionConfig":
+    def _unsupported_switches_stay_off(self) -> CompressionConfig:
         # Hermes has these opt-in modes; this gateway does not implement them yet, and a
         # key that silently does nothing would mislead, so turning one on is an error.
         for key, off in (("proactive_prune_tokens", 0), ("idle_compact_after_seconds", 0), ("micro_compact", False)):
@@ -175,7 +175,7 @@ class LimitsConfig(_Section):
     busy_mode: Literal["queue", "collect", "interrupt"] = "collect"
 
     @model_validator(mode="after")
-    def _burst_needs_collecting(self) -> "LimitsConfig":
+    def _burst_needs_collecting(self) -> LimitsConfig:
         if self.busy_mode == "queue" and self.coalesce_burst_ms:
             raise ValueError(
                 "coalesce_burst_ms merges messages into one turn; it cannot be used "
@@ -228,7 +228,7 @@ class WebhookConfig(_Section):
 
 class TelegramConfig(_Section):
     enabled: bool = False
-    token_env: str = "TELEGRAM_BOT_TOKEN"
+    token_env: str = "TELEGRAM_BOT_TOKEN"  # noqa: S105 (the variable\'s name, not a token)
     base_url: str = "https://api.telegram.org/bot"
     base_file_url: str | None = None
     mode: Literal["polling", "webhook"] = "polling"
@@ -241,7 +241,7 @@ class TelegramConfig(_Section):
 
 class DiscordConfig(_Section):
     enabled: bool = False
-    token_env: str = "DISCORD_BOT_TOKEN"
+    token_env: str = "DISCORD_BOT_TOKEN"  # noqa: S105 (the variable\'s name, not a token)
     api_base: str | None = None  # None = Discord's own
     gateway_url: str | None = None
     require_mention_in_guilds: bool = True

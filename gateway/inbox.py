@@ -17,7 +17,7 @@ import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import aiosqlite
 
@@ -75,7 +75,7 @@ class WriteCombiner(Generic[Item, Result]):
                         if not fut.done():
                             fut.set_exception(exc)
                     continue
-                for (_, fut), result in zip(batch, results):
+                for (_, fut), result in zip(batch, results, strict=False):
                     if not fut.done():
                         fut.set_result(result)
         finally:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Awaitable, Callable, Generic, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
 
 log = logging.getLogger("hermes.lanes")
 
@@ -94,7 +95,7 @@ class Lanes(Generic[Job]):
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def cancel(self) -> None:

@@ -57,10 +57,11 @@ import secrets
 import shutil
 import sqlite3
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from adapters.base import InboundMessage
 from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
@@ -152,7 +153,7 @@ class _Plan:
 class Linking:
     """Link codes, the merge, and the gates that keep turns out of profiles being merged."""
 
-    def __init__(self, app: "GatewayApp", *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, app: GatewayApp, *, clock: Callable[[], float] = time.time) -> None:
         self.app = app
         self.clock = clock
         self.ttl_s = CODE_TTL_S
@@ -166,7 +167,7 @@ class Linking:
 
     # ----- lane integration -------------------------------------------------------------
     @asynccontextmanager
-    async def use(self, msg: InboundMessage, lane: Lane) -> AsyncIterator["Profile"]:
+    async def use(self, msg: InboundMessage, lane: Lane) -> AsyncIterator[Profile]:
         """Open the lane's profile for a job: waits while the tenant is being merged, and
         raises LaneMoved when links changed the job's tenant since it was queued."""
         while True:
@@ -589,7 +590,7 @@ class Linking:
         except Exception:
             log.exception("link: could not send a notice")
 
-    async def _merge(self, plan: _Plan) -> "_Swap":
+    async def _merge(self, plan: _Plan) -> _Swap:
         """Merge into a staging copy of the target (a fresh profile, or a copy of the linked
         one), check it opens, then swap it in. A failure leaves every profile untouched.
         Returns the swap, which can still be undone until the link is recorded."""
@@ -712,7 +713,7 @@ class _Swap:
         self.target, self.old = target, old
 
     @classmethod
-    def apply(cls, staging: Path, target: Path) -> "_Swap":
+    def apply(cls, staging: Path, target: Path) -> _Swap:
         old = None
         if target.exists():
             old = target.parent / f".link-old-{target.name}"
@@ -774,7 +775,7 @@ class _Flock:
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
-    def __enter__(self) -> "_Flock":
+    def __enter__(self) -> _Flock:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -990,7 +991,7 @@ def combine_marks(
     out: dict[str, str] = {}
     for entry in kept:
         key = entry_key(target, entry)
-        holders = [m.get(target, {}) for m, entries in zip(marks, lists) if entry in entries]
+        holders = [m.get(target, {}) for m, entries in zip(marks, lists, strict=False) if entry in entries]
         if holders and all(h.get(key) == "shared" for h in holders):
             out[key] = "shared"
     return out

@@ -63,7 +63,7 @@ class Redactor:
         return text
 
 
-def secrets_from_config(cfg: "Config | None") -> list[str]:
+def secrets_from_config(cfg: Config | None) -> list[str]:
     """The values of every environment variable the config names as holding a secret."""
     if cfg is None:
         return []
@@ -135,7 +135,7 @@ class JsonFormatter(logging.Formatter):
         return self.redactor(str(value))
 
 
-def configure_logging(cfg: "Config | None", *, quiet: bool = False, stream: Any = None) -> logging.Handler:
+def configure_logging(cfg: Config | None, *, quiet: bool = False, stream: Any = None) -> logging.Handler:
     """Install the gateway's stderr handler on the root logger (replacing one installed
     earlier by this function); returns it."""
     level = "WARNING" if quiet else (cfg.logging.level if cfg else "INFO")

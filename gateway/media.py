@@ -123,7 +123,7 @@ class MediaIntake:
         work.out.answerable = content
         return work.out
 
-    async def _one(self, att: Attachment, n: int, adapter: Any, work: "_Work") -> bool:
+    async def _one(self, att: Attachment, n: int, adapter: Any, work: _Work) -> bool:
         """Handle one attachment; True when it gave the model something to answer."""
         kind = kind_of(att.type, att.name, att.mime_type)
         label = att.name or att.type
@@ -151,7 +151,7 @@ class MediaIntake:
             return await self._audio(att, name, label, data, work)
         return await self._document(kind, label, data, work)
 
-    async def _fetch(self, att: Attachment, label: str, adapter: Any, work: "_Work") -> bytes | None:
+    async def _fetch(self, att: Attachment, label: str, adapter: Any, work: _Work) -> bytes | None:
         """The attachment's bytes through the adapter, or None (and a notice) when it is too
         large or the download failed. Errors are reduced to safe words (no URLs)."""
         limit = self.cfg.limits.max_attachment_bytes
@@ -179,7 +179,7 @@ class MediaIntake:
             return None
         return data
 
-    async def _image(self, att: Attachment, label: str, data: bytes, key: str, work: "_Work") -> bool:
+    async def _image(self, att: Attachment, label: str, data: bytes, key: str, work: _Work) -> bool:
         mime = sniff_image(data)
         if mime is None:
             work.notes.append(f"[attached {label}: not an image format I can read]")
@@ -191,7 +191,7 @@ class MediaIntake:
         work.notes.append(f"[image: {label}]")
         return True
 
-    async def _audio(self, att: Attachment, name: str, label: str, data: bytes, work: "_Work") -> bool:
+    async def _audio(self, att: Attachment, name: str, label: str, data: bytes, work: _Work) -> bool:
         """The transcript becomes what the person said; failures are told, not guessed at."""
         transcriber = self._transcriber()
         what = "voice note" if att.type in ("voice", "video_note") else f"audio file {label}"
@@ -216,7 +216,7 @@ class MediaIntake:
         work.out.meta["transcribed"] = True
         return True
 
-    async def _document(self, kind: str, label: str, data: bytes, work: "_Work") -> bool:
+    async def _document(self, kind: str, label: str, data: bytes, work: _Work) -> bool:
         """A text file's or PDF's text, cut at `limits.max_attachment_chars`, as a block."""
         max_chars = self.cfg.limits.max_attachment_chars
         text, cut = await asyncio.to_thread(extract_text, kind, data, max_chars)

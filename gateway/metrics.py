@@ -57,7 +57,7 @@ class _Metric:
         return tuple(label_value(labels[n]) for n in self.labels)
 
     def _labelset(self, key: LabelValues, extra: str = "") -> str:
-        parts = [f'{n}="{_escape(v)}"' for n, v in zip(self.labels, key)]
+        parts = [f'{n}="{_escape(v)}"' for n, v in zip(self.labels, key, strict=False)]
         if extra:
             parts.append(extra)
         return "{" + ",".join(parts) + "}" if parts else ""
@@ -154,7 +154,7 @@ class Histogram(_Metric):
         lines = self.header()
         for key in sorted(self._counts):
             counts = self._counts[key]
-            for bound, n in zip((*self.buckets, math.inf), counts):
+            for bound, n in zip((*self.buckets, math.inf), counts, strict=False):
                 le = 'le="' + _fmt(bound) + '"'
                 lines.append(f"{self.name}_bucket{self._labelset(key, le)} {n}")
             lines.append(f"{self.name}_sum{self._labelset(key)} {_fmt(self._sums[key])}")

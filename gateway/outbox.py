@@ -20,8 +20,10 @@ import random
 import secrets
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping, Sequence, TypeVar
+from functools import partial
+from typing import TypeVar
 
 import aiosqlite
 
@@ -228,7 +230,7 @@ class Deliverer:
             return await self.outbox.sent_message(chunk_id)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._waiters.pop(chunk_id, None)
             return None
 
@@ -292,7 +294,7 @@ class Deliverer:
                     log.error(
                         "gave up delivering a %s chunk after %.0f s (delivery.max_age_s)", platform, self._age(chunk)
                     )
-                    await self._db(lambda: self.outbox.give_up(chunk.id, "expired"), key)
+                    await self._db(partial(self.outbox.give_up, chunk.id, "expired"), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="expired")
                     self._resolve(chunk.id, None)
                     continue
@@ -318,10 +320,10 @@ class Deliverer:
                 # the platform has it: mark it at once (a crash before this line is the window
                 # README "Delivery" documents); a failing database is retried, never the send
                 if sent is None:
-                    await self._db(lambda: self.outbox.give_up(chunk.id, "refused"), key)
+                    await self._db(partial(self.outbox.give_up, chunk.id, "refused"), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="refused")
                 else:
-                    await self._db(lambda: self.outbox.mark_sent(chunk.id, sent.message_id), key)
+                    await self._db(partial(self.outbox.mark_sent, chunk.id, sent.message_id), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="sent")
                 self._resolve(chunk.id, sent)
         finally:

@@ -27,7 +27,7 @@ from tenancy.keys import link_tenant_id
 if TYPE_CHECKING:  # pragma: no cover
     from gateway.config import TenancyConfig
 
-__all__ = ["IdentityLinks", "validate_principal", "validate_link_name"]
+__all__ = ["IdentityLinks", "validate_link_name", "validate_principal"]
 
 _FILE_VERSION = 1
 _MAX_NAME_LEN = 64

@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
 
 from agent.fileio import atomic_write, private_mkdir
 from agent.memory import MemoryStore

@@ -148,7 +148,7 @@ async def test_server_prompt_count_after_a_response_triggers_compression(config_
         assert summary_requests(fake_llm) == []
         await say(app, adapter, dm("bea", "and now?"))
         assert len(summary_requests(fake_llm)) == 1
-        sid, history = await live_history(app, "bea")
+        _sid, history = await live_history(app, "bea")
         assert sum(1 for m in history if m.meta.get("compressed_summary")) == 1
 
 
@@ -170,7 +170,7 @@ async def test_summary_request_gets_the_middle_not_head_or_tail_and_tool_pairs_s
     fake_llm.responder = responder
     async with gateway(config_for) as (app, adapter):
         # the head (system + 3 messages) ends inside a tool group: the cut must move past it
-        texts = [f"HEAD-0 SEARCH TWICE HEAD-0", f"HEAD-1 {words(150)}"]
+        texts = ["HEAD-0 SEARCH TWICE HEAD-0", f"HEAD-1 {words(150)}"]
         texts += [f"MID-{i} {words(800)}" if i % 3 else f"MID-{i} SEARCH MID-{i}" for i in range(30)]
         for t in texts:
             await say(app, adapter, dm("cai", t))
@@ -289,7 +289,7 @@ async def test_auxiliary_model_failure_retries_on_the_main_model(config_for, fak
         assert [r["model"] for r in sreqs] == ["aux-model", "fake-model"]
         assert "max_tokens" not in sreqs[0] and "max_tokens" not in sreqs[1]
         assert "tools" not in sreqs[1]
-        sid, live = await live_history(app, "eve")
+        _sid, live = await live_history(app, "eve")
         summary = next(m for m in live if m.meta.get("compressed_summary"))
         assert "SUMMARY-1" in summary.content and not summary.meta["fallback"]
         assert not any("simpler local summary" in t for t in adapter.texts())

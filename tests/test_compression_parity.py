@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agent import compression as compression_mod
-from agent.compression import Compressor, CompressionState
+from agent.compression import CompressionState, Compressor
 from agent.compression_stages import (
     build_fallback_summary,
     compute_threshold_tokens,

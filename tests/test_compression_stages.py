@@ -155,7 +155,7 @@ def test_prune_tokens_saved_and_idempotent():
     for i in range(10):
         items += [call(f"c{i}"), res(f"c{i}", f"result {i} " + "w" * 1000)]
     items += [u("done?")]
-    out, stats = st.prune_tool_results(items, protect_tail_count=4, protect_tail_tokens=None, tokens=tok)
+    out, _stats = st.prune_tool_results(items, protect_tail_count=4, protect_tail_tokens=None, tokens=tok)
     assert sum(tok(it) for it in out) < sum(tok(it) for it in items) / 2
     again, stats2 = st.prune_tool_results(out, protect_tail_count=4, protect_tail_tokens=None, tokens=tok)
     assert stats2.total == 0 and [x["content"] for x in again] == [x["content"] for x in out]

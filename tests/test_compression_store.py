@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.messages import StoredMessage
 import agent.sessions.db as session_db
+from agent.messages import StoredMessage
 from agent.sessions import SessionStore
 from tests.test_sessions import assert_consistent, jlines
 
@@ -60,10 +60,10 @@ async def test_compact_places_the_summary_between_head_and_tail_atomically(profi
         assert contents(await s.history(sid))[-3:] == ["q4", "a4", "q5"]
     assert_consistent(profile)
     async with SessionStore(profile) as s:
-        assert contents(await s.history(sid)) == expected + ["q5"]
+        assert contents(await s.history(sid)) == [*expected, "q5"]
     drop_db(profile)
     async with SessionStore(profile) as s:  # rebuilt from the journals alone
-        assert contents(await s.history(sid)) == expected + ["q5"]
+        assert contents(await s.history(sid)) == [*expected, "q5"]
         assert sum(m.compacted for m in await s.history(sid, include_inactive=True)) == 5
 
 

@@ -112,12 +112,11 @@ def test_secrets_come_only_from_env(monkeypatch):
     assert cfg.llm.api_key() is None
     monkeypatch.setenv("HG_TEST_KEY", "sk-123")
     assert cfg.llm.api_key() == "sk-123"
-    with pytest.raises(ConfigError, match="llm.api_key: unknown key"):
+    with pytest.raises(ConfigError, match=r"llm\.api_key: unknown key"):
         parse_config({"llm": {"api_key": "sk-inline"}})
 
 
 def test_doctor_says_what_is_wrong(tmp_path, capsys):
-    import asyncio as _asyncio
     from tests.fakes.llm import FakeLLM
 
     path = tmp_path / "gw.yaml"

@@ -15,7 +15,6 @@ import yaml
 from gateway.cli import main as cli_main
 from gateway.config import load_config
 
-
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DATA_DIR = "/var/lib/hermes-gateway"

@@ -46,12 +46,12 @@ class Harness:
         self.got.append(msg)
 
     def config(self, **kw: Any) -> DiscordConfig:
-        base: dict[str, Any] = dict(
-            enabled=True,
-            api_base=self.fake.api_base,
-            gateway_url=self.fake.gateway_url,
-            free_response_channels=[self.world.free],
-        )
+        base: dict[str, Any] = {
+            "enabled": True,
+            "api_base": self.fake.api_base,
+            "gateway_url": self.fake.gateway_url,
+            "free_response_channels": [self.world.free],
+        }
         base.update(kw)
         return DiscordConfig(**base)
 
@@ -401,7 +401,7 @@ async def test_personal_commands_are_answered_ephemerally_in_servers_only(h):
     adapter = await h.start()
     w, fake = h.world, h.fake
     await fake.wait_until(lambda: adapter.commands_synced)
-    assert EPHEMERAL_IN_SERVERS == {"whoami", "status", "memory", "usage"}
+    assert {"whoami", "status", "memory", "usage"} == EPHEMERAL_IN_SERVERS
     for n, name in enumerate(sorted(EPHEMERAL_IN_SERVERS)):
         inter = fake.push_interaction(name, user_id=w.alice, channel_id=w.general)
         msg = (await h.wait_for(n + 1))[-1]
@@ -448,7 +448,7 @@ async def test_resume_replays_missed_and_duplicate_events_with_the_same_ids(h):
     await h.wait_for(3)
     assert [m.message_id for m in h.got] == [first["id"], first["id"], missed["id"]]  # dedupe is the gateway's
     assert fake.identify_count == 1 and adapter.status == "connected"
-    resume = [op for op in fake.gateway_ops("recv") if op["op"] == 6][0]["d"]
+    resume = next(op for op in fake.gateway_ops("recv") if op["op"] == 6)["d"]
     assert resume["token"] == "<ok>" and resume["seq"] >= 1
 
 

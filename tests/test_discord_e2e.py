@@ -266,7 +266,6 @@ def _recorded(app: GatewayApp, channel_id: str, message_id: str) -> bool:
 
 async def test_private_thread_is_its_own_tenant(rig, fake, fake_llm):
     from tenancy.keys import chat_tenant_id
-
     from tests.fakes.llm import tool_call
 
     private = fake.add_thread(fake.general, "hush", private=True)

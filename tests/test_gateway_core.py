@@ -13,7 +13,7 @@ from agent.sessions import SessionStore
 from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, group, say
-from tests.fakes.llm import memory_saving_responder, tool_call, reply
+from tests.fakes.llm import memory_saving_responder, reply, tool_call
 
 SECRET = "locker code 4711-QX"
 
@@ -255,7 +255,6 @@ async def test_commands_new_status_whoami_forget(config_for, fake_llm):
         assert "I like tea" in (await say(app, adapter, dm("ivy", "/memory")))[0]
         await say(app, adapter, dm("ivy", "/forget all"))
         assert "don't remember" in (await say(app, adapter, dm("ivy", "/memory")))[0]
-        old = app.profiles
         assert "new conversation" in (await say(app, adapter, dm("ivy", "/reset")))[0]
         helptext = (await say(app, adapter, dm("ivy", "/help")))[0]
         assert "/new" in helptext and "/pair" not in helptext
@@ -296,6 +295,7 @@ async def test_wrong_api_key_gives_one_clear_sentence(config_for, fake_llm, monk
 
 async def test_gateway_db_forgets_old_answered_ids_but_not_pending_ones(tmp_path):
     import time as _time
+
     from gateway.inbox import Inbox
 
     inbox = Inbox(tmp_path / "gateway.db")

@@ -237,7 +237,7 @@ async def test_third_account_joins_existing_link_and_unlink_splits_going_forward
 def test_memory_merge_sets_aside_oldest_entries_of_the_larger_side():
     a = [f"a{i}-" + "x" * 40 for i in range(10)]
     b = [f"b{i}-" + "y" * 40 for i in range(3)]
-    kept, dropped = combine_entries([a, b + [a[0]]], 400, "2026-01-01")
+    kept, dropped = combine_entries([a, [*b, a[0]]], 400, "2026-01-01")
     assert len("\n§\n".join(kept)) <= 400
     assert kept[0].startswith("(Accounts linked 2026-01-01")
     assert all(e in kept for e in b), "the smaller side keeps its entries"
@@ -462,8 +462,8 @@ async def test_link_merge_keeps_each_entrys_visibility(config_for, fake_llm):
 
 
 def test_merge_keeps_an_entry_private_when_any_copy_was_private():
-    from gateway.linking import combine_marks
     from agent.visibility import entry_key
+    from gateway.linking import combine_marks
 
     lists = [["both", "only-a"], ["both", "only-b"]]
     marks = [

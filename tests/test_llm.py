@@ -453,7 +453,7 @@ async def test_fake_strict_rejects_orphaned_tool_results(llm: FakeLLM) -> None:
         with pytest.raises(LLMError) as orphan:
             await c.chat([{"role": "user", "content": "hi"}, good[2]])
         with pytest.raises(LLMError):
-            await c.chat(good[:2] + [{"role": "user", "content": "unanswered call"}])
+            await c.chat([*good[:2], {"role": "user", "content": "unanswered call"}])
     assert orphan.value.kind == "bad_request"
     assert len(llm.violations) == 2 and llm.statuses == [200, 400, 400]
 

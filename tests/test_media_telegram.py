@@ -156,7 +156,7 @@ async def test_voice_note_transcript_is_the_message_text_and_is_searchable(tg, f
     tool_msgs = [m for m in fake_llm.requests[-1]["messages"] if m["role"] == "tool"]
     assert "pelican" in tool_msgs[-1]["content"]
     profile = profile_of(cfg, "telegram-111")
-    [(content, meta), _] = user_rows(profile)
+    [(content, _meta), _] = user_rows(profile)
     assert content == "please book the pelican restaurant for friday"
     assert voice in media_files(profile).values()  # the audio is kept
 
@@ -271,7 +271,7 @@ async def test_bot_token_never_reaches_logs_messages_exports_or_the_model(
         "chat": json.dumps(sent_texts).encode(),
         "transcription requests": repr(stt.requests).encode(),
     }
-    for path in list(profile.rglob("*")) + [cfg.data_dir / "gateway.db"]:
+    for path in [*list(profile.rglob("*")), cfg.data_dir / "gateway.db"]:
         if path.is_file():
             haystacks[str(path)] = path.read_bytes()
     for tar_path in (archive, backup):

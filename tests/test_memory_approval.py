@@ -139,5 +139,11 @@ async def test_an_approved_group_write_stays_shared(config_for, fake_llm):
         assert (await say(app, adapter, dm("gus", "/memory approve 2")))[0].startswith("Approved #2")
         stored = entries(app, "testchat-gus")
         assert sorted(stored) == ["my pin is in the drawer", "our team is Falcons"]
-        marks = dict(zip(stored, Marks(tenant_dir(app.cfg.data_dir, "testchat-gus") / "memories").of("memory", stored)))
+        marks = dict(
+            zip(
+                stored,
+                Marks(tenant_dir(app.cfg.data_dir, "testchat-gus") / "memories").of("memory", stored),
+                strict=False,
+            )
+        )
         assert marks == {"our team is Falcons": "shared", "my pin is in the drawer": "private"}

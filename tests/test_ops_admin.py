@@ -20,7 +20,6 @@ from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import memory_saving_responder
 
-
 ALICE = "alice-u9f3k2"
 SECRET = "alice's vault combination is 31-41-59"
 
@@ -172,7 +171,7 @@ async def test_backup_during_a_burst_is_consistent_and_restores(config_for, fake
                 await asyncio.sleep(0.01)
 
         async def take_backups():
-            for i in range(3):
+            for _i in range(3):
                 await asyncio.sleep(0.05)
                 busy_at_backup.append(app.lanes.depth())
                 backups.append(await asyncio.to_thread(backup_data_dir, cfg.data_dir, tmp_path / "backups"))

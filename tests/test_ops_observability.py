@@ -20,7 +20,6 @@ from gateway.observability import adapter_state, local_url, parse_listen
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import error
 
-
 # ----- a strict parser of the Prometheus text format -----------------------------------------
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
@@ -49,7 +48,7 @@ def parse_prometheus(text: str) -> tuple[dict[str, str], dict[tuple[str, frozens
         if raw_labels:
             consumed = "".join(x.group(0) for x in _LABEL.finditer(raw_labels))
             assert consumed == raw_labels, f"bad labels: {raw_labels!r}"
-            labels = {k: v for k, v in _LABEL.findall(raw_labels)}
+            labels = dict(_LABEL.findall(raw_labels))
         family = (
             re.sub(r"_(bucket|sum|count)$", "", name) if re.sub(r"_(bucket|sum|count)$", "", name) in types else name
         )
@@ -107,9 +106,9 @@ async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
         assert value(samples, "hermes_turn_duration_seconds_count", platform="telegram") == 3
         assert value(samples, "hermes_turn_duration_seconds_bucket", platform="telegram", le="+Inf") == 3
         buckets = sorted(
-            (float(dict(l)["le"]), v)
-            for (n, l), v in samples.items()
-            if n == "hermes_turn_duration_seconds_bucket" and dict(l)["platform"] == "telegram"
+            (float(dict(labels)["le"]), v)
+            for (n, labels), v in samples.items()
+            if n == "hermes_turn_duration_seconds_bucket" and dict(labels)["platform"] == "telegram"
         )
         assert [v for _, v in buckets] == sorted(v for _, v in buckets), "buckets must be cumulative"
         assert value(samples, "hermes_llm_errors_total", kind="auth") == 1
@@ -312,7 +311,7 @@ async def test_gateway_logs_json_with_ids_and_text_only_when_allowed(config_for,
         await app.stop()
         logging.getLogger().removeHandler(handler)
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    turns = [l for l in lines if l.get("turn_id") and l["msg"].startswith("turn ")]
+    turns = [r for r in lines if r.get("turn_id") and r["msg"].startswith("turn ")]
     assert len(turns) == len(people)
     assert len({t["turn_id"] for t in turns}) == len(people)
     for t in turns:
@@ -320,11 +319,11 @@ async def test_gateway_logs_json_with_ids_and_text_only_when_allowed(config_for,
     blob = stream.getvalue()
     assert "ABCDE-FGHJK" not in blob and "ABCDEFGHJK" not in blob  # codes are never logged
     if include_text:
-        texts = [l for l in lines if l["msg"].startswith("inbound text: private words")]
+        texts = [r for r in lines if r["msg"].startswith("inbound text: private words")]
         assert len(texts) == len(people)
-        for l in texts:  # each text is logged under its own sender's tenant (no crossed ids)
-            who = l["msg"].rsplit(" ", 1)[1]
-            assert l["tenant"] == f"telegram-{who}"
+        for r in texts:  # each text is logged under its own sender's tenant (no crossed ids)
+            who = r["msg"].rsplit(" ", 1)[1]
+            assert r["tenant"] == f"telegram-{who}"
         assert "/link [code]" in blob
     else:
         assert "private words" not in blob

@@ -16,8 +16,7 @@ import pytest
 import agent.sessions as sessions_mod
 import agent.sessions.db as session_db
 import agent.sessions.journal as journal_mod
-from agent.sessions.codec import msg_row
-from agent.messages import StoredMessage, new_uid
+from agent.messages import StoredMessage
 from agent.sessions import (
     DatabaseWriteError,
     JournalWriteError,
@@ -26,6 +25,7 @@ from agent.sessions import (
     StaleRouteError,
     UnknownSessionError,
 )
+from agent.sessions.codec import msg_row
 from agent.sessions.journal import Journal
 
 ODD = (
@@ -340,7 +340,7 @@ async def test_sqlite_only_message_is_journaled_on_open(profile: Path) -> None:
         pass
     assert orphan.uid in journal_uids(profile)
     assert_consistent(profile)
-    line = [d for d in jlines(profile, sid) if d.get("uid") == orphan.uid][0]
+    line = next(d for d in jlines(profile, sid) if d.get("uid") == orphan.uid)
     assert StoredMessage.from_json(line).to_json() == orphan.to_json()
 
 

@@ -178,7 +178,7 @@ async def test_skills_are_per_tenant_and_in_export_backup_and_delete(config_for,
         await say(app, adapter, dm("dan", "hello"))
         assert "brew-tea" not in fake_llm.requests[-1]["messages"][0]["content"]
         assert not (tenant_dir(app.cfg.data_dir, "testchat-dan") / "skills" / "brew-tea").exists()
-        [exported] = await say(app, adapter, dm("cat", "/export"))
+        [_exported] = await say(app, adapter, dm("cat", "/export"))
         out_dir = tenant_dir(app.cfg.data_dir, "testchat-cat") / "exports"
         data = json.loads(next(out_dir.glob("export-*.json")).read_text("utf-8"))
         assert data["skills"] == [{"name": "brew-tea", "description": "Tea", "content": "1. boil"}]

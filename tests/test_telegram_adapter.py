@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
@@ -10,15 +11,15 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from telegram.warnings import PTBUserWarning
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from telegram.warnings import PTBUserWarning
 
 from adapters.base import DeliveryDeferred, InboundMessage, OutboundMessage, SentMessage
 from adapters.telegram import TelegramAdapter, doctor, telegram_commands
@@ -546,10 +547,10 @@ async def test_flood_gate_keeps_telegrams_published_limits():
         return out
 
     private = await times(["111"] * 3)
-    assert [b - a for a, b in zip(private, private[1:])] == [1.0, 1.0]  # 1 message/s in a chat
+    assert [b - a for a, b in itertools.pairwise(private)] == [1.0, 1.0]  # 1 message/s in a chat
     clock.t += 120
     group = await times(["-100200"] * 45)
-    assert all(b - a >= 1.0 for a, b in zip(group, group[1:]))
+    assert all(b - a >= 1.0 for a, b in itertools.pairwise(group))
     assert all(group[i + 20] - group[i] >= 60.0 for i in range(len(group) - 20))  # 20/min in a group
     assert group[19] - group[0] == 19.0  # no slower than it has to be
     clock.t += 120
@@ -588,7 +589,7 @@ async def test_sends_are_paced_per_chat_and_per_group_at_the_bot_api(tg):
     assert [m["text"] for m in private] == [f"private {i}" for i in range(4)]  # in order, once each
     assert [m["text"] for m in group] == [f"group {i}" for i in range(5)]
     at = [m["_at"] for m in private]
-    assert all(b - a >= 0.25 for a, b in zip(at, at[1:])), at  # 0.3 s apart, minus arrival jitter
+    assert all(b - a >= 0.25 for a, b in itertools.pairwise(at)), at  # 0.3 s apart, minus arrival jitter
     gat = [m["_at"] for m in group]
     assert all(gat[i + 3] - gat[i] >= 0.9 for i in range(len(gat) - 3)), gat  # 3 per second
     assert [s for m, s in tg.responses if m == "sendMessage"] == [200] * 9  # ahead of any 429
@@ -608,7 +609,7 @@ async def test_a_429_holds_that_chat_and_every_chunk_lands_once(tg):
         assert other is not None and all(await asyncio.gather(first, second))
     texts = [m["text"] for m in tg.sent_messages(111)]
     assert sorted(texts) == ["first", "second"]  # each exactly once
-    held = [m for m in tg.sent_messages(111)]
+    held = list(tg.sent_messages(111))
     assert all(m["_at"] - refused_at >= 0.8 for m in held)  # nothing into 111 during the hold
     assert tg.sent_messages(222)[0]["_at"] < min(m["_at"] for m in held)  # other chats go on
     assert [s for m, s in tg.responses if m == "sendMessage"] == [429, 200, 200, 200]
@@ -770,9 +771,8 @@ async def test_webhook_checks_the_secret(tg, webhook_env):
         bad = tg.push_private(111, "forged")
         assert await tg.post_to_webhook(bad, url=local, secret_token="wrong") == 403
         assert await tg.post_to_webhook(bad, url=local, secret_token=None) == 403
-        async with aiohttp.ClientSession() as s:
-            async with s.get(local) as resp:
-                assert resp.status in (403, 405)
+        async with aiohttp.ClientSession() as s, s.get(local) as resp:
+            assert resp.status in (403, 405)
         assert rec.calls == 0
         good = tg.push_private(111, "genuine", username="alice")
         assert await tg.post_to_webhook(good, url=local) == 200
@@ -856,8 +856,8 @@ def test_markdown_to_html_examples():
 
 
 _md_alphabet = st.sampled_from(
-    list("ab *_~`|#>[]()<&\n-:")
-    + [
+    [
+        *list("ab *_~`|#>[]()<&\n-:"),
         "```",
         "```py\n",
         "~~~",

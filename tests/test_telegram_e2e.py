@@ -82,7 +82,7 @@ def free_port() -> int:
 
 
 async def test_dm_conversation(tg, fake_llm, config_for):
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         assert [c["command"] for c in tg.commands][:2] == ["help", "new"]
         one = tg.push_private(111, "/start", first_name="Alice", username="alice")
         [greeting] = await answered(tg, app, 1, 111)
@@ -112,7 +112,7 @@ async def test_unknown_dm_user_gets_a_pairing_code_that_an_admin_approves(tg, fa
         tg,
         sections={"access": {"allowed_users": ["telegram:111"], "admins": ["telegram:111"], "unauthorized_dm": "pair"}},
     )
-    async with gateway(cfg) as (app, adapter):
+    async with gateway(cfg) as (app, _adapter):
         tg.push_private(222, "hello?")
         [notice] = await answered(tg, app, 1, 222)
         code = re.search(r"pairing code is (\S+?)\.", notice["text"]).group(1)
@@ -132,7 +132,7 @@ async def test_unknown_dm_user_gets_a_pairing_code_that_an_admin_approves(tg, fa
 
 async def test_two_group_members_have_separate_lanes_and_memories(tg, fake_llm, config_for):
     fake_llm.responder = memory_saving_responder
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         a1 = tg.push_group(GROUP, 1, f"@{BOT} remember that my {SECRET}", username="alice")
         sent = await answered(tg, app, 1, GROUP)
         assert sent[0]["text"].startswith("done:")
@@ -159,7 +159,7 @@ async def test_two_group_members_have_separate_lanes_and_memories(tg, fake_llm, 
 
 
 async def test_mention_gating(tg, fake_llm, config_for):
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         tg.push_group(GROUP, 1, "anyone up for lunch-7Q?")
         tg.push_group(GROUP, 2, "@someone_else ping-8Z")
         tg.push_group(GROUP, 3, "/help@another_bot")
@@ -183,7 +183,7 @@ async def test_mention_gating(tg, fake_llm, config_for):
 
 
 async def test_forum_topic(tg, fake_llm, config_for):
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         tg.ensure_topic(FORUM, 42, "Planning")
         first = tg.push_topic(FORUM, 42, 1, f"@{BOT} start planning", username="alice")
         [sent] = await answered(tg, app, 1, FORUM)
@@ -221,7 +221,7 @@ async def test_long_reply_with_code_fences(tg, fake_llm, config_for):
     assert len(text) >= 10_000
     code_lines = [line for line in text.split("\n") if line.startswith("value_")]
     fake_llm.script(reply(text))
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         asked = tg.push_private(111, "explain everything")
         await tg.wait_sent(3, 111, timeout=20)
         assert await app.drain(20)
@@ -242,12 +242,12 @@ async def test_long_reply_with_code_fences(tg, fake_llm, config_for):
         assert "compute(" not in outside
     # nothing lost, nothing doubled, in order
     visible_lines = [line for m in sent for line in m["text"].split("\n") if line.startswith("value_")]
-    assert visible_lines == [line for line in code_lines]
+    assert visible_lines == list(code_lines)
 
 
 async def test_flood_control_on_first_send(tg, fake_llm, config_for):
     tg.fail_next("sendMessage", status=429, retry_after=1)
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         asked = tg.push_private(111, "hi")
         [sent] = await answered(tg, app, 1, 111)
         await asyncio.sleep(0.3)
@@ -257,7 +257,7 @@ async def test_flood_control_on_first_send(tg, fake_llm, config_for):
 
 
 async def test_bot_removed_from_group_is_not_retried(tg, fake_llm, config_for):
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         tg.fail_next("sendMessage", status=403, description="Forbidden: bot was kicked from the supergroup chat")
         tg.push_group(GROUP, 1, f"@{BOT} hello")
         await tg.wait_for(lambda: len(tg.calls_of("sendMessage")) >= 1)
@@ -271,7 +271,7 @@ async def test_bot_removed_from_group_is_not_retried(tg, fake_llm, config_for):
 
 async def test_restart_with_updates_queued_while_down(tg, fake_llm, config_for):
     cfg = tg_config(config_for, tg)
-    async with gateway(cfg) as (app, adapter):
+    async with gateway(cfg) as (app, _adapter):
         one = tg.push_private(111, "one")
         await answered(tg, app, 1, 111)
 
@@ -282,7 +282,7 @@ async def test_restart_with_updates_queued_while_down(tg, fake_llm, config_for):
     four = tg.push_private(111, "four")
     tg.updates.insert(0, one.update)
 
-    async with gateway(cfg) as (app, adapter):
+    async with gateway(cfg) as (app, _adapter):
         await tg.wait_sent(3, 111, timeout=20)
         await tg.wait_sent(1, GROUP, timeout=20)
         await tg.wait_acked()
@@ -297,7 +297,7 @@ async def test_restart_with_updates_queued_while_down(tg, fake_llm, config_for):
 
 
 async def test_redelivered_update_is_answered_once(tg, fake_llm, config_for):
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         one = tg.push_private(111, "only once")
         await answered(tg, app, 1, 111)
         tg.push_update({"message": one.update["message"]})  # the same message in a new update
@@ -325,7 +325,7 @@ async def test_webhook_with_wrong_secret(tg, fake_llm, config_for, monkeypatch):
             "secret_token_env": SECRET_ENV,
         },
     )
-    async with gateway(cfg) as (app, adapter):
+    async with gateway(cfg) as (app, _adapter):
         await tg.wait_for(lambda: tg.webhook["url"] == f"http://127.0.0.1:{port}/telegram")
         assert tg.webhook["secret_token"] == "right-secret_123"
         update = tg.push_private(111, "via webhook")
@@ -347,7 +347,7 @@ async def test_webhook_with_wrong_secret(tg, fake_llm, config_for, monkeypatch):
 
 
 async def test_lone_surrogate_text_is_refused_clearly_and_acknowledged(tg, fake_llm, config_for):
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         # "@hermes_test_bot hi \ud800": the mention entity makes the adapter slice UTF-16
         text = f"@{BOT} hi \ud800 there"
         tg.push_group(GROUP, 222, text, entities=[{"type": "mention", "offset": 0, "length": len(BOT) + 1}])
@@ -369,7 +369,7 @@ async def test_shared_group_new_undo_forget_need_a_telegram_chat_admin(tg, fake_
     )
     tg.chat_admins[GROUP][9] = "administrator"
     tg.chat_admins[GROUP][8] = "creator"
-    async with gateway(cfg) as (app, adapter):
+    async with gateway(cfg) as (app, _adapter):
         tg.push_group(GROUP, 2, f"@{BOT} the plan is the blue door", username="bob")
         await answered(tg, app, 1, GROUP)
         for i, command in enumerate(("/new", "/undo", "/forget"), start=2):
@@ -387,7 +387,7 @@ async def test_shared_group_new_undo_forget_need_a_telegram_chat_admin(tg, fake_
 
 async def test_whoami_in_a_group_points_to_a_private_chat(tg, fake_llm, config_for):
     cfg = tg_config(config_for, tg, {"tenancy": {"identity_links": {"alice": ["telegram:1", "discord:77"]}}})
-    async with gateway(cfg) as (app, adapter):
+    async with gateway(cfg) as (app, _adapter):
         tg.push_group(GROUP, 1, "/whoami", username="alice")
         [sent] = await answered(tg, app, 1, GROUP)
         assert "private chat" in sent["text"] and "discord:77" not in sent["text"]
@@ -399,7 +399,7 @@ async def test_whoami_in_a_group_points_to_a_private_chat(tg, fake_llm, config_f
 
 async def test_link_code_pasted_in_a_telegram_group_is_burnt(tg, fake_llm, config_for):
     code_re = re.compile(r"\b([A-Z2-9]{5}-[A-Z2-9]{5})\b")
-    async with gateway(tg_config(config_for, tg, {"limits": {"rate_limit_per_minute": 100}})) as (app, adapter):
+    async with gateway(tg_config(config_for, tg, {"limits": {"rate_limit_per_minute": 100}})) as (app, _adapter):
         tg.push_private(1, "/link", username="alice")
         [issued] = await answered(tg, app, 1, 1)
         code = code_re.search(issued["text"]).group(1)
@@ -420,7 +420,7 @@ async def test_link_code_pasted_in_a_group_without_mention_is_burnt(tg, fake_llm
     link code in one is still burnt, and nothing is answered or recorded for it."""
     from tests.test_linking import CODE_RE
 
-    async with gateway(tg_config(config_for, tg)) as (app, adapter):
+    async with gateway(tg_config(config_for, tg)) as (app, _adapter):
         tg.push_private(111, "/link", username="alice")
         [issued] = await answered(tg, app, 1, 111)
         code = CODE_RE.search(issued["text"]).group(1)

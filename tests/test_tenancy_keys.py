@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -275,7 +276,7 @@ def test_personal_memory_modes(mode):
 
 def test_lane_is_frozen():
     lane = resolve_lane(msg(), cfg(), NO_LINKS)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         lane.tenant_id = "other"  # type: ignore[misc]
 
 
@@ -489,7 +490,7 @@ def key_identity(m: InboundMessage, c: TenancyConfig) -> tuple:
 def lane_identity(m: InboundMessage, c: TenancyConfig) -> tuple:
     """What makes a lane: the key's identity plus, in a DM, the person it belongs to."""
     ident = key_identity(m, c)
-    return ident + (m.user_id,) if ident[0] == "dm" else ident
+    return (*ident, m.user_id) if ident[0] == "dm" else ident
 
 
 def key_shape(ident: tuple) -> tuple:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-import socket
-
 import hashlib
+import logging
 import shutil
+import socket
 
 import pytest
 import tiktoken_ext.openai_public as openai_public

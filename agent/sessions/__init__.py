@@ -24,12 +24,12 @@ from agent.sessions.store import FsyncPolicy, SessionStore
 
 __all__ = [
     "BATCH_FSYNC_INTERVAL",
-    "DatabaseWriteError",
-    "FsyncPolicy",
-    "JournalWriteError",
     "SCHEMA",
     "SCHEMA_VERSION",
     "SEARCH_MAX_LIMIT",
+    "DatabaseWriteError",
+    "FsyncPolicy",
+    "JournalWriteError",
     "SessionStore",
     "SessionStoreError",
     "StaleRouteError",

@@ -16,7 +16,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,7 +28,7 @@ MAX_OPEN_JOURNALS = 8  # per profile: descriptors of its most recently written j
 
 
 class Syncer(Protocol):
-    def wake(self, journal: "Journal") -> None: ...
+    def wake(self, journal: Journal) -> None: ...
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ class Journal:
 
     def new_session_id(self) -> str:
         while True:
-            sid = f"{datetime.now(timezone.utc).strftime('%Y%m%d_%H%M%S')}_{secrets.token_hex(4)}"
+            sid = f"{datetime.now(UTC).strftime('%Y%m%d_%H%M%S')}_{secrets.token_hex(4)}"
             if not self.path(sid).exists():
                 return sid
 
@@ -85,7 +85,7 @@ class Journal:
                 old_sid, old_fd = self._fds.popitem(last=False)
                 evicted.append((old_sid, old_fd, old_sid in self._dirty))
                 self._dirty.discard(old_sid)
-        for old_sid, old_fd, dirty in evicted:
+        for _sid, old_fd, dirty in evicted:
             try:
                 if dirty:  # close()/sync() could not reach it once closed
                     os.fsync(old_fd)

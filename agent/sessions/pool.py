@@ -38,7 +38,7 @@ class GroupSyncer:
         self._thread: threading.Thread | None = None
         self._stopping = False
 
-    def wake(self, journal: "Journal") -> None:
+    def wake(self, journal: Journal) -> None:
         """Called (from any thread) after `journal` was written without fsync."""
         with self._cond:
             self._dirty.add(journal)

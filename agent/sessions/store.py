@@ -78,7 +78,7 @@ class _Soft:
         for sid, text in self.states.items():
             q.put_compression_state(db, sid, text, ts)
 
-    def merge_older(self, older: "_Soft") -> None:
+    def merge_older(self, older: _Soft) -> None:
         """Put back writes of a failed call under newer ones queued meanwhile."""
         for sid, (i, o) in older.usage.items():
             cur = self.usage.setdefault(sid, [0, 0])
@@ -132,7 +132,7 @@ class SessionStore:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def open(self) -> "SessionStore":
+    async def open(self) -> SessionStore:
         """Open state.db (schema only when its version is older) and reconcile it with the journals."""
         if self._db is not None:
             return self
@@ -201,7 +201,7 @@ class SessionStore:
         """Fsync every journal written since the last fsync, whatever the policy."""
         await self._call(lambda c: c.journal.fsync_dirty(True))
 
-    async def __aenter__(self) -> "SessionStore":
+    async def __aenter__(self) -> SessionStore:
         return await self.open()
 
     async def __aexit__(

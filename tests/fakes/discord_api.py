@@ -28,8 +28,9 @@ import json
 import re
 import secrets
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 from aiohttp import WSMsgType, web
 
@@ -51,7 +52,7 @@ _MENTION_ROLE = re.compile(r"<@&(\d+)>")
 
 
 def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
+    return datetime.now(UTC).isoformat()
 
 
 class _Snowflakes:
@@ -124,7 +125,7 @@ class FakeDiscord:
         self.port = 0
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self, port: int = 0) -> "FakeDiscord":
+    async def start(self, port: int = 0) -> FakeDiscord:
         """Serve on 127.0.0.1:`port` (0 = any). A stopped fake can be started again
         (same state, e.g. same port) to model an outage."""
         app = web.Application()
@@ -145,7 +146,7 @@ class FakeDiscord:
             await self._runner.cleanup()
             self._runner = None
 
-    async def __aenter__(self) -> "FakeDiscord":
+    async def __aenter__(self) -> FakeDiscord:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:

@@ -42,36 +42,36 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 __all__ = [
+    "CANARY_RE",
     "FakeLLM",
     "Response",
+    "assistant_message",
+    "canaries_in",
+    "canary_repeater",
+    "context_length_error",
+    "default_responder",
+    "disconnect",
+    "error",
+    "hang",
+    "image_urls",
+    "is_review_request",
+    "last_user_text",
+    "memory_saving_responder",
+    "message_text",
+    "offered_tools",
+    "paused",
+    "prompt_chars",
     "reply",
     "tool_call",
     "tool_calls",
-    "assistant_message",
-    "error",
-    "context_length_error",
-    "hang",
-    "paused",
-    "disconnect",
-    "default_responder",
-    "memory_saving_responder",
-    "canary_repeater",
-    "canaries_in",
-    "CANARY_RE",
-    "when_user_says",
     "when_reviewing",
-    "is_review_request",
-    "offered_tools",
-    "last_user_text",
-    "image_urls",
-    "message_text",
-    "prompt_chars",
+    "when_user_says",
 ]
 
 
@@ -96,8 +96,8 @@ class Response:
     pause_after_chars: int | None = None
 
 
-Responder = Callable[[dict[str, Any]], Union["ResponseLike", Awaitable["ResponseLike"]]]
-ResponseLike = Union[Response, str, None, Responder]
+Responder = Callable[[dict[str, Any]], "ResponseLike | Awaitable[ResponseLike]"]
+ResponseLike = Response | str | None | Responder
 
 
 def assistant_message(
@@ -417,7 +417,7 @@ def _violations(body: Any) -> list[str]:
         problems.append("'model' is required")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        return problems + ["'messages' must be a non-empty list"]
+        return [*problems, "'messages' must be a non-empty list"]
     if "stream_options" in body and not body.get("stream"):
         problems.append("'stream_options' is only allowed when 'stream' is true")
     pending: dict[str, int] = {}
@@ -577,7 +577,7 @@ class FakeLLM:
 
     # ------------------------------------------------------------------ scripting
 
-    def script(self, *responses: ResponseLike) -> "FakeLLM":
+    def script(self, *responses: ResponseLike) -> FakeLLM:
         """Queue responses, consumed one per chat request in order (then the responder)."""
         self._queue.extend(responses)
         return self
@@ -629,7 +629,7 @@ class FakeLLM:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> "FakeLLM":
+    async def start(self) -> FakeLLM:
         if self._runner is not None:
             return self
         self._loop = asyncio.get_running_loop()
@@ -655,13 +655,13 @@ class FakeLLM:
         runner, self._runner = self._runner, None
         await runner.cleanup()
 
-    async def __aenter__(self) -> "FakeLLM":
+    async def __aenter__(self) -> FakeLLM:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def start_in_thread(self) -> "FakeLLM":
+    def start_in_thread(self) -> FakeLLM:
         """Serve from a background thread with its own loop (for blocking tests)."""
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -694,7 +694,7 @@ class FakeLLM:
         self._thread.join(10)
         self._thread = None
 
-    def __enter__(self) -> "FakeLLM":
+    def __enter__(self) -> FakeLLM:
         return self.start_in_thread()
 
     def __exit__(self, *exc: object) -> None:
@@ -804,7 +804,7 @@ class FakeLLM:
             try:
                 await asyncio.wait_for(self._stopping.wait(), resp.delay_s)
                 return None  # server stopping: drop the connection
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         if resp.kind == "default":
             resp = replace(

@@ -51,13 +51,14 @@ import json
 import re
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-__all__ = ["FakeTelegram", "Pushed", "utf16_len", "make_entities"]
+__all__ = ["FakeTelegram", "Pushed", "make_entities", "utf16_len"]
 
 BOT_ID = 987654321
 BOT_USERNAME = "hermes_test_bot"
@@ -253,7 +254,7 @@ class FakeTelegram:
 
     # ----------------------------------------------------------------- lifecycle
 
-    async def __aenter__(self) -> "FakeTelegram":
+    async def __aenter__(self) -> FakeTelegram:
         await self.start()
         return self
 
@@ -349,12 +350,12 @@ class FakeTelegram:
                 while not predicate():
                     try:
                         await asyncio.wait_for(self._changed.wait(), 0.05)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
 
         try:
             await asyncio.wait_for(waiter(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AssertionError(f"FakeTelegram: condition not met within {timeout}s") from None
 
     async def wait_sent(self, n: int, chat_id: int | str | None = None, timeout: float = 10.0) -> list[dict[str, Any]]:
@@ -602,9 +603,7 @@ class FakeTelegram:
         chat = self.chats[chat_id]
         user = self._user(user_id, is_bot=is_bot, username=username)
         ents = make_entities(text) if entities is None else entities
-        reply = (
-            self._reply_stub(chat_id, reply_to_message_id) if reply_to_message_id else {k: v for k, v in root.items()}
-        )
+        reply = self._reply_stub(chat_id, reply_to_message_id) if reply_to_message_id else dict(root.items())
         msg = self._new_message(
             chat,
             user,
@@ -634,7 +633,7 @@ class FakeTelegram:
         return self._push_message("channel_post", msg)
 
     async def post_to_webhook(
-        self, update: dict[str, Any] | Pushed, *, url: str | None = None, secret_token: str | None | bool = True
+        self, update: dict[str, Any] | Pushed, *, url: str | None = None, secret_token: str | bool | None = True
     ) -> int:
         """POST an update to the registered webhook the way Telegram does; returns the HTTP
         status. `secret_token=True` sends the registered secret, None/False sends none, a
@@ -648,10 +647,9 @@ class FakeTelegram:
         secret = self.webhook.get("secret_token") if secret_token is True else secret_token
         if secret:
             headers["X-Telegram-Bot-Api-Secret-Token"] = secret
-        async with aiohttp.ClientSession() as session:
-            async with session.post(target, json=update, headers=headers) as resp:
-                await resp.read()
-                return resp.status
+        async with aiohttp.ClientSession() as session, session.post(target, json=update, headers=headers) as resp:
+            await resp.read()
+            return resp.status
 
     # ----------------------------------------------------------------- HTTP
 
@@ -811,7 +809,7 @@ class FakeTelegram:
                     return self._ok("getUpdates", [])
                 try:
                     await asyncio.wait_for(self._changed.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     def _chat_or_error(self, method: str, chat_id: Any) -> dict[str, Any] | web.Response:
@@ -870,9 +868,7 @@ class FakeTelegram:
                 if not allow_without:
                     return self._error("sendMessage", 400, "Bad Request: message to be replied not found")
         elif "message_thread_id" in extra:
-            extra["reply_to_message"] = {
-                k: v for k, v in self.messages[(chat["id"], extra["message_thread_id"])].items()
-            }
+            extra["reply_to_message"] = dict(self.messages[(chat["id"], extra["message_thread_id"])].items())
         msg = self._new_message(chat, dict(self.bot_user), text, **extra)
         record = dict(msg)
         record["_params"] = dict(params)
@@ -931,9 +927,8 @@ class FakeTelegram:
             member["is_anonymous"] = False
         elif status == "administrator":
             member.update(
-                {
-                    k: True
-                    for k in (
+                dict.fromkeys(
+                    (
                         "can_be_edited",
                         "can_manage_chat",
                         "can_delete_messages",
@@ -944,8 +939,9 @@ class FakeTelegram:
                         "can_post_stories",
                         "can_edit_stories",
                         "can_delete_stories",
-                    )
-                },
+                    ),
+                    True,
+                ),
                 is_anonymous=False,
                 can_promote_members=False,
             )

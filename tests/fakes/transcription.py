@@ -37,7 +37,7 @@ class FakeTranscription:
     def fail_next(self, status: int = 500) -> None:
         self._fail.append(status)
 
-    async def start(self) -> "FakeTranscription":
+    async def start(self) -> FakeTranscription:
         app = web.Application(client_max_size=50 * 1024 * 1024)
         app.router.add_post("/v1/audio/transcriptions", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
@@ -52,7 +52,7 @@ class FakeTranscription:
             await self._runner.cleanup()
             self._runner = None
 
-    async def __aenter__(self) -> "FakeTranscription":
+    async def __aenter__(self) -> FakeTranscription:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -118,3 +119,19 @@ async def say(app, adapter: RecordingAdapter, msg: InboundMessage, timeout: floa
     await adapter.sink(msg)
     assert await app.drain(timeout), "turn did not finish"
     return [m.text for m in adapter.sent[before:]]
+
+
+@asynccontextmanager
+async def running_gateway(config_for, **sections):
+    """A started GatewayApp with one RecordingAdapter ("testchat"), stopped afterwards;
+    `sections` override the config (rate limit raised so tests never hit it)."""
+    from gateway.app import GatewayApp
+
+    sections.setdefault("limits", {"rate_limit_per_minute": 1000})
+    adapter = RecordingAdapter()
+    app = GatewayApp(config_for(**sections), [adapter])
+    await app.start()
+    try:
+        yield app, adapter
+    finally:
+        await app.stop()

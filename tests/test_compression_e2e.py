@@ -15,8 +15,7 @@ from agent.compression_stages import (
     compute_threshold_tokens,
     is_summary_request,
 )
-from gateway.app import GatewayApp
-from tests.conftest import RecordingAdapter, dm, say
+from tests.conftest import dm, running_gateway, say
 from tests.fakes.llm import error, message_text, prompt_chars, reply, tool_call, tool_calls
 
 CTX = 4000  # llm.context_length in these tests
@@ -63,18 +62,10 @@ class Model:
         return reply(self.reply_text)
 
 
-@asynccontextmanager
-async def gateway(config_for, **sections):
-    sections.setdefault("llm", {})
-    sections["llm"] = {"context_length": CTX, **sections["llm"]}
-    sections.setdefault("limits", {"rate_limit_per_minute": 1000})
-    adapter = RecordingAdapter()
-    app = GatewayApp(config_for(**sections), [adapter])
-    await app.start()
-    try:
-        yield app, adapter
-    finally:
-        await app.stop()
+def gateway(config_for, **sections):
+    """A running gateway with this file's small context window."""
+    sections["llm"] = {"context_length": CTX, **sections.get("llm", {})}
+    return running_gateway(config_for, **sections)
 
 
 @asynccontextmanager

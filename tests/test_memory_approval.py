@@ -4,24 +4,11 @@ approves them (/memory pending|approve N|reject N), `block` refuses them with a 
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
 
-from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
-from tests.conftest import RecordingAdapter, dm, group, say
+from tests.conftest import dm, group, say
+from tests.conftest import running_gateway as gateway
 from tests.fakes.llm import memory_saving_responder, reply, tool_call, when_reviewing
-
-
-@asynccontextmanager
-async def gateway(config_for, **sections):
-    sections.setdefault("limits", {"rate_limit_per_minute": 1000})
-    adapter = RecordingAdapter()
-    app = GatewayApp(config_for(**sections), [adapter])
-    await app.start()
-    try:
-        yield app, adapter
-    finally:
-        await app.stop()
 
 
 def entries(app, tenant: str, target: str = "memory") -> list[str]:

@@ -7,15 +7,14 @@ import asyncio
 import json
 import logging
 import re
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 from agent.compression_stages import is_summary_request
 from agent.review import GROUP_NOTE
 from agent.visibility import GROUP_LANE, Marks
-from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
-from tests.conftest import RecordingAdapter, dm, group, say
+from tests.conftest import dm, group, say
+from tests.conftest import running_gateway as gateway
 from tests.fakes.llm import (
     error,
     hang,
@@ -26,18 +25,6 @@ from tests.fakes.llm import (
     tool_call,
     when_reviewing,
 )
-
-
-@asynccontextmanager
-async def gateway(config_for, **sections):
-    sections.setdefault("limits", {"rate_limit_per_minute": 1000})
-    adapter = RecordingAdapter()
-    app = GatewayApp(config_for(**sections), [adapter])
-    await app.start()
-    try:
-        yield app, adapter
-    finally:
-        await app.stop()
 
 
 def memory_file(app, tenant: str, target: str = "user") -> Path:

@@ -570,7 +570,7 @@ class DiscordAdapter:
             inbound = InboundMessage(
                 platform="discord",
                 chat_id=chat_id,
-                chat_type=chat_type,  # type: ignore[arg-type]
+                chat_type=chat_type,
                 thread_id=thread_id,
                 private_thread=private,
                 user_id=str(interaction.user.id),
@@ -755,7 +755,7 @@ class DiscordAdapter:
         return InboundMessage(
             platform="discord",
             chat_id=chat_id,
-            chat_type=chat_type,  # type: ignore[arg-type]
+            chat_type=chat_type,
             thread_id=thread_id,
             private_thread=private,
             user_id=str(author.id),
@@ -882,9 +882,9 @@ class DiscordAdapter:
         try:
             sent_msg = await channel.send(
                 content=text,
-                reference=reference,
-                allowed_mentions=NO_PINGS,  # type: ignore[arg-type]
-                nonce=message.nonce,
+                reference=reference,  # type: ignore[arg-type]  # overloads omit None; send() accepts it
+                allowed_mentions=NO_PINGS,
+                nonce=message.nonce,  # type: ignore[arg-type]  # overloads omit None; send() draws one
             )  # None: discord.py draws one
         except (discord.Forbidden, discord.NotFound) as exc:
             self._warn_channel_once(channel_id, "send", exc)

@@ -17,7 +17,7 @@ import os
 import re
 import time
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from telegram import Bot, BotCommand, Message, ReplyParameters, Update
@@ -78,10 +78,13 @@ class _Redactor(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             if record.name == "telegram.Bot" and isinstance(record.msg, str) and record.args:
+                # PTB's telegram.Bot logs with positional args (a tuple); a mapping would raise
+                # on [0] and be caught below, exactly as without the cast
+                args = cast(tuple[object, ...], record.args)
                 if record.msg.startswith("Calling Bot API endpoint"):
-                    record.msg, record.args = "Calling Bot API endpoint `%s`", (record.args[0],)
+                    record.msg, record.args = "Calling Bot API endpoint `%s`", (args[0],)
                 elif record.msg.startswith("Call to Bot API endpoint"):
-                    record.msg, record.args = "Call to Bot API endpoint `%s` finished", (record.args[0],)
+                    record.msg, record.args = "Call to Bot API endpoint `%s` finished", (args[0],)
             if not self.secrets:
                 return True
             message = record.getMessage()
@@ -563,7 +566,7 @@ class TelegramAdapter:
         bot's post) to `overheard`, so a link code pasted there is still burnt."""
         if self.overheard is None:
             return
-        message = next(
+        message: dict[str, Any] = next(
             (
                 raw[k]
                 for k in ("message", "edited_message", "channel_post", "edited_channel_post")
@@ -571,7 +574,8 @@ class TelegramAdapter:
             ),
             {},
         )
-        chat = message.get("chat") if isinstance(message.get("chat"), dict) else {}
+        sub = message.get("chat")
+        chat = sub if isinstance(sub, dict) else {}
         text = message.get("text") or message.get("caption") or ""
         if chat.get("type") in (None, "private") or not isinstance(text, str) or not text:
             return
@@ -691,6 +695,8 @@ class TelegramAdapter:
 
     def _on_my_chat_member(self, update: Update) -> None:
         change = update.my_chat_member
+        if change is None:  # normalize() calls this only when it is set
+            return
         chat_id = str(change.chat.id)
         status = change.new_chat_member.status
         if status in ("left", "kicked"):
@@ -763,6 +769,7 @@ class TelegramAdapter:
             user_id = str(message.sender_chat.id if message.sender_chat else chat.id)
             user_name = chat.title or chat.username or ""
         else:
+            assert sender is not None  # non-channel chats returned above when it is None
             user_id = str(sender.id)
             user_name = sender.username or sender.full_name or ""
         message_id = str(message.message_id)

@@ -334,7 +334,7 @@ def prune_tool_results(
         for tc in it["tool_calls"]:
             fn = tc.get("function") if isinstance(tc, dict) else None
             args = fn.get("arguments") if isinstance(fn, dict) else None
-            if isinstance(args, str) and len(args) > TOOL_ARGS_PRUNE_CHARS:
+            if isinstance(fn, dict) and isinstance(args, str) and len(args) > TOOL_ARGS_PRUNE_CHARS:
                 shrunk = shrink_tool_args(args)
                 if shrunk != args:
                     tc = {**tc, "function": {**fn, "arguments": shrunk}}

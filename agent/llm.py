@@ -649,7 +649,8 @@ def _normalize_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
     for call in calls:
         if not isinstance(call, dict):
             continue
-        fn = call.get("function") if isinstance(call.get("function"), dict) else call
+        sub = call.get("function")
+        fn = sub if isinstance(sub, dict) else call
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             continue

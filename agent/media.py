@@ -96,7 +96,7 @@ def _inline_sync(wire: list[dict[str, Any]], profile_path: Path) -> list[dict[st
         if not isinstance(content, list):
             out.append(msg)
             continue
-        parts = []
+        parts: list[Any] = []
         for part in content:
             url = (part.get("image_url") or {}).get("url", "") if isinstance(part, dict) else ""
             if isinstance(url, str) and url.startswith(PLACEHOLDER_SCHEME):

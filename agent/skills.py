@@ -143,7 +143,7 @@ class SkillStore:
                     f"Refused: {reason}. Skills go into the system prompt and must not contain "
                     "injection or exfiltration payloads, or secrets."
                 )
-        if description is not None and "\n" in description.strip():
+        if isinstance(description, str) and "\n" in description.strip():
             return _fail("'description' must be one line.")
         return None
 

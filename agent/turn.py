@@ -261,7 +261,7 @@ class Agent:
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:
         """End the lane's session (if any) and route the lane to a fresh one (/new)."""
         old = await profile.sessions.route(lane.session_key)
-        kwargs = {"source": place.platform, "user_id": lane.principal, "model": self.cfg.llm.model}
+        kwargs: dict[str, Any] = {"source": place.platform, "user_id": lane.principal, "model": self.cfg.llm.model}
         if old is None:
             session_id = await profile.sessions.start_session(lane.session_key, **kwargs)
         else:
@@ -519,7 +519,7 @@ class Agent:
 
     async def _provider_memory_write(self, ctx: TurnContext, args: Any, result: str) -> None:
         """Mirror a successful built-in memory write to the external provider."""
-        if not ctx.provider_access.write:
+        if ctx.profile.provider is None or not ctx.provider_access.write:  # the caller checks the provider
             return
         try:
             if not json.loads(result).get("success"):

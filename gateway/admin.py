@@ -131,7 +131,8 @@ def tenant_info(path: Path) -> TenantInfo:
         merged = json.loads((path / RETIRED_MARKER).read_text(encoding="utf-8")).get("tenant")
     except (OSError, ValueError, AttributeError):
         pass
-    tid = manifest.get("tenant_id") if isinstance(manifest.get("tenant_id"), str) else path.name
+    raw_tid = manifest.get("tenant_id")
+    tid = raw_tid if isinstance(raw_tid, str) else path.name
     return TenantInfo(
         tenant_id=tid,
         dir_name=path.name,
@@ -923,7 +924,7 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
         else []
     )
     principals = live_principals(links, info)
-    linked = sorted({links.name_for(p) for p in principals} - {None})
+    linked = sorted({n for p in principals if (n := links.name_for(p)) is not None})
     data = {
         "tenant": info.tenant_id,
         "directory": str(info.path),

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from adapters.base import Adapter, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from agent.fileio import private_mkdir
@@ -42,6 +43,10 @@ from gateway.streaming import StreamingReply
 from tenancy.identity import IdentityLinks
 from tenancy.keys import Lane, resolve_lane
 from tenancy.profiles import ProfileManager
+
+if TYPE_CHECKING:
+    from gateway.admin import RunLock
+    from gateway.observability import Observability
 
 log = logging.getLogger("hermes.gateway")
 
@@ -132,13 +137,15 @@ class GatewayApp:
         self.metrics = Metrics()
         self.deliverer = Deliverer(self.outbox, self.adapters, self.metrics, cfg.delivery)
         self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
-        self.agent = Agent(cfg, self.llm_monitor, self.tokens)
+        # InstrumentedLLM proxies the LLMClient: same chat() signature, every other attribute
+        # passed through (__getattr__), so the Agent can use it as one
+        self.agent = Agent(cfg, cast(LLMClient, self.llm_monitor), self.tokens)
         self.media = MediaIntake(cfg)
         self.agent.compression.on_outcome = self.metrics.compression  # hermes_compressions_total{outcome}
         self.agent.reviewer.on_outcome = self.metrics.review  # hermes_memory_reviews_total{kind,outcome}
         self.linking = Linking(self)
-        self.observability = None  # gateway.observability.Observability when observability.listen is set
-        self._run_lock = None
+        self.observability: Observability | None = None  # when observability.listen is set
+        self._run_lock: RunLock | None = None
         self.access = Access(cfg.access, self.inbox)
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self._limit_notified: dict[str, float] = {}

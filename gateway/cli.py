@@ -16,6 +16,7 @@ from gateway.admin import CONFIG_HELP, AdminError
 from gateway.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
+    from adapters.base import Adapter
     from agent.llm import LLMError
 
 DEFAULT_CONFIG = "hermes-gateway.yaml"
@@ -30,7 +31,7 @@ def setup_logging(cfg: Config | None, *, quiet: bool = False) -> None:
 
 def build_adapters(cfg: Config) -> list:
     """The adapters of every enabled platform (import errors and missing tokens say so)."""
-    adapters = []
+    adapters: list[Adapter] = []
     if cfg.platforms.telegram.enabled:
         from adapters.telegram import TelegramAdapter
 

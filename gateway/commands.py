@@ -17,7 +17,7 @@ from agent.fileio import private_mkdir, write_private
 from agent.memory import MemoryStore
 from agent.memory_approval import PendingWrites
 from agent.prompt import ChatPlace
-from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks
+from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks, Visibility
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
 from tenancy.keys import Lane
 
@@ -182,7 +182,7 @@ _MEMORY_USAGE = (
 )
 
 
-async def _numbered(memory: MemoryStore) -> list[tuple[str, str, str]]:
+async def _numbered(memory: MemoryStore) -> list[tuple[str, str, Visibility]]:
     """(target, entry, visibility) in /memory's numbering: about the person, then notes."""
     out = []
     for target in ("user", "memory"):
@@ -192,7 +192,7 @@ async def _numbered(memory: MemoryStore) -> list[tuple[str, str, str]]:
     return out
 
 
-def _pick(items: list[tuple[str, str, str]], arg: str) -> tuple[str, str, str] | str:
+def _pick(items: list[tuple[str, str, Visibility]], arg: str) -> tuple[str, str, Visibility] | str:
     """The entry numbered `arg`, or a message saying why there is none."""
     if not arg.isdigit() or not 1 <= int(arg) <= len(items):
         return (
@@ -252,7 +252,7 @@ async def _memory_unshare(ctx: CommandContext, memory: MemoryStore, args: str) -
     return await _set_visibility(ctx, memory, args, "private")
 
 
-async def _set_visibility(ctx: CommandContext, memory: MemoryStore, arg: str, value: str) -> str:
+async def _set_visibility(ctx: CommandContext, memory: MemoryStore, arg: str, value: Visibility) -> str:
     if ctx.lane.kind == "chat":
         return "Everything in this group's memory is seen by the whole group already."
     picked = _pick(await _numbered(memory), arg)
@@ -389,7 +389,7 @@ async def _provider_forget(ctx: CommandContext, entries: list[tuple[str, str]]) 
             logging.getLogger("hermes.commands").exception("memory provider on_memory_write failed")
 
 
-async def _provider_mark(ctx: CommandContext, target: str, entry: str, value: str) -> None:
+async def _provider_mark(ctx: CommandContext, target: str, entry: str, value: Visibility) -> None:
     """Tell the memory provider an entry was shared or unshared, so a group lane's recall
     follows the entry's visibility."""
     provider = ctx.profile.provider

@@ -127,8 +127,8 @@ async def run_doctor(cfg: Config) -> int:
                 "(the console `chat` works without one)",
             )
         )
-    for ok, what, detail in results:
-        print(_line(ok, what, detail))
+    for status, what, detail in results:
+        print(_line(status, what, detail))
     failed = [r for r in results if r[0] is False]
     warned = [r for r in results if r[0] is None]
     if failed:

@@ -17,7 +17,7 @@ import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import aiosqlite
 
@@ -201,14 +201,19 @@ class Inbox:
         return out
 
     async def status(self, platform: str, chat_id: str, message_id: str) -> str | None:
-        rows = await self.db.execute_fetchall(
-            "SELECT status FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
-            (platform, chat_id, message_id),
+        rows = cast(  # aiosqlite types it Iterable; at runtime it is cursor.fetchall(), a list
+            "list[sqlite3.Row]",
+            await self.db.execute_fetchall(
+                "SELECT status FROM inbound WHERE platform=? AND chat_id=? AND message_id=?",
+                (platform, chat_id, message_id),
+            ),
         )
         return rows[0][0] if rows else None
 
     async def get(self, key: str) -> str | None:
-        rows = await self.db.execute_fetchall("SELECT value FROM kv WHERE key=?", (key,))
+        rows = cast(  # aiosqlite types it Iterable; at runtime it is cursor.fetchall(), a list
+            "list[sqlite3.Row]", await self.db.execute_fetchall("SELECT value FROM kv WHERE key=?", (key,))
+        )
         return rows[0][0] if rows else None
 
     async def put(self, key: str, value: str | None) -> None:

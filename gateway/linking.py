@@ -57,7 +57,7 @@ import secrets
 import shutil
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Set
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,7 +364,7 @@ class Linking:
 
     async def _prune(self, now: float) -> None:
         db = self.app.inbox.db
-        rows = []
+        rows: list[sqlite3.Row] = []
         for prefix in ("link-code:", "link-request:"):  # expired codes and unanswered requests
             async with db.execute(
                 "SELECT key, value FROM kv WHERE key >= ? AND key < ?", (prefix, prefix[:-1] + ";")
@@ -737,7 +737,7 @@ class _Swap:
             shutil.rmtree(self.old, ignore_errors=True)
 
 
-def _clean_staging(profiles: Path, older_than_s: float = 3600.0, keep: set[str] = frozenset()) -> None:
+def _clean_staging(profiles: Path, older_than_s: float = 3600.0, keep: Set[str] = frozenset()) -> None:
     """Remove staging directories a crash mid-merge left behind; a profile set aside by a
     swap that a crash interrupted goes back in place (not those of merges in `keep`)."""
     if not profiles.is_dir():

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.base import Attachment, DownloadError, InboundMessage
-from agent.attachments import extract_text, kind_of, sniff_image
+from agent.attachments import Kind, extract_text, kind_of, sniff_image
 from agent.media import MEDIA_DIR, save_media
 from agent.transcription import Transcriber, TranscriptionError
 from gateway.config import Config
@@ -216,7 +216,7 @@ class MediaIntake:
         work.out.meta["transcribed"] = True
         return True
 
-    async def _document(self, kind: str, label: str, data: bytes, work: _Work) -> bool:
+    async def _document(self, kind: Kind, label: str, data: bytes, work: _Work) -> bool:
         """A text file's or PDF's text, cut at `limits.max_attachment_chars`, as a block."""
         max_chars = self.cfg.limits.max_attachment_chars
         text, cut = await asyncio.to_thread(extract_text, kind, data, max_chars)

@@ -12,7 +12,10 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent.llm import LLMError
 
 ALLOWED_LABELS = frozenset({"platform", "kind", "outcome"})
 _VALUE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -55,6 +58,9 @@ class _Metric:
         if set(labels) != set(self.labels):
             raise ValueError(f"{self.name} takes labels {self.labels}, got {sorted(labels)}")
         return tuple(label_value(labels[n]) for n in self.labels)
+
+    def render(self) -> list[str]:
+        raise NotImplementedError  # every concrete metric renders itself
 
     def _labelset(self, key: LabelValues, extra: str = "") -> str:
         parts = [f'{n}="{_escape(v)}"' for n, v in zip(self.labels, key, strict=False)]
@@ -304,7 +310,7 @@ class InstrumentedLLM:
         self.last_ok_at: float | None = None
         self.last_error_at: float | None = None
         self.last_error_kind: str | None = None
-        self.last_error: Exception | None = None  # the console chat explains it to the operator
+        self.last_error: LLMError | None = None  # the console chat explains it to the operator
 
     async def chat(self, *args: Any, **kwargs: Any) -> Any:
         from agent.llm import LLMError

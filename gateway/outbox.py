@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import aiosqlite
 
@@ -129,7 +129,7 @@ class Outbox:
                         now,
                     ),
                 )
-                ids.append(int(cur.lastrowid))
+                ids.append(int(cast(int, cur.lastrowid)))  # set by the successful INSERT above
             for msg, outcome in finish:
                 Inbox.finish_sync(con, msg, outcome)
             return ids
@@ -147,24 +147,35 @@ class Outbox:
 
     async def next_for(self, platform: str, chat_id: str) -> Chunk | None:
         """The chat's oldest unsent chunk."""
-        rows = await self.inbox.db.execute_fetchall(
-            "SELECT id, platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce, created_at"
-            " FROM outbox WHERE status='pending' AND platform=? AND chat_id=? ORDER BY id LIMIT 1",
-            (platform, chat_id),
+        rows = cast(  # aiosqlite types it Iterable; at runtime it is cursor.fetchall(), a list
+            "list[sqlite3.Row]",
+            await self.inbox.db.execute_fetchall(
+                "SELECT id, platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce, created_at"
+                " FROM outbox WHERE status='pending' AND platform=? AND chat_id=? ORDER BY id LIMIT 1",
+                (platform, chat_id),
+            ),
         )
         row = rows[0] if rows else None
-        return Chunk(*row[:7], row[7] or "", row[8], row[9]) if row else None
+        if not row:
+            return None
+        return Chunk(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or "", row[8], row[9])
 
     async def sent_message(self, chunk_id: int) -> SentMessage | None:
         """Where chunk `chunk_id` landed, if it was sent."""
-        rows = await self.inbox.db.execute_fetchall(
-            "SELECT chat_id, thread_id, sent_id FROM outbox WHERE id=? AND status='sent'", (chunk_id,)
+        rows = cast(  # aiosqlite types it Iterable; at runtime it is cursor.fetchall(), a list
+            "list[sqlite3.Row]",
+            await self.inbox.db.execute_fetchall(
+                "SELECT chat_id, thread_id, sent_id FROM outbox WHERE id=? AND status='sent'", (chunk_id,)
+            ),
         )
         row = rows[0] if rows else None
         return SentMessage(chat_id=row[0], thread_id=row[1], message_id=row[2]) if row else None
 
     async def status(self, chunk_id: int) -> str | None:
-        rows = await self.inbox.db.execute_fetchall("SELECT status FROM outbox WHERE id=?", (chunk_id,))
+        rows = cast(  # aiosqlite types it Iterable; at runtime it is cursor.fetchall(), a list
+            "list[sqlite3.Row]",
+            await self.inbox.db.execute_fetchall("SELECT status FROM outbox WHERE id=?", (chunk_id,)),
+        )
         return rows[0][0] if rows else None
 
     async def pending_chats(self) -> list[tuple[str, str]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from agent.fileio import atomic_write, private_mkdir
 from agent.memory import MemoryStore
 from agent.providers import MemoryProvider, make_provider
-from agent.sessions import SessionStore, StoragePool
+from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from tenancy.keys import tenant_dir
 
 SCHEMA_VERSION = 1
@@ -108,7 +108,7 @@ class ProfileManager:
         data_dir: Path,
         *,
         max_open: int = 256,
-        fsync: str = "batch",
+        fsync: FsyncPolicy = "batch",
         memory_char_limit: int = 2200,
         user_char_limit: int = 1375,
         provider_kind: str = "",

@@ -88,8 +88,10 @@ def _responder(rng: random.Random):
         await asyncio.sleep(rng.random() * 0.15)  # a slow model
         messages = request.get("messages") or []
         text = last_user_text(request)
+        # a turn may answer several messages at once (busy_mode: collect, a replayed batch):
+        # the client merges their user turns into one, and the answer names every token in it
         tokens = TOKEN_RE.findall(text)
-        token = tokens[-1] if tokens else "none"
+        token = " ".join(dict.fromkeys(tokens)) if tokens else "none"
         if messages and messages[-1].get("role") == "tool":
             return reply(f"ok: {token} (noted)")
         offered = {t.get("function", {}).get("name") for t in request.get("tools") or []}

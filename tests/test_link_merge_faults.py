@@ -36,6 +36,19 @@ def snapshot(path) -> dict[str, str]:
     return out
 
 
+async def _linked_and_third(app, cfg, tg, dc, tc):
+    """Telegram 111 and Discord 222 linked, testchat 777 with a note of its own, both
+    profiles closed: (the link's dir, 777's dir, a snapshot of both)."""
+    await say(app, tc, dm("777", "remember that carol uses testchat"))
+    await link(app, tg, dc)
+    name = app.links.name_for("telegram:111")
+    linked_dir = tenant_dir(cfg.data_dir, link_tenant_id(name))
+    carol_dir = tenant_dir(cfg.data_dir, "testchat-777")
+    await app.profiles.evict(link_tenant_id(name))
+    await app.profiles.evict("testchat-777")
+    return linked_dir, carol_dir, (snapshot(linked_dir), snapshot(carol_dir))
+
+
 async def test_failed_merge_into_an_existing_link_leaves_both_profiles_as_they_were(config_for, fake_llm, monkeypatch):
     fake_llm.responder = memory_saving_responder
     cfg = config_for(limits={"rate_limit_per_minute": 100})
@@ -43,14 +56,7 @@ async def test_failed_merge_into_an_existing_link_leaves_both_profiles_as_they_w
     app = await started(cfg, tg, dc, tc)
     try:
         await say(app, tg, dm("111", "remember that the bike is at dock 17", platform="telegram"))
-        await say(app, tc, dm("777", "remember that carol uses testchat"))
-        await link(app, tg, dc)
-        name = app.links.name_for("telegram:111")
-        linked_dir = tenant_dir(cfg.data_dir, link_tenant_id(name))
-        carol_dir = tenant_dir(cfg.data_dir, "testchat-777")
-        await app.profiles.evict(link_tenant_id(name))
-        await app.profiles.evict("testchat-777")
-        before = snapshot(linked_dir), snapshot(carol_dir)
+        linked_dir, carol_dir, before = await _linked_and_third(app, cfg, tg, dc, tc)
 
         real = linking_mod.merge_profiles
 
@@ -133,14 +139,7 @@ async def test_crash_after_the_swap_before_the_link_is_recorded_is_undone_on_the
     cfg = config_for(limits={"rate_limit_per_minute": 100})
     tg, dc, tc = RecordingAdapter("telegram"), RecordingAdapter("discord"), RecordingAdapter("testchat")
     app = await started(cfg, tg, dc, tc)
-    await say(app, tc, dm("777", "remember that carol uses testchat"))
-    await link(app, tg, dc)
-    name = app.links.name_for("telegram:111")
-    linked_dir = tenant_dir(cfg.data_dir, link_tenant_id(name))
-    carol_dir = tenant_dir(cfg.data_dir, "testchat-777")
-    await app.profiles.evict(link_tenant_id(name))
-    await app.profiles.evict("testchat-777")
-    before = snapshot(linked_dir), snapshot(carol_dir)
+    linked_dir, carol_dir, before = await _linked_and_third(app, cfg, tg, dc, tc)
 
     async def merge_then_die(self, plan):
         await self._merge(plan)  # swapped in ...

@@ -31,6 +31,7 @@ from gateway.config import Config
 from gateway.delivery import split_text
 from gateway.faults import storage_fault
 from gateway.inbox import Inbox
+from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
 from gateway.linking import LaneMoved, Linking
@@ -146,7 +147,7 @@ class GatewayApp:
         self.linking = Linking(self)
         self.observability: Observability | None = None  # when observability.listen is set
         self._run_lock: RunLock | None = None
-        self.access = Access(cfg.access, self.inbox)
+        self.access = Access(cfg.access, SqliteKV(self.inbox))
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self._limit_notified: dict[str, float] = {}
         # busy_mode collect/interrupt: messages queued behind a running turn are answered together

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
-import uuid
 from pathlib import Path
 from urllib.parse import quote
 
@@ -49,53 +46,14 @@ from gateway.cluster.migrations import LATEST, migrate, schema_version
 from gateway.cluster.outbox import finish_turn, mark_sent, unsent_replies
 from gateway.cluster.wakeups import InboxWakeups
 from gateway.config import parse_config
+from tests.pg import DSN, ensure_server_running, pg_cluster, require_postgres, second_pool
 
-DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 TTL = 15.0
 
-
-def _reachable() -> str | None:
-    try:
-        psycopg.connect(DSN, connect_timeout=3).close()
-    except psycopg.Error as err:
-        return str(err).strip().splitlines()[0]
-    return None
-
-
-_why_not = _reachable()
-if _why_not is not None:
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI is set but PostgreSQL at {DSN} is unreachable: {_why_not}")
-    pytest.skip(
-        f"PostgreSQL at {DSN} is unreachable ({_why_not}); start it with "
-        "`pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` "
-        "(these tests are required under CI)",
-        allow_module_level=True,
-    )
-
-
-@pytest.fixture
-def schema():
-    name = f"hermes_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{name}"')
-    yield name
-    _ensure_server_running()
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA "{name}" CASCADE')
-
-
-@pytest.fixture
-async def pool(schema):
-    p = await open_pool(DSN, schema=schema, max_size=6)
-    await migrate(p)
-    yield p
-    await p.close()
-
-
-async def _second_pool(schema: str) -> Pool:
-    """Another node's own connections to the same database."""
-    return await open_pool(DSN, schema=schema, max_size=4)
+require_postgres()
+_second_pool = second_pool
+_pg_cluster = pg_cluster
+_ensure_server_running = ensure_server_running
 
 
 def _msg(lane: str, message_id: str, *, tenant: str | None = None, text: str = "hi") -> Inbound:
@@ -523,20 +481,6 @@ def test_cluster_config_defaults():
 
 
 # --- PostgreSQL restart (this test restarts the local server) -------------------------------
-
-
-def _pg_cluster() -> list[str] | None:
-    if shutil.which("pg_ctlcluster") is None or not Path("/etc/postgresql").is_dir():
-        return None
-    versions = sorted(os.listdir("/etc/postgresql"))
-    return [versions[-1], "main"] if versions else None
-
-
-def _ensure_server_running() -> None:
-    cluster = _pg_cluster()
-    if cluster is None or _reachable() is None:
-        return
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"], check=False, capture_output=True)
 
 
 @pytest.mark.skipif(_pg_cluster() is None, reason="needs pg_ctlcluster to restart the local PostgreSQL")

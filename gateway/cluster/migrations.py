@@ -117,6 +117,29 @@ CREATE TABLE identity_links (
 CREATE INDEX identity_links_by_name ON identity_links (link_name);
 """,
     ),
+    Migration(
+        2,
+        "shared key-value state, identity link order and generation",
+        """
+-- Pairing codes and approvals, link codes, link requests and rate-limit stamps: the keys and
+-- values gateway.db's kv table holds on a single node (gateway/kv.py), shared by every node.
+CREATE TABLE shared_kv (
+    key        text PRIMARY KEY,
+    value      text NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- principals of a link in the order they joined
+ALTER TABLE identity_links ADD COLUMN seq bigint GENERATED ALWAYS AS IDENTITY;
+
+-- bumped by every change to identity_links, so a node re-reads the links only when they changed
+CREATE TABLE identity_links_generation (
+    only_row   boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+    generation bigint NOT NULL
+);
+INSERT INTO identity_links_generation (only_row, generation) VALUES (true, 0);
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

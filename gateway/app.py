@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -148,6 +148,8 @@ class GatewayApp:
         self.observability: Observability | None = None  # when observability.listen is set
         self._run_lock: RunLock | None = None
         self.access = Access(cfg.access, SqliteKV(self.inbox))
+        # cluster mode: brings `links` up to date with links other nodes made, before routing
+        self.links_refresh: Callable[[], Awaitable[object]] | None = None
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self._limit_notified: dict[str, float] = {}
         # busy_mode collect/interrupt: messages queued behind a running turn are answered together
@@ -350,6 +352,8 @@ class GatewayApp:
                     quiet_key=msg.principal,
                 )
                 return
+        if self.links_refresh is not None:
+            await self.links_refresh()
         try:
             lane = resolve_lane(msg, self.cfg.tenancy, self.links)
         except ValueError as err:

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from adapters.base import Adapter, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from agent.fileio import private_mkdir
@@ -150,6 +150,8 @@ class GatewayApp:
         self.access = Access(cfg.access, SqliteKV(self.inbox))
         # cluster mode: brings `links` up to date with links other nodes made, before routing
         self.links_refresh: Callable[[], Awaitable[object]] | None = None
+        # cluster mode: the database and this node's leases, for /healthz (gateway/cluster/health.py)
+        self.cluster_health: Callable[[], Awaitable[tuple[bool, dict[str, Any]]]] | None = None
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self._limit_notified: dict[str, float] = {}
         # busy_mode collect/interrupt: messages queued behind a running turn are answered together

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from gateway.cluster.db import Pool, fetch_one
 from gateway.cluster.leases import Lease, acquire_lease, release_lease, renew_lease
+from gateway.metrics import ClusterMetrics
 
 log = logging.getLogger("hermes.cluster.ingress")
 
@@ -61,16 +62,16 @@ class IngressElection:
         *,
         interval_s: float | None = None,
         stop_after: float = 0.8,
-        on_change: Callable[[Role, str], None] | None = None,
+        metrics: ClusterMetrics | None = None,
     ) -> None:
-        """`on_change(role, outcome)` is told every gained / lost / released role (metrics)."""
+        """`metrics` counts every role gained, lost or released, and takeovers."""
         self.pool = pool
         self.node_id = node_id
         self.ttl_s = ttl_s
         self.roles = list(roles)
         self.interval_s = interval_s if interval_s is not None else ttl_s / 3
         self.stop_after_s = ttl_s * stop_after
-        self.on_change = on_change
+        self.metrics = metrics
         self._held: dict[str, Lease] = {}
         self._renewed_at: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
@@ -135,6 +136,8 @@ class IngressElection:
                     spread_held.append(role)
                 log.info("ingress: this node now holds %s (epoch %d)", role.name, lease.epoch)
                 self._changed(role, "gained")
+                if lease.epoch > 1 and self.metrics is not None:  # it moved here from another node
+                    self.metrics.lease_taken_over("ingress")
 
     async def _renew_all(self) -> None:
         now = asyncio.get_running_loop().time()
@@ -184,5 +187,5 @@ class IngressElection:
         self._changed(role, outcome)
 
     def _changed(self, role: Role, outcome: str) -> None:
-        if self.on_change is not None:
-            self.on_change(role, outcome)
+        if self.metrics is not None:
+            self.metrics.ingress_changed(role.kind, outcome, len(self._held))

@@ -218,8 +218,35 @@ class _Client(discord.Client):
         log.exception("discord: error in %s", event_method)
 
 
+class _ShardClient(discord.Client):
+    """One gateway shard's connection (sharded mode): hands messages to the adapter; the
+    adapter's own client, logged in but not connected, does every REST call."""
+
+    def __init__(self, adapter: DiscordAdapter, shard_id: int, **options: Any) -> None:
+        super().__init__(shard_id=shard_id, shard_count=adapter.cfg.shard_count, **options)
+        self._adapter = adapter
+
+    async def on_connect(self) -> None:
+        self._adapter._point_at_gateway(self)
+
+    async def on_ready(self) -> None:
+        log.info("discord: shard %s of %s connected", self.shard_id, self.shard_count)
+
+    async def on_message(self, message: discord.Message) -> None:
+        self._adapter._inbound.put_nowait(message)
+
+    async def on_error(self, event_method: str, /, *args: Any, **kwargs: Any) -> None:
+        log.exception("discord: error in %s (shard %s)", event_method, self.shard_id)
+
+
 class DiscordAdapter:
-    """A Discord bot connection implementing `adapters.base.Adapter`."""
+    """A Discord bot connection implementing `adapters.base.Adapter`.
+
+    Sharded (`shard_count` > 1, or `elected=True` in a cluster): the adapter's client only
+    logs in (REST: replies, edits, lookups) and each gateway shard is a connection of its
+    own, started and stopped with `start_shard(n)` / `stop_shard(n)`. A single node starts
+    every shard itself; in a cluster the ingress election starts the shards this node holds,
+    and replies go out through REST from whichever node ran the turn."""
 
     platform = "discord"
     max_message_length = 2000
@@ -232,6 +259,7 @@ class DiscordAdapter:
         *,
         ready_timeout: float = 60.0,
         guild_ready_timeout: float = 2.0,
+        elected: bool = False,
     ) -> None:
         if not token or not token.strip():
             raise ConfigError(f"platforms.discord: the bot token (${cfg.token_env}) is empty")
@@ -261,6 +289,10 @@ class DiscordAdapter:
         self._followup_messages = _LRU(2000)  # message id -> pending interaction (for edits)
         self._warned_channels: set[str] = set()
         self.commands_synced = False
+        self._elected = elected
+        self._sharded = elected or cfg.shard_count > 1
+        self._shard_clients: dict[int, _ShardClient] = {}
+        self._shard_tasks: dict[int, asyncio.Task[None]] = {}
         #: why the adapter is still `connecting` (e.g. the API is unreachable), if known
         self.last_error: str | None = None
 
@@ -291,6 +323,65 @@ class DiscordAdapter:
     @property
     def client(self) -> discord.Client | None:
         return self._client
+
+    @property
+    def shards(self) -> list[int]:
+        """The gateway shards this adapter runs (sharded mode), connected or connecting."""
+        return sorted(self._shard_tasks)
+
+    async def start_shard(self, shard_id: int) -> None:
+        """Connect gateway shard `shard_id` (sharded mode); a no-op if it runs already."""
+        if not self._sharded:
+            raise RuntimeError("start_shard needs platforms.discord.shard_count > 1 or a cluster")
+        if not 0 <= shard_id < self.cfg.shard_count:
+            raise ValueError(f"shard {shard_id} is outside 0..{self.cfg.shard_count - 1}")
+        if shard_id in self._shard_tasks or self._stopping:
+            return
+        client = _ShardClient(self, shard_id, **self._client_options())
+        self._build_tree(client)  # slash command interactions arrive on the shard's connection
+        self._shard_clients[shard_id] = client
+        self._shard_tasks[shard_id] = asyncio.create_task(self._run_shard(client), name=f"discord-shard-{shard_id}")
+
+    async def stop_shard(self, shard_id: int) -> None:
+        """Disconnect gateway shard `shard_id` (what it delivered is already handed on)."""
+        task = self._shard_tasks.pop(shard_id, None)
+        client = self._shard_clients.pop(shard_id, None)
+        if client is not None and not client.is_closed():
+            try:
+                await client.close()
+            except Exception:
+                log.debug("discord: error while closing shard %s", shard_id, exc_info=True)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run_shard(self, client: _ShardClient) -> None:
+        delay = 2.0
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(client.login(self._token), timeout=30)
+                await client.connect(reconnect=True)
+                return
+            except asyncio.CancelledError:
+                raise
+            except discord.LoginFailure:
+                self._fail(f"the bot token in ${self.cfg.token_env} was rejected (401) on shard {client.shard_id}")
+                return
+            except discord.ConnectionClosed as exc:
+                self._fail(f"the Discord gateway closed shard {client.shard_id} (code {exc.code})")
+                return
+            except Exception as exc:
+                if self._stopping or client.is_closed():
+                    return
+                log.warning("discord: shard %s: %r; retrying in %.0fs", client.shard_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+
+    def _point_at_gateway(self, client: discord.Client) -> None:
+        # With an explicit gateway_url (a proxy), RESUME goes there too, not to the
+        # `resume_gateway_url` Discord hands out in READY.
+        if self._gateway_url and client.ws is not None:
+            client.ws.gateway = yarl.URL(self._gateway_url)
 
     def _fail(self, reason: str) -> None:
         self._status = f"failed: {reason}"
@@ -334,21 +425,23 @@ class DiscordAdapter:
                 self.last_error or "no READY from the gateway yet",
             )
 
-    def _new_client(self) -> _Client:
+    def _client_options(self) -> dict[str, Any]:
         intents = discord.Intents.none()
         intents.guilds = True
         intents.guild_messages = True
         intents.dm_messages = True
         intents.message_content = True
-        client = _Client(
-            self,
-            intents=intents,
-            allowed_mentions=NO_PINGS,
-            chunk_guilds_at_startup=False,
-            member_cache_flags=discord.MemberCacheFlags.none(),
-            guild_ready_timeout=self._guild_ready_timeout,
-            max_messages=1000,
-        )
+        return {
+            "intents": intents,
+            "allowed_mentions": NO_PINGS,
+            "chunk_guilds_at_startup": False,
+            "member_cache_flags": discord.MemberCacheFlags.none(),
+            "guild_ready_timeout": self._guild_ready_timeout,
+            "max_messages": 1000,
+        }
+
+    def _new_client(self) -> _Client:
+        client = _Client(self, **self._client_options())
         self._tree = self._build_tree(client)
         return client
 
@@ -393,6 +486,12 @@ class DiscordAdapter:
                     log.warning(
                         "discord: GET /gateway/bot on %s failed (%r); using %s", self._api_base, exc, DISCORD_GATEWAY
                     )
+            if self._sharded:  # REST only here; the shards connect on their own
+                self._on_ready()
+                if not self._elected:
+                    for shard_id in range(self.cfg.shard_count):
+                        await self.start_shard(shard_id)
+                await asyncio.Event().wait()  # until stop() cancels this task
             await client.connect(reconnect=True)
         except discord.PrivilegedIntentsRequired:
             self._fail(INTENT_HINT)
@@ -420,6 +519,8 @@ class DiscordAdapter:
 
     async def stop(self) -> None:
         self._stopping = True
+        for shard_id in list(self._shard_tasks):
+            await self.stop_shard(shard_id)
         runner, self._runner = self._runner, None
         if runner is not None and not runner.done():
             runner.cancel()
@@ -444,10 +545,8 @@ class DiscordAdapter:
 
     # ------------------------------------------------------------------ client events
     def _on_connect(self) -> None:
-        # With an explicit gateway_url (a proxy), RESUME goes there too, not to the
-        # `resume_gateway_url` Discord hands out in READY.
-        if self._gateway_url and self._client is not None and self._client.ws is not None:
-            self._client.ws.gateway = yarl.URL(self._gateway_url)
+        if self._client is not None:
+            self._point_at_gateway(self._client)
 
     def _on_ready(self) -> None:
         if self._stopping:

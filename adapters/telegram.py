@@ -251,7 +251,11 @@ class TelegramAdapter:
         max_send_attempts: int = 5,
         max_flood_wait_s: float = 300.0,
         flood_limits: FloodLimits | None = None,
+        elected: bool = False,
     ) -> None:
+        """`elected=True` (cluster mode): `start()` connects (and serves the webhook in
+        webhook mode) but receives nothing by itself; the node elected for ingress calls
+        `start_receiving()` (polling: poll; webhook: call setWebhook) and `stop_receiving()`."""
         if not token:
             raise ConfigError(f"platforms.telegram: the bot token (env {cfg.token_env}) is empty")
         self.cfg = cfg
@@ -280,6 +284,10 @@ class TelegramAdapter:
         self._forbidden: set[str] = set()  # chats that answered 403: logged once, skipped
         self._runner: Any = None  # aiohttp AppRunner in webhook mode
         self._bound_port: int | None = None
+        self._elected = elected
+        self._receiving = asyncio.Event()  # set while this adapter polls or owns the webhook
+        self._recv_stop = asyncio.Event()  # ends the poll loop (stop() or stop_receiving())
+        self._recv_task: asyncio.Task[None] | None = None
         self._sink_lock = asyncio.Lock()
 
     # ----------------------------------------------------------------- construction
@@ -339,6 +347,7 @@ class TelegramAdapter:
             raise ConfigError("platforms.telegram.webhook.secret_token_env: webhook mode needs a secret token")
         self._sink = sink
         self._stopping.clear()
+        self._recv_stop = asyncio.Event()
         try:
             await self._identify()
         except InvalidToken:
@@ -354,22 +363,61 @@ class TelegramAdapter:
             await self._start_webhook_server()
         self._task = asyncio.create_task(self._run(), name="telegram-adapter")
 
+    @property
+    def receiving(self) -> bool:
+        """True while this adapter polls (or, in webhook mode, registered the webhook)."""
+        return self._receiving.is_set()
+
+    async def start_receiving(self) -> None:
+        """Cluster mode, on the node elected for ingress: poll, or register the webhook."""
+        if not self._elected or self._recv_task is not None or self._stopping.is_set():
+            return
+        self._recv_stop = asyncio.Event()
+        self._recv_task = asyncio.create_task(self._receive(), name="telegram-receiving")
+
+    async def stop_receiving(self) -> None:
+        """Cluster mode, when the ingress role is lost or given up: stop polling (the last
+        offset is acknowledged, so the next holder starts after it). In webhook mode the
+        webhook stays registered: every node keeps accepting it."""
+        task, self._recv_task = self._recv_task, None
+        self._recv_stop.set()
+        if task is not None:
+            await self._end(task)
+            if self.cfg.mode == "polling":
+                await self._ack_final_offset()
+        self._receiving.clear()
+
+    async def _receive(self) -> None:
+        await self._ready.wait()
+        self._receiving.set()
+        if self.cfg.mode == "webhook":
+            await self._register_webhook()
+        else:
+            await self._poll_loop()
+
+    async def _end(self, task: asyncio.Task[None]) -> None:
+        """Let a sink call in progress finish (it is recording a message); the long poll
+        itself is abandoned, which acknowledges nothing."""
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=15.0)
+        except TimeoutError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        except Exception:
+            log.exception("telegram: adapter task ended with an error")
+
     async def stop(self) -> None:
         self._stopping.set()
+        self._recv_stop.set()
+        recv, self._recv_task = self._recv_task, None
+        if recv is not None:
+            await self._end(recv)
         task, self._task = self._task, None
         if task is not None:
-            # Let a sink call in progress finish (it is recording a message); the long poll
-            # itself is abandoned, which acknowledges nothing.
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout=15.0)
-            except TimeoutError:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-            except asyncio.CancelledError:
-                task.cancel()
-                raise
-            except Exception:
-                log.exception("telegram: adapter task ended with an error")
+            await self._end(task)
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -421,16 +469,20 @@ class TelegramAdapter:
                 backoff = min(backoff * 2, self._backoff_max)
         if self._stopping.is_set():
             return
-        if self.cfg.mode == "webhook":
+        if self._elected:  # the ingress election calls start_receiving()
+            await self._stopping.wait()
+        elif self.cfg.mode == "webhook":
+            self._receiving.set()
             await self._register_webhook()
             await self._stopping.wait()
         else:
+            self._receiving.set()
             await self._poll_loop()
 
-    async def _sleep(self, seconds: float) -> bool:
-        """Sleep, but wake up at stop(); True when stopping."""
+    async def _sleep(self, seconds: float, until: asyncio.Event | None = None) -> bool:
+        """Sleep, but wake up at stop() (or when `until` is set); True when stopping."""
         try:
-            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+            await asyncio.wait_for((until or self._stopping).wait(), timeout=seconds)
         except TimeoutError:
             return False
         return True
@@ -454,7 +506,7 @@ class TelegramAdapter:
         # can be skipped on its own (Bot.get_updates parses the whole batch and fails it as
         # a whole). PTB still sends it over the polling connection (get_updates_request).
         poll = asyncio.ensure_future(self.bot.do_api_request("getUpdates", data, read_timeout=timeout + 15.0))
-        stop = asyncio.ensure_future(self._stopping.wait())
+        stop = asyncio.ensure_future(self._recv_stop.wait())
         try:
             await asyncio.wait({poll, stop}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -474,7 +526,7 @@ class TelegramAdapter:
     async def _poll_loop(self) -> None:
         backoff = self._backoff_initial
         prepared = False
-        while not self._stopping.is_set():
+        while not self._recv_stop.is_set():
             try:
                 if not prepared:
                     await self._prepare_polling()
@@ -482,7 +534,7 @@ class TelegramAdapter:
                 updates = await self._fetch()
             except InvalidToken:
                 log.error("telegram: the bot token was rejected (401) while polling; fix it and restart")
-                if await self._sleep(self._backoff_max):
+                if await self._sleep(self._backoff_max, self._recv_stop):
                     return
                 continue
             except Conflict:
@@ -492,19 +544,19 @@ class TelegramAdapter:
                     backoff,
                 )
                 prepared = False
-                if await self._sleep(backoff):
+                if await self._sleep(backoff, self._recv_stop):
                     return
                 backoff = min(backoff * 2, self._backoff_max)
                 continue
             except RetryAfter as exc:
-                if await self._sleep(_retry_after_seconds(exc)):
+                if await self._sleep(_retry_after_seconds(exc), self._recv_stop):
                     return
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # network errors and anything unexpected: never crash
                 log.warning("telegram: getUpdates failed (%s); retrying in %.0fs", type(exc).__name__, backoff)
-                if await self._sleep(backoff):
+                if await self._sleep(backoff, self._recv_stop):
                     return
                 backoff = min(backoff * 2, self._backoff_max)
                 continue
@@ -516,11 +568,11 @@ class TelegramAdapter:
                 if not ok:
                     # The sink failed: keep the offset (Telegram redelivers this update and
                     # everything after it) and try again after a pause.
-                    if await self._sleep(backoff):
+                    if await self._sleep(backoff, self._recv_stop):
                         return
                     backoff = min(backoff * 2, self._backoff_max)
                     break
-                if self._stopping.is_set():
+                if self._recv_stop.is_set():
                     return
 
     async def _deliver_raw(self, raw: Any) -> bool:

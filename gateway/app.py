@@ -14,9 +14,9 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from adapters.base import Adapter, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from agent.fileio import private_mkdir
@@ -33,6 +33,7 @@ from gateway.config import Config
 from gateway.delivery import split_text
 from gateway.faults import storage_fault
 from gateway.inbox import Inbox
+from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
 from gateway.linking import LaneMoved, Linking
@@ -187,7 +188,11 @@ class GatewayApp:
         self.linking = Linking(self)
         self.observability: Observability | None = None  # when observability.listen is set
         self._run_lock: RunLock | None = None
-        self.access = Access(cfg.access, self.inbox)
+        self.access = Access(cfg.access, SqliteKV(self.inbox))
+        # cluster mode: brings `links` up to date with links other nodes made, before routing
+        self.links_refresh: Callable[[], Awaitable[object]] | None = None
+        # cluster mode: the database and this node's leases, for /healthz (gateway/cluster/health.py)
+        self.cluster_health: Callable[[], Awaitable[tuple[bool, dict[str, Any]]]] | None = None
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self._limit_notified: dict[str, float] = {}
         # busy_mode collect/interrupt: messages queued behind a running turn are answered together
@@ -450,6 +455,8 @@ class GatewayApp:
                     quiet_key=msg.principal,
                 )
                 return None
+        if self.links_refresh is not None:
+            await self.links_refresh()
         try:
             lane = resolve_lane(msg, self.cfg.tenancy, self.links)
         except ValueError as err:

@@ -249,6 +249,9 @@ class DiscordConfig(_Section):
     free_response_channels: list[str] = []
     allowed_guilds: list[str] = []
     sync_slash_commands: bool = True
+    # gateway shards: 1 = one connection. More: one connection per shard (guild events on
+    # shard (guild_id >> 22) % shard_count, DMs on shard 0); a cluster spreads them over nodes
+    shard_count: int = Field(default=1, ge=1, le=1024)
 
     @field_validator("free_response_channels", "allowed_guilds", mode="before")
     @classmethod

@@ -58,7 +58,7 @@ import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Set
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,6 +69,7 @@ from agent.memory import ENTRY_DELIMITER, parse_entries
 from agent.memory_files import BASELINE_FILE, Baselines, digest
 from agent.sessions import SessionStore
 from agent.visibility import VISIBILITY_FILE, Marks, entry_key
+from gateway.kv import KeyValue, SqliteKV
 from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
 from tenancy.profiles import SCHEMA_VERSION, write_manifest
 
@@ -88,6 +89,11 @@ RETIRED_MARKER = "merged-into.json"
 PENDING_MARKER = "link-pending.json"  # in a swapped-in merged profile until its link is recorded
 OVERFLOW_FILE = "merged-overflow.md"
 _MEMORY_FILES = {"memory": "MEMORY.md", "user": "USER.md"}
+
+
+MergeGuard = Callable[[list[str]], AbstractAsyncContextManager[None]]
+"""Cluster mode: `guard(tenants)` holds every tenant's lease for this node while a merge
+runs (waiting until other nodes let go of them) and gives them back afterwards."""
 
 
 class LaneMoved(Exception):
@@ -153,8 +159,22 @@ class _Plan:
 class Linking:
     """Link codes, the merge, and the gates that keep turns out of profiles being merged."""
 
-    def __init__(self, app: GatewayApp, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        app: GatewayApp,
+        *,
+        store: KeyValue | None = None,
+        clock: Callable[[], float] = time.time,
+        merge_guard: MergeGuard | None = None,
+        cluster: bool = False,
+    ) -> None:
+        """`store` keeps codes and requests (default: gateway.db's kv table). In a cluster
+        (`cluster=True`) `merge_guard` must give this node every tenant a merge touches
+        (see `MergeGuard`); without one `/link confirm` refuses, and nothing is linked."""
         self.app = app
+        self.store: KeyValue = store if store is not None else SqliteKV(app.inbox)
+        self.merge_guard = merge_guard
+        self.cluster = cluster
         self.clock = clock
         self.ttl_s = CODE_TTL_S
         self.max_codes_per_hour = MAX_CODES_PER_HOUR
@@ -284,16 +304,15 @@ class Linking:
         keys = [f"link-code:{_hash(code)}" for code in code_candidates(msg.text)]
         if not keys:
             return
-        marks = ", ".join("?" for _ in keys)
-        async with self.app.inbox.db.execute(f"SELECT key, value FROM kv WHERE key IN ({marks})", keys) as cur:
-            live = await cur.fetchall()  # one indexed lookup for every code-shaped word
-        for key, raw in live:
-            await self.app.inbox.put(key, None)
-            record = json.loads(raw)
+        live = await self.store.get_many(keys)  # one indexed lookup for every code-shaped word
+        for key in keys:
+            if key not in live or await self.store.take(key) is None:
+                continue
+            record = json.loads(live[key])
             issuer = record["principal"]
             digest = key.partition(":")[2]
-            if await self.app.inbox.get(f"link-code-of:{issuer}") == digest:
-                await self.app.inbox.put(f"link-code-of:{issuer}", None)
+            if await self.store.get(f"link-code-of:{issuer}") == digest:
+                await self.store.put(f"link-code-of:{issuer}", None)
             self.app.metrics.links.inc(kind="issue", outcome="burnt")
             log.warning(
                 "link: a live link code appeared in a %s %s chat; it was cancelled", msg.platform, msg.chat_type
@@ -317,7 +336,7 @@ class Linking:
         task.add_done_callback(self._tasks.discard)
 
     async def _recent(self, key: str, window: float = 3600.0) -> list[float]:
-        raw = await self.app.inbox.get(key)
+        raw = await self.store.get(key)
         now = self.clock()
         try:
             stamps = [float(t) for t in json.loads(raw)] if raw else []
@@ -326,7 +345,7 @@ class Linking:
         return [t for t in stamps if now - t < window]
 
     async def _issue(self, msg: InboundMessage) -> str:
-        inbox, principal, now = self.app.inbox, msg.principal, self.clock()
+        inbox, principal, now = self.store, msg.principal, self.clock()
         issued = await self._recent(f"link-issued:{principal}")
         if len(issued) >= self.max_codes_per_hour:
             wait_min = int((3600 - (now - min(issued))) // 60) + 1
@@ -363,13 +382,9 @@ class Linking:
         )
 
     async def _prune(self, now: float) -> None:
-        db = self.app.inbox.db
-        rows: list[sqlite3.Row] = []
+        rows: list[tuple[str, str]] = []
         for prefix in ("link-code:", "link-request:"):  # expired codes and unanswered requests
-            async with db.execute(
-                "SELECT key, value FROM kv WHERE key >= ? AND key < ?", (prefix, prefix[:-1] + ";")
-            ) as cur:
-                rows += await cur.fetchall()
+            rows += await self.store.scan(prefix)
         stale = []
         for key, value in rows:
             try:
@@ -378,15 +393,15 @@ class Linking:
             except (ValueError, KeyError, TypeError):
                 stale.append(key)
         for key in stale:
-            await self.app.inbox.put(key, None)
+            await self.store.put(key, None)
 
     async def _fail(self, principal: str, fails: list[float], text: str) -> str:
-        await self.app.inbox.put(f"link-fail:{principal}", json.dumps([*fails, self.clock()]))
+        await self.store.put(f"link-fail:{principal}", json.dumps([*fails, self.clock()]))
         self.app.metrics.links.inc(kind="redeem", outcome="refused")
         return text
 
     async def _redeem(self, msg: InboundMessage, code: str) -> str:
-        inbox, principal, links = self.app.inbox, msg.principal, self.app.links
+        inbox, principal, links = self.store, msg.principal, self.app.links
         fails = await self._recent(f"link-fail:{principal}")
         if len(fails) >= self.max_fails_per_hour:
             self.app.metrics.links.inc(kind="redeem", outcome="rate_limited")
@@ -405,7 +420,8 @@ class Linking:
                 "That code was made by this account. Send it from your other account (the one "
                 "you want to link with this one)."
             )
-        await inbox.put(key, None)  # single use, expired or not
+        if await inbox.take(key) is None:  # single use, expired or not; another node was first
+            return await self._fail(principal, fails, unknown)
         if await inbox.get(f"link-code-of:{issuer}") == _hash(code):
             await inbox.put(f"link-code-of:{issuer}", None)
         if record["expires"] <= self.clock():
@@ -444,7 +460,7 @@ class Linking:
 
     async def _answer(self, msg: InboundMessage, confirm: bool) -> str:
         """`/link confirm` or `/link deny` from the issuer, in the issuer's private chat."""
-        inbox, issuer, links = self.app.inbox, msg.principal, self.app.links
+        inbox, issuer, links = self.store, msg.principal, self.app.links
         raw = await inbox.get(f"link-request:{issuer}")
         request = json.loads(raw) if raw else None
         if request is None or request["expires"] <= self.clock():
@@ -476,6 +492,11 @@ class Linking:
             return (
                 "Both accounts already belong to different linked identities. Send /unlink from one "
                 "of them first, then link again."
+            )
+        if self.cluster and self.merge_guard is None:
+            return (
+                "Linking accounts is not available on this gateway yet (it runs as a cluster and cannot "
+                "merge profiles safely); nothing was linked. Ask the operator."
             )
         name = name_a or name_b or secrets.token_hex(5)
         if {issuer, principal} & self._busy or link_tenant_id(name) in self._gates:
@@ -510,18 +531,19 @@ class Linking:
                 if time.monotonic() > deadline:
                     raise TimeoutError("the accounts stayed busy")
                 await asyncio.sleep(0.02)
-            await self._wait_idle(tenants)
-            step = asyncio.ensure_future(self._merge_and_link(plan))
-            try:
-                await asyncio.shield(step)
-            except asyncio.CancelledError:
-                if not step.done():
-                    log.info("link: shutting down; finishing the merge into %s first", plan.target)
-                    await asyncio.wait([step])
-                if step.cancelled() or step.exception() is not None:
+            async with self._guarded(tenants):
+                await self._wait_idle(tenants)
+                step = asyncio.ensure_future(self._merge_and_link(plan))
+                try:
+                    await asyncio.shield(step)
+                except asyncio.CancelledError:
+                    if not step.done():
+                        log.info("link: shutting down; finishing the merge into %s first", plan.target)
+                        await asyncio.wait([step])
+                    if step.cancelled() or step.exception() is not None:
+                        raise
+                    await self._after_merge(plan)
                     raise
-                await self._after_merge(plan)
-                raise
         except BaseException as err:
             self._ungate(tenants)
             self._busy -= set(plan.principals)
@@ -544,6 +566,11 @@ class Linking:
         self._ungate(tenants)
         self._busy -= set(plan.principals)
         await self._after_merge(plan)
+
+    def _guarded(self, tenants: list[str]) -> AbstractAsyncContextManager[None]:
+        """In a cluster: hold every tenant of the merge on this node (no other node opens
+        them meanwhile); on a single node the gates alone are enough."""
+        return self.merge_guard(tenants) if self.merge_guard is not None else nullcontext()
 
     async def _merge_and_link(self, plan: _Plan) -> None:
         """Merge the profiles, then record the link; if recording fails, the merged profile

@@ -214,6 +214,7 @@ class Metrics:
             ["platform", "outcome"],
         )
         self.in_flight = Gauge("hermes_turns_in_progress", "Lane jobs running now.", ["platform"])
+        self.cluster: ClusterMetrics | None = None  # cluster mode only: enable_cluster()
         self._gauges: list[Gauge] = []
         self._platforms: tuple[str, ...] = ()
 
@@ -240,6 +241,12 @@ class Metrics:
         self.turns.inc(platform=platform, kind=kind, outcome=outcome)
         if seconds is not None:
             self.turn_seconds.observe(seconds, platform=platform)
+
+    def enable_cluster(self) -> ClusterMetrics:
+        """Cluster mode: add the claim and failover metrics to /metrics."""
+        if self.cluster is None:
+            self.cluster = ClusterMetrics()
+        return self.cluster
 
     # ----- scrape-time gauges ----------------------------------------------------------
     def bind(
@@ -295,9 +302,61 @@ class Metrics:
             self.deliveries,
             self.in_flight,
             *self._gauges,
+            *(self.cluster.metrics() if self.cluster is not None else ()),
         ):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
+
+
+class ClusterMetrics:
+    """A cluster node's claim and failover figures. The node's runtime calls the recording
+    helpers; the ingress election records its own role changes."""
+
+    def __init__(self) -> None:
+        self.lanes_claimed = Counter("hermes_cluster_lanes_claimed_total", "Lanes this node claimed to run.")
+        self.takeovers = Counter(
+            "hermes_cluster_lease_takeovers_total",
+            "Leases that moved to this node from another one (kind=tenant|ingress).",
+            ["kind"],
+        )
+        self.fenced = Counter(
+            "hermes_cluster_fenced_writes_total",
+            "Writes refused because this node's lease had been taken over (kind=outbox|inbox|profile).",
+            ["kind"],
+        )
+        self.ingress = Counter(
+            "hermes_cluster_ingress_changes_total",
+            "Ingress roles gained, lost or released by this node "
+            "(kind=telegram_polling|telegram_webhook|discord_shard).",
+            ["kind", "outcome"],
+        )
+        self.ingress_held = Gauge("hermes_cluster_ingress_roles", "Ingress roles this node holds now.")
+        self.tenants_held = Gauge("hermes_cluster_tenant_leases", "Tenant leases this node holds now.")
+        self.ingress_held.set(0)
+        self.tenants_held.set(0)
+
+    def lane_claimed(self, n: int = 1) -> None:
+        self.lanes_claimed.inc(n)
+
+    def lease_taken_over(self, kind: str) -> None:
+        self.takeovers.inc(kind=kind)
+
+    def fenced_out(self, kind: str) -> None:
+        self.fenced.inc(kind=kind)
+
+    def ingress_changed(self, kind: str, outcome: str, held: int) -> None:
+        self.ingress.inc(kind=kind, outcome=outcome)
+        self.ingress_held.set(held)
+
+    def metrics(self) -> tuple[_Metric, ...]:
+        return (
+            self.lanes_claimed,
+            self.takeovers,
+            self.fenced,
+            self.ingress,
+            self.ingress_held,
+            self.tenants_held,
+        )
 
 
 class InstrumentedLLM:

@@ -11,6 +11,8 @@
   failure of kind unavailable/auth/not_found/config says no; otherwise `GET <base_url>/models`
   is probed (at most every 30 s).
 - `data_dir`: a temp file can be written, fsynced and removed.
+- `cluster` (cluster mode): the database is reachable and migrated, this node's membership
+  is alive, and the leases it holds (how many tenants, which ingress roles).
 
 `/metrics` is the Prometheus text format of `gateway.metrics.Metrics`.
 Nothing here carries a user, chat or tenant id.
@@ -143,6 +145,9 @@ class Observability:
             "data_dir": {"ok": dd_ok, "writable": dd_ok, "detail": dd_detail},
         }
         healthy = llm_ok and dd_ok and all(a["ok"] for a in adapters.values())
+        if self.app.cluster_health is not None:
+            cluster_ok, checks["cluster"] = await self.app.cluster_health()
+            healthy = healthy and cluster_ok
         body = {
             "status": "ok" if healthy else "unhealthy",
             "checks": checks,

@@ -10,6 +10,11 @@ Telegram and Discord shares one memory. Links come from two places:
 The JSON file holds only runtime links: `{"version": 1, "links": {"alice": ["telegram:111"]}}`.
 When the file and the config disagree about a principal, the config wins.
 
+In a cluster the runtime links live in a shared store instead of the file (a `LinkStore`,
+given by the caller): `save()` sends it the changes made since the last save, and the
+caller swaps in what the store holds with `replace_runtime()`, so a link made on one node
+routes the next message on every node.
+
 All state is per instance (guarded by a lock); there are no module globals.
 """
 
@@ -19,7 +24,7 @@ import json
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from agent.fileio import atomic_write, private_mkdir
 from tenancy.keys import link_tenant_id
@@ -27,7 +32,7 @@ from tenancy.keys import link_tenant_id
 if TYPE_CHECKING:  # pragma: no cover
     from gateway.config import TenancyConfig
 
-__all__ = ["IdentityLinks", "validate_link_name", "validate_principal"]
+__all__ = ["IdentityLinks", "LinkStore", "validate_link_name", "validate_principal"]
 
 _FILE_VERSION = 1
 _MAX_NAME_LEN = 64
@@ -54,6 +59,15 @@ def validate_link_name(name: str) -> str:
     return name
 
 
+class LinkStore(Protocol):
+    """Where runtime links are kept instead of a file (cluster mode)."""
+
+    def apply(self, linked: list[tuple[str, str]], unlinked: list[tuple[str, str]]) -> None:
+        """Record `(name, principal)` links made and removed, all or nothing. Raises
+        ValueError when a principal was meanwhile linked to another name elsewhere.
+        Blocking: called from `IdentityLinks.save()`, which callers run in a thread."""
+
+
 class IdentityLinks:
     """principal -> link name, and link name -> principals."""
 
@@ -63,12 +77,16 @@ class IdentityLinks:
         path: Path | None = None,
         *,
         pinned: Mapping[str, Iterable[str]] | None = None,
+        store: LinkStore | None = None,
     ) -> None:
-        """`links` are runtime (unpinned) links; `pinned` are config links `unlink` refuses.
+        """`links` are runtime (unpinned) links; `pinned` are config links `unlink` refuses;
+        `store` (instead of `path`) keeps runtime links where other nodes see them.
 
         Raises ValueError for a malformed principal or name, or a principal given two names.
         """
         self.path = Path(path) if path is not None else None
+        self.store = store
+        self._changes: list[tuple[bool, str, str]] = []  # (linked?, name, principal) not yet saved
         self._lock = threading.RLock()
         self._by_principal: dict[str, str] = {}
         self._by_name: dict[str, list[str]] = {}
@@ -89,6 +107,11 @@ class IdentityLinks:
     def from_config(cls, cfg: TenancyConfig, path: Path | None = None) -> IdentityLinks:
         """The config's `identity_links`, pinned."""
         return cls(None, path, pinned=cfg.identity_links)
+
+    @classmethod
+    def shared(cls, store: LinkStore, cfg: TenancyConfig | None = None) -> IdentityLinks:
+        """Config links (pinned), runtime links kept in `store`; fill them with `replace_runtime()`."""
+        return cls(None, None, pinned=cfg.identity_links if cfg is not None else None, store=store)
 
     @classmethod
     def load(cls, path: Path, cfg: TenancyConfig | None = None) -> IdentityLinks:
@@ -188,6 +211,7 @@ class IdentityLinks:
             if current is not None:
                 raise ValueError(f"{principal!r} is already linked to {current!r}; unlink it first")
             self._add(name, principal, pinned=False)
+            self._note(True, name, principal)
             return True
 
     def unlink(self, principal: str) -> str | None:
@@ -204,15 +228,46 @@ class IdentityLinks:
                     f"{principal!r} is linked to {name!r} in the config file (tenancy.identity_links); change it there"
                 )
             del self._by_principal[principal]
-            members = self._by_name[name]
-            members.remove(principal)
-            if not members:
-                del self._by_name[name]
+            self._drop(name, principal)
+            self._note(False, name, principal)
             return name
+
+    def replace_runtime(self, links: Mapping[str, Iterable[str]]) -> None:
+        """Make the runtime links exactly `links` (what the shared store holds), keeping the
+        config's links (they win) and this instance's changes not yet saved."""
+        with self._lock:
+            for name, members in list(self._by_name.items()):
+                for p in list(members):
+                    if p not in self._pinned:
+                        del self._by_principal[p]
+                        self._drop(name, p)
+            for name, principals in links.items():
+                for p in principals:
+                    if p not in self._by_principal:
+                        self._add(name, p, pinned=False)
+            for linked, name, p in self._changes:
+                current = self._by_principal.get(p)
+                if linked and current is None:
+                    self._add(name, p, pinned=False)
+                elif not linked and current == name and p not in self._pinned:
+                    del self._by_principal[p]
+                    self._drop(name, p)
 
     def save(self, path: Path | None = None) -> None:
         """Write the runtime (non-config) links to `path` (default `self.path`) atomically:
         temp file in the same directory, fsync, rename, fsync of the directory."""
+        if self.store is not None and path is None:
+            with self._lock:
+                changes, self._changes = self._changes, []
+            try:
+                self.store.apply(
+                    [(n, p) for linked, n, p in changes if linked], [(n, p) for linked, n, p in changes if not linked]
+                )
+            except BaseException:
+                with self._lock:  # not recorded: they stay pending (callers undo them on failure)
+                    self._changes[:0] = changes
+                raise
+            return
         target = Path(path) if path is not None else self.path
         if target is None:
             raise ValueError("IdentityLinks.save: no path given and none set")
@@ -224,6 +279,21 @@ class IdentityLinks:
             atomic_write(target, data)
 
     # --- internals ------------------------------------------------------------------
+
+    def _note(self, linked: bool, name: str, principal: str) -> None:
+        """Remember a change for the store; one that undoes an unsaved change cancels it."""
+        if self.store is None:
+            return
+        if (not linked, name, principal) in self._changes:
+            self._changes.remove((not linked, name, principal))
+        else:
+            self._changes.append((linked, name, principal))
+
+    def _drop(self, name: str, principal: str) -> None:
+        members = self._by_name[name]
+        members.remove(principal)
+        if not members:
+            del self._by_name[name]
 
     def _add(self, name: str, principal: str, *, pinned: bool) -> None:
         current = self._by_principal.get(principal)

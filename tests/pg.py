@@ -83,3 +83,8 @@ async def pool(schema):
     await migrate(p)
     yield p
     await p.close()
+
+
+async def second_pool(schema: str) -> Pool:
+    """Another node's own connections to the same database."""
+    return await open_pool(DSN, schema=schema, max_size=4)

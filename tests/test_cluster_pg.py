@@ -46,15 +46,11 @@ from gateway.cluster.migrations import LATEST, migrate, schema_version
 from gateway.cluster.outbox import finish_turn, mark_sent, unsent_replies
 from gateway.cluster.wakeups import InboxWakeups
 from gateway.config import parse_config
-from tests.pg import DSN, ensure_server_running, pg_cluster, skip_without_postgresql
+from tests.pg import DSN, ensure_server_running, pg_cluster, second_pool, skip_without_postgresql
 
 skip_without_postgresql()
 TTL = 15.0
-
-
-async def _second_pool(schema: str) -> Pool:
-    """Another node's own connections to the same database."""
-    return await open_pool(DSN, schema=schema, max_size=4)
+_second_pool = second_pool
 
 
 def _msg(lane: str, message_id: str, *, tenant: str | None = None, text: str = "hi") -> Inbound:

@@ -115,6 +115,51 @@ def test_compose_file():
     assert svc["environment"]["HERMES_GATEWAY_CONFIG"] == CONFIG_PATH
 
 
+def test_cluster_compose_file_runs_three_nodes_on_one_postgres_and_one_data_volume():
+    doc = yaml.safe_load((DEPLOY / "compose.cluster.yaml").read_text())
+    services = doc["services"]
+    pg = services["postgres"]
+    assert pg["image"].startswith("postgres:") and pg["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    assert any(v.split(":")[0] in doc["volumes"] for v in pg["volumes"])
+    assert services["migrate"]["command"] == ["cluster", "migrate"]
+    env_example = DEPLOY / "cluster" / "cluster.env.example"
+    env_names = set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]+)=", env_example.read_text(), re.M))
+    nodes = {name: svc for name, svc in services.items() if name.startswith("hermes-")}
+    assert len(nodes) == 3
+    configs, ports = {}, set()
+    for name, svc in nodes.items():
+        assert svc["command"] == ["run"] and svc["restart"] in ("unless-stopped", "always", "on-failure")
+        assert svc["depends_on"]["postgres"]["condition"] == "service_healthy"
+        assert svc["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+        assert svc["healthcheck"]["test"][:3] == ["CMD", "hermes-gateway", "health"]
+        assert svc.get("read_only") is True and "ALL" in svc["cap_drop"]
+        assert [f for f in svc["env_file"] if not str(f).endswith(".example")] == svc["env_file"]
+        assert (DEPLOY / svc["env_file"][0]).with_suffix(".env.example").name == env_example.name
+        data = [v for v in svc["volumes"] if v.split(":")[1] == DATA_DIR]
+        assert data == ["hermes-data:" + DATA_DIR], "every node mounts the one shared data volume"
+        mount = next(v for v in svc["volumes"] if v.split(":")[1] == CONFIG_PATH)
+        assert mount.endswith(":ro") and svc["environment"]["HERMES_GATEWAY_CONFIG"] == CONFIG_PATH
+        cfg = load_config(DEPLOY / mount.split(":")[0])
+        assert str(cfg.data_dir) == DATA_DIR
+        assert cfg.cluster.postgres_dsn_env in env_names and cfg.cluster.node_id
+        tg = cfg.platforms.telegram
+        assert tg.mode == "webhook" and tg.webhook.listen == "0.0.0.0" and tg.webhook.secret_token_env in env_names
+        for key in (cfg.llm.api_key_env, tg.token_env, cfg.platforms.discord.token_env):
+            assert key in env_names, key
+        assert svc["ports"] == [f"{tg.webhook.port}:{tg.webhook.port}"]
+        ports.add(tg.webhook.port)
+        configs[name] = cfg
+    assert len({c.cluster.node_id for c in configs.values()}) == 3 and len(ports) == 3
+
+    def without_node_fields(cfg):
+        data = cfg.model_dump()
+        del data["cluster"]["node_id"], data["platforms"]["telegram"]["webhook"]["port"]
+        return data
+
+    first, *rest = configs.values()
+    assert all(without_node_fields(c) == without_node_fields(first) for c in rest)
+
+
 def test_example_config_and_env_file_agree():
     cfg = load_config(DEPLOY / "hermes-gateway.example.yaml")
     assert str(cfg.data_dir) == DATA_DIR

@@ -1,6 +1,6 @@
 """Cluster mode's PostgreSQL layer (preview): membership, tenant leases with fencing, the
-shared inbox with lane claims, the outbox, and pairing/link tables.
+shared inbox with lane claims, the outbox, shared identity state (`identity`, `shared_kv`,
+`links`), ingress election (`ingress`) and the cluster health check (`health`).
 
-Nothing in the single-node gateway imports this package yet; `hermes-gateway cluster
-migrate|status` are its only users so far.
+`hermes-gateway cluster migrate|status` use it; the run loop does not yet.
 """

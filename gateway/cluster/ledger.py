@@ -80,16 +80,16 @@ class ClusterInbox:
 
     async def get(self, key: str) -> str | None:
         async with self.node.pool.connection() as conn:
-            row = await (await conn.execute("SELECT value FROM kv WHERE key = %s", (key,))).fetchone()
+            row = await (await conn.execute("SELECT value FROM shared_kv WHERE key = %s", (key,))).fetchone()
         return row["value"] if row else None
 
     async def put(self, key: str, value: str | None) -> None:
         async with self.node.pool.connection() as conn:
             if value is None:
-                await conn.execute("DELETE FROM kv WHERE key = %s", (key,))
+                await conn.execute("DELETE FROM shared_kv WHERE key = %s", (key,))
             else:
                 await conn.execute(
-                    "INSERT INTO kv (key, value) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+                    "INSERT INTO shared_kv (key, value) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, updated_at = now()",
                     (key, value),
                 )
 

@@ -119,7 +119,7 @@ CREATE INDEX identity_links_by_name ON identity_links (link_name);
     ),
     Migration(
         2,
-        "outcomes, sent message ids, lane-less kv",
+        "inbox and outbox outcomes, sent message ids, per-chat delivery order",
         """
 -- why a message was finished (replied, refused, unauthorized, ...), as in gateway.db
 ALTER TABLE inbox ADD COLUMN outcome text;
@@ -129,11 +129,29 @@ ALTER TABLE outbox ADD COLUMN outcome text;
 ALTER TABLE outbox ADD COLUMN sent_id text;
 -- the per-chat delivery order: a chat's unsent chunks by id
 CREATE INDEX outbox_unsent_by_chat ON outbox (platform, chat_id, id) WHERE sent_at IS NULL;
--- small shared state of the access and linking flows (what gateway.db's kv holds on one node)
-CREATE TABLE kv (
-    key   text PRIMARY KEY,
-    value text NOT NULL
+""",
+    ),
+    Migration(
+        3,
+        "shared key-value state, identity link order and generation",
+        """
+-- Pairing codes and approvals, link codes, link requests and rate-limit stamps: the keys and
+-- values gateway.db's kv table holds on a single node (gateway/kv.py), shared by every node.
+CREATE TABLE shared_kv (
+    key        text PRIMARY KEY,
+    value      text NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now()
 );
+
+-- principals of a link in the order they joined
+ALTER TABLE identity_links ADD COLUMN seq bigint GENERATED ALWAYS AS IDENTITY;
+
+-- bumped by every change to identity_links, so a node re-reads the links only when they changed
+CREATE TABLE identity_links_generation (
+    only_row   boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+    generation bigint NOT NULL
+);
+INSERT INTO identity_links_generation (only_row, generation) VALUES (true, 0);
 """,
     ),
 )

@@ -19,6 +19,13 @@ Gateway behaviour modelled: HELLO, heartbeat ACK, IDENTIFY -> READY (+ one GUILD
 per guild, with channels, threads, roles and the bot's member), dispatch with sequence
 numbers, RESUME -> replay of missed events + RESUMED, INVALID_SESSION, RECONNECT-style
 drops, close 4004 on a bad token and 4014 when the message content intent is refused.
+
+Sharding: IDENTIFY's `shard` field `[shard_id, shard_count]` (absent: `[0, 1]`) makes the
+connection that shard, with a session of its own; several shards can be connected at once.
+Guild events go to shard `(guild_id >> 22) % shard_count`, DMs to shard 0, as on Discord
+(READY and GUILD_CREATE list only the shard's guilds); an invalid shard is closed with 4010.
+`fake.connected_shards` lists the shards that are connected. The single-connection helpers
+(`connected`, `drop_connection`, `send_reconnect`, `session_seq`) act on shard 0.
 """
 
 from __future__ import annotations
@@ -75,6 +82,16 @@ class _Session:
         self.events: list[tuple[int, str, Any]] = []  # (seq, event name, data)
 
 
+class _Shard:
+    """One shard's gateway connection and session."""
+
+    def __init__(self) -> None:
+        self.ws: web.WebSocketResponse | None = None
+        self.session: _Session | None = None
+        self.ready = False  # READY (or RESUMED) sent on the current socket
+        self.replay_extra = 0
+
+
 class FakeDiscord:
     def __init__(
         self,
@@ -107,10 +124,8 @@ class FakeDiscord:
         self.forbidden_channels: set[str] = set()
         self._rate_limits: list[tuple[str, float, bool]] = []  # (path regex, retry_after, global)
         self._refuse_intents = False
-        self._replay_extra = 0
-        self._session: _Session | None = None
-        self._ws: web.WebSocketResponse | None = None
-        self._ws_ready = False  # READY (or RESUMED) sent on the current socket
+        self._shards: dict[int, _Shard] = {0: _Shard()}
+        self.shard_count = 1  # from the last IDENTIFY
         self._pending: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()  # frames go out in dispatch order
         self._nonces: dict[str, tuple[float, str]] = {}  # enforce_nonce: nonce -> (time, message id)
@@ -139,9 +154,52 @@ class FakeDiscord:
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self
 
+    # shard 0's connection, which every unsharded client is
+    @property
+    def _ws(self) -> web.WebSocketResponse | None:
+        return self._shards[0].ws
+
+    @_ws.setter
+    def _ws(self, ws: web.WebSocketResponse | None) -> None:
+        self._shards[0].ws = ws
+
+    @property
+    def _session(self) -> _Session | None:
+        return self._shards[0].session
+
+    @_session.setter
+    def _session(self, session: _Session | None) -> None:
+        self._shards[0].session = session
+
+    @property
+    def _ws_ready(self) -> bool:
+        return self._shards[0].ready
+
+    @_ws_ready.setter
+    def _ws_ready(self, ready: bool) -> None:
+        self._shards[0].ready = ready
+
+    @property
+    def _replay_extra(self) -> int:
+        return self._shards[0].replay_extra
+
+    @_replay_extra.setter
+    def _replay_extra(self, n: int) -> None:
+        self._shards[0].replay_extra = n
+
+    def shard_of(self, data: Any) -> int:
+        """The shard an event goes to: its guild's, or 0 (DMs)."""
+        gid = data.get("guild_id") if isinstance(data, dict) else None
+        return (int(gid) >> 22) % self.shard_count if gid is not None else 0
+
+    @property
+    def connected_shards(self) -> list[int]:
+        return sorted(i for i, sh in self._shards.items() if sh.ws is not None and not sh.ws.closed and sh.ready)
+
     async def stop(self) -> None:
-        if self._ws is not None and not self._ws.closed:
-            await self._ws.close(code=1001)
+        for sh in self._shards.values():
+            if sh.ws is not None and not sh.ws.closed:
+                await sh.ws.close(code=1001)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -429,11 +487,11 @@ class FakeDiscord:
         self.forbidden_channels.add(channel_id)
 
     def seq_of(self, message_id: str) -> int:
-        """The sequence number of the MESSAGE_CREATE of `message_id` on this session."""
-        assert self._session is not None
-        for seq, event, data in self._session.events:
-            if event == "MESSAGE_CREATE" and data.get("id") == message_id:
-                return seq
+        """The sequence number of the MESSAGE_CREATE of `message_id` on its shard's session."""
+        for sh in self._shards.values():
+            for seq, event, data in sh.session.events if sh.session is not None else ():
+                if event == "MESSAGE_CREATE" and data.get("id") == message_id:
+                    return seq
         raise KeyError(message_id)
 
     @property
@@ -498,15 +556,16 @@ class FakeDiscord:
 
     # ------------------------------------------------------------------ event injection
     def dispatch(self, event: str, data: Any) -> int:
-        """Send a DISPATCH on the current session (stored for RESUME replay)."""
-        session = self._session
-        if session is None:
-            raise RuntimeError("no gateway session: is the client connected?")
+        """Send a DISPATCH on the session of the event's shard (stored for RESUME replay)."""
+        shard = self._shards.get(self.shard_of(data))
+        session = shard.session if shard is not None else None
+        if shard is None or session is None:
+            raise RuntimeError(f"no gateway session on shard {self.shard_of(data)}: is the client connected?")
         session.seq += 1
         seq = session.seq
         session.events.append((seq, event, data))
-        if self.connected:
-            task = asyncio.get_running_loop().create_task(self._send_dispatch(self._ws, seq, event, data))  # type: ignore[arg-type]
+        if shard.ws is not None and not shard.ws.closed and shard.ready:
+            task = asyncio.get_running_loop().create_task(self._send_dispatch(shard.ws, seq, event, data))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
         return seq
@@ -708,11 +767,6 @@ class FakeDiscord:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         self.connection_count += 1
-        old = self._ws
-        self._ws = ws
-        self._ws_ready = False
-        if old is not None and not old.closed:
-            await old.close(code=4000)
         await self._send(
             ws, {"op": OP_HELLO, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None}
         )
@@ -732,9 +786,16 @@ class FakeDiscord:
                 await self._on_identify(ws, d)
             elif op == OP_RESUME:
                 await self._on_resume(ws, d)
-        if self._ws is ws:
-            self._ws_ready = False
+        for sh in self._shards.values():
+            if sh.ws is ws:
+                sh.ready = False
         return ws
+
+    async def _take_over(self, shard: _Shard, ws: web.WebSocketResponse) -> None:
+        """`ws` is now the shard's connection; an older one is closed."""
+        old, shard.ws, shard.ready = shard.ws, ws, False
+        if old is not None and old is not ws and not old.closed:
+            await old.close(code=4000)
 
     async def _on_identify(self, ws: web.WebSocketResponse, d: dict[str, Any]) -> None:
         self.identify_count += 1
@@ -744,11 +805,24 @@ class FakeDiscord:
         if self._refuse_intents and int(d.get("intents", 0)) & INTENT_MESSAGE_CONTENT:
             await ws.close(code=4014, message=b"Disallowed intent(s).")
             return
-        self._session = session = _Session(secrets.token_hex(16))
+        raw_shard = d.get("shard") or [0, 1]
+        try:
+            shard_id, count = int(raw_shard[0]), int(raw_shard[1])
+        except (TypeError, ValueError, IndexError):
+            shard_id, count = -1, 0
+        if count < 1 or not 0 <= shard_id < count:
+            await ws.close(code=4010, message=b"Invalid shard.")
+            return
+        self.shard_count = count
+        shard = self._shards.setdefault(shard_id, _Shard())
+        await self._take_over(shard, ws)
+        shard.session = session = _Session(secrets.token_hex(16))
+        guilds = [gid for gid in self.guilds if self.shard_of({"guild_id": gid}) == shard_id]
         ready = {
             "v": 10,
             "user": self.bot_user,
-            "guilds": [{"id": gid, "unavailable": True} for gid in self.guilds],
+            "guilds": [{"id": gid, "unavailable": True} for gid in guilds],
+            "shard": [shard_id, count],
             "session_id": session.session_id,
             "resume_gateway_url": self.gateway_url,
             "application": {"id": self.app_id, "flags": self.app_flags},
@@ -761,22 +835,31 @@ class FakeDiscord:
             "_trace": ["fake-discord"],
         }
         batch = []
-        for event, data in [("READY", ready)] + [("GUILD_CREATE", self._guild_create(g)) for g in self.guilds]:
+        for event, data in [("READY", ready)] + [("GUILD_CREATE", self._guild_create(g)) for g in guilds]:
             session.seq += 1
             session.events.append((session.seq, event, data))
             batch.append({"op": OP_DISPATCH, "t": event, "s": session.seq, "d": data})
-        self._ws_ready = True
+        shard.ready = True
         await self._send_many(ws, batch)
 
     async def _on_resume(self, ws: web.WebSocketResponse, d: dict[str, Any]) -> None:
         self.resume_count += 1
-        session = self._session
-        if d.get("token") != self.token or session is None or d.get("session_id") != session.session_id:
+        shard = next(
+            (
+                sh
+                for sh in self._shards.values()
+                if sh.session is not None and sh.session.session_id == d.get("session_id")
+            ),
+            None,
+        )
+        if d.get("token") != self.token or shard is None or shard.session is None:
             await self._send(ws, {"op": OP_INVALID_SESSION, "d": False, "s": None, "t": None})
             return
+        session = shard.session
+        await self._take_over(shard, ws)
         client_seq = int(d.get("seq") or 0)
-        start = max(0, client_seq - self._replay_extra)
-        self._replay_extra = 0
+        start = max(0, client_seq - shard.replay_extra)
+        shard.replay_extra = 0
         batch = [
             {"op": OP_DISPATCH, "t": event, "s": seq, "d": data}
             for seq, event, data in session.events
@@ -785,7 +868,7 @@ class FakeDiscord:
         session.seq += 1
         session.events.append((session.seq, "RESUMED", {"_trace": ["fake-discord"]}))
         batch.append({"op": OP_DISPATCH, "t": "RESUMED", "s": session.seq, "d": {"_trace": ["fake-discord"]}})
-        self._ws_ready = True
+        shard.ready = True
         await self._send_many(ws, batch)
 
     # ------------------------------------------------------------------ REST
@@ -1060,7 +1143,8 @@ class FakeDiscord:
                 "body": body,
             }
         )
-        if self._session is not None:
+        shard = self._shards.get(self.shard_of(msg))
+        if shard is not None and shard.session is not None:
             self.dispatch("MESSAGE_CREATE", msg)  # Discord echoes the bot's own messages
         return msg
 

@@ -17,7 +17,7 @@ from gateway.linking import Linking
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, tenant_dir
 from tests.conftest import RecordingAdapter, dm, make_config, say
-from tests.pg import skip_without_postgresql, second_pool
+from tests.pg import second_pool, skip_without_postgresql
 from tests.test_linking import code_in
 
 skip_without_postgresql()

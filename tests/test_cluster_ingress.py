@@ -20,7 +20,7 @@ from gateway.cluster.leases import leave, register_node
 from gateway.config import DiscordConfig
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.telegram_api import FakeTelegram
-from tests.pg import skip_without_postgresql, second_pool
+from tests.pg import second_pool, skip_without_postgresql
 from tests.test_telegram_adapter import BOT, LOOSE_FLOOD, TOKEN, Recorder, free_port, make_cfg
 
 skip_without_postgresql()

@@ -388,7 +388,13 @@ class TelegramAdapter:
         self._receiving.clear()
 
     async def _receive(self) -> None:
-        await self._ready.wait()
+        ready = asyncio.ensure_future(self._ready.wait())
+        halt = asyncio.ensure_future(self._recv_stop.wait())
+        await asyncio.wait({ready, halt}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        halt.cancel()
+        if self._recv_stop.is_set():  # stopped before Telegram answered getMe
+            return
         self._receiving.set()
         if self.cfg.mode == "webhook":
             await self._register_webhook()

@@ -981,14 +981,24 @@ class GatewayApp:
         seen, batch = 0, claim.messages
         while batch and self._accepting:
             keys: list[str] = []
-            for m in batch:
-                seen = max(seen, m.id)
-                if m.answered:  # its turn ran; only its chunks were left (sent above)
-                    continue
-                held.check()
-                key = await self._admit(InboundMessage.model_validate(m.payload), force=True)
-                if key is not None and key not in keys:
-                    keys.append(key)
+            try:
+                for m in batch:
+                    seen = max(seen, m.id)
+                    if m.answered:  # its turn ran; only its chunks were left (sent above)
+                        continue
+                    held.check()
+                    key = await self._admit(InboundMessage.model_validate(m.payload), force=True)
+                    if key is not None and key not in keys:
+                        keys.append(key)
+            except asyncio.CancelledError:  # stopping: what is queued stays pending
+                for key in keys:
+                    self.lanes.discard(key)
+                raise
+            except Exception:  # what is queued stays pending; the running turn ends first
+                for key in keys:
+                    self.lanes.discard(key)
+                    await self.lanes.settle(key)
+                raise
             for key in keys:
                 await self.lanes.settle(key)
             held.check()

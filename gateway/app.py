@@ -625,7 +625,7 @@ class GatewayApp:
                 self._fenced_turn(key, lane, lost, tlog)
                 return
             except Exception as exc:
-                fault = storage_fault(exc)
+                fault = storage_fault(exc) or self._database_fault(exc)
                 if fault is None:
                     raise
                 failures += 1
@@ -988,14 +988,24 @@ class GatewayApp:
         seen, batch = 0, claim.messages
         while batch and self._accepting:
             keys: list[str] = []
-            for m in batch:
-                seen = max(seen, m.id)
-                if m.answered:  # its turn ran; only its chunks were left (sent above)
-                    continue
-                held.check()
-                key = await self._admit(InboundMessage.model_validate(m.payload), force=True)
-                if key is not None and key not in keys:
-                    keys.append(key)
+            try:
+                for m in batch:
+                    seen = max(seen, m.id)
+                    if m.answered:  # its turn ran; only its chunks were left (sent above)
+                        continue
+                    held.check()
+                    key = await self._admit(InboundMessage.model_validate(m.payload), force=True)
+                    if key is not None and key not in keys:
+                        keys.append(key)
+            except asyncio.CancelledError:  # stopping: what is queued stays pending
+                for key in keys:
+                    self.lanes.discard(key)
+                raise
+            except Exception:  # what is queued stays pending; the running turn ends first
+                for key in keys:
+                    self.lanes.discard(key)
+                    await self.lanes.settle(key)
+                raise
             for key in keys:
                 await self.lanes.settle(key)
             held.check()
@@ -1012,6 +1022,12 @@ class GatewayApp:
                 await self.deliverer.wait(last, timeout=self.node.ttl / 3)
                 if await self.shared_outbox.status(last) != "pending":
                     break
+
+    def _database_fault(self, exc: BaseException) -> str | None:
+        """Cluster mode: PostgreSQL unreachable is a storage fault too (the lane waits and retries)."""
+        if self.shared_outbox is not None and isinstance(exc, self.shared_outbox.TRANSIENT):
+            return "database unreachable"
+        return None
 
     def _fenced_turn(self, key: str, lane: Lane, lost: LeaseLost, tlog: logging.LoggerAdapter) -> None:
         """A turn whose tenant lease went: nothing of it was committed; the lane's queued

@@ -251,6 +251,14 @@ async def test_a_profile_write_under_a_lost_lease_is_refused_and_the_profile_clo
                 await asyncio.sleep(0.05)
 
         await asyncio.wait_for(closed(), 10)
+        # once the other holder's lease lapses, this node takes the tenant back (a new epoch)
+        async with node.pool.connection() as conn:
+            await conn.execute("UPDATE tenant_leases SET expires_at = now() WHERE tenant = %s", (tenant,))
+        assert await post(tg, tg.push_private(444, "again"), one) == 200
+        await settled([one])
+        assert texts(tg, 444) == ["ok: hello", "ok: again"]
+        again = node.held(tenant)
+        assert again is not None and again.epoch == held.epoch + 2
 
 
 async def test_an_outbox_commit_under_a_stale_epoch_is_refused(tg, fake_llm, node_config):

@@ -297,6 +297,11 @@ class DiscordAdapter:
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------ construction
+    @property
+    def elected(self) -> bool:
+        """Cluster mode: receiving is started and stopped by the node's ingress election."""
+        return self._elected
+
     @classmethod
     def from_config(cls, cfg: DiscordConfig, **kw: Any) -> DiscordAdapter:
         token = os.environ.get(cfg.token_env, "").strip()

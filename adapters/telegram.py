@@ -292,6 +292,11 @@ class TelegramAdapter:
 
     # ----------------------------------------------------------------- construction
 
+    @property
+    def elected(self) -> bool:
+        """Cluster mode: receiving is started and stopped by the node's ingress election."""
+        return self._elected
+
     @classmethod
     def from_config(cls, cfg: TelegramConfig, **kwargs: Any) -> TelegramAdapter:
         """Build from config, reading the token (and webhook secret) from the environment."""

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from gateway.admin import RunLock
     from gateway.cluster.claims import ClaimWorkers
     from gateway.cluster.inbox import Claim
+    from gateway.cluster.ingress import IngressElection
     from gateway.cluster.ledger import ClusterOutbox
     from gateway.cluster.node import ClusterNode, HeldLease
     from gateway.observability import Observability
@@ -177,6 +178,8 @@ class GatewayApp:
         self.llm = llm or LLMClient.from_config(cfg.llm)
         self.tokens = tokens or TokenCounter.create(log)
         self.metrics = Metrics()
+        if self.node is not None:  # claim and failover figures on /metrics
+            self.metrics.enable_cluster(self.node.metrics)
         self.deliverer = Deliverer(self.outbox, self.adapters, self.metrics, cfg.delivery)
         self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
         # InstrumentedLLM proxies the LLMClient: same chat() signature, every other attribute
@@ -219,6 +222,7 @@ class GatewayApp:
         )
         self._housekeeping: asyncio.Task | None = None
         self._idle_closer: asyncio.Task | None = None  # cluster mode
+        self._election: IngressElection | None = None  # cluster mode: who receives what
         # lanes that ran turns in this process, newest last: flushed at shutdown (bounded)
         self._active_lanes: OrderedDict[tuple[str, str], tuple[InboundMessage, Lane, ChatPlace]] = OrderedDict()
 
@@ -231,7 +235,11 @@ class GatewayApp:
         # one gateway per data dir; cluster nodes share it (each node's lease is its own lock)
         self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway", shared=self.node is not None)
         if self.node is not None:
+            from gateway.cluster.wiring import attach_shared_state, ingress_election
+
             await self.node.start()  # pool, migrations, registration, heartbeats
+            await attach_shared_state(self, self.node)  # pairing, link codes and links in PostgreSQL
+            self._election = ingress_election(self, self.node)
         else:
             await self.inbox.open()
             await self.reminders.open()
@@ -256,6 +264,8 @@ class GatewayApp:
                 await adapter.start(self.handle_inbound)
             except Exception:
                 log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
+        if self._election is not None:  # this node receives what it is elected for
+            await self._election.start()
         if self.cfg.reminders_on:
             self.reminders.start()
         await self.deliverer.resume()  # what the previous run recorded but did not get sent
@@ -301,6 +311,9 @@ class GatewayApp:
             except TimeoutError:
                 log.warning("memory flush at shutdown did not finish in %.0fs", drain_timeout)
         await self.linking.close(drain_timeout)
+        if self._election is not None:  # another node takes the ingress roles over at once
+            await self._election.stop()
+            self._election = None
         await self.deliverer.close(drain_timeout)  # unsent chunks stay in the outbox for the next start
         for adapter in self.adapters.values():
             try:
@@ -1036,7 +1049,7 @@ class GatewayApp:
         dropped = self.lanes.discard(key)
         tlog.warning("turn stopped, nothing committed: %s", lost, extra={"event": "turn_fenced", "dropped": dropped})
         if self.node is not None:
-            self.node.counters.turns_fenced += 1
+            self.node.metrics.fenced_out("turn")
         self._in_background(self._close_profile(lane.tenant_id))
 
     def _lease_lost(self, tenant: str) -> None:

@@ -35,11 +35,12 @@ def build_adapters(cfg: Config) -> list:
     if cfg.platforms.telegram.enabled:
         from adapters.telegram import TelegramAdapter
 
-        adapters.append(TelegramAdapter.from_config(cfg.platforms.telegram))
+        # cluster mode: the node's ingress election decides who polls (or sets the webhook)
+        adapters.append(TelegramAdapter.from_config(cfg.platforms.telegram, elected=cfg.cluster.enabled))
     if cfg.platforms.discord.enabled:
         from adapters.discord_bot import DiscordAdapter
 
-        adapters.append(DiscordAdapter.from_config(cfg.platforms.discord))
+        adapters.append(DiscordAdapter.from_config(cfg.platforms.discord, elected=cfg.cluster.enabled))
     return adapters
 
 

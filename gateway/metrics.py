@@ -242,9 +242,11 @@ class Metrics:
         if seconds is not None:
             self.turn_seconds.observe(seconds, platform=platform)
 
-    def enable_cluster(self) -> ClusterMetrics:
-        """Cluster mode: add the claim and failover metrics to /metrics."""
-        if self.cluster is None:
+    def enable_cluster(self, cluster: ClusterMetrics | None = None) -> ClusterMetrics:
+        """Cluster mode: add the claim and failover metrics (the node's own, if given) to /metrics."""
+        if cluster is not None:
+            self.cluster = cluster
+        elif self.cluster is None:
             self.cluster = ClusterMetrics()
         return self.cluster
 
@@ -321,8 +323,18 @@ class ClusterMetrics:
         )
         self.fenced = Counter(
             "hermes_cluster_fenced_writes_total",
-            "Writes refused because this node's lease had been taken over (kind=outbox|inbox|profile).",
+            "Work refused because this node's lease had gone: kind=turn (a turn stopped, nothing "
+            "committed), kind=send (a recorded chunk left for the lease's new holder).",
             ["kind"],
+        )
+        self.lease_busy = Counter(
+            "hermes_cluster_lease_busy_total", "Claimed lanes given back because another node held the tenant."
+        )
+        self.leases_lost = Counter(
+            "hermes_cluster_leases_lost_total", "Tenant leases this node lost (taken over, expired, not renewed)."
+        )
+        self.heartbeat_failures = Counter(
+            "hermes_cluster_heartbeat_failures_total", "Heartbeats that failed or found the node lease expired."
         )
         self.ingress = Counter(
             "hermes_cluster_ingress_changes_total",
@@ -353,6 +365,9 @@ class ClusterMetrics:
             self.lanes_claimed,
             self.takeovers,
             self.fenced,
+            self.lease_busy,
+            self.leases_lost,
+            self.heartbeat_failures,
             self.ingress,
             self.ingress_held,
             self.tenants_held,

@@ -53,13 +53,13 @@ def node_config(config_for, tg, schema, monkeypatch):
     """The config of node `node_id` (webhook on its own port) over the shared data_dir."""
     monkeypatch.setenv(DSN_ENV, schema_dsn(schema))
 
-    def build(node_id: str, **sections: Any):
+    def build(node_id: str, *, polling: bool = False, **sections: Any):
         port = free_port()
         telegram = {
             "enabled": True,
             "token_env": TOKEN_ENV,
             "base_url": tg.base_url,
-            "mode": "webhook",
+            "mode": "polling" if polling else "webhook",
             "webhook": {
                 "listen": "127.0.0.1",
                 "port": port,
@@ -84,8 +84,10 @@ class Node:
 
 @asynccontextmanager
 async def started(cfg):
+    # elected, as `hermes-gateway run` builds it in cluster mode: the ingress election decides
+    # which node polls or registers the webhook (every node serves the webhook)
     adapter = TelegramAdapter.from_config(
-        cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5, flood_limits=LOOSE_FLOOD
+        cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5, flood_limits=LOOSE_FLOOD, elected=True
     )
     app = GatewayApp(cfg, [adapter])
     await app.start()
@@ -181,6 +183,33 @@ async def test_a_lanes_messages_are_answered_in_arrival_order_across_nodes(tg, f
         assert texts(tg, 222) == [f"ok: step {i}" for i in range(8)]
 
 
+async def ingress_held(node: Node) -> list[str]:
+    """The ingress roles `node` holds, as its /healthz cluster check reports them."""
+    assert node.app.cluster_health is not None
+    _, detail = await node.app.cluster_health()
+    return detail["leases"]["ingress"]
+
+
+async def test_in_polling_mode_one_node_polls_and_another_takes_over_when_it_stops(tg, fake_llm, node_config):
+    async with AsyncExitStack() as first:
+        one = await first.enter_async_context(started(node_config("n1", polling=True)))
+        async with started(node_config("n2", polling=True)) as two:
+            assert await ingress_held(one) == ["ingress:telegram-polling"]
+            assert await ingress_held(two) == []
+            for i in range(6):
+                tg.push_private(500 + i % 2, f"polled {i}")
+            await tg.wait_sent(6)
+            await first.aclose()  # the poller leaves: its lease is released, n2 takes over
+            for i in range(6, 10):
+                tg.push_private(500 + i % 2, f"polled {i}")
+            await tg.wait_sent(10, timeout=15)
+            assert await ingress_held(two) == ["ingress:telegram-polling"]
+            await settled([two])
+    for user in (500, 501):
+        assert sorted(texts(tg, user)) == sorted(f"ok: polled {i}" for i in range(10) if 500 + i % 2 == user)
+    assert len(fake_llm.requests) == 10
+
+
 # --- failover and fencing -------------------------------------------------------------------
 
 
@@ -238,7 +267,7 @@ async def test_a_profile_write_under_a_lost_lease_is_refused_and_the_profile_clo
                 (tenant,),
             )
         await node.beat()  # the renewal fails: the lease is lost
-        assert held.lost and node.counters.leases_lost == 1
+        assert held.lost and node.metrics.leases_lost.value() == 1
         with pytest.raises(LeaseLost):
             await profile.memory.add("memory", "written after the takeover")
         with pytest.raises(LeaseLost):
@@ -286,7 +315,7 @@ async def test_an_outbox_commit_under_a_stale_epoch_is_refused(tg, fake_llm, nod
             await conn.execute("UPDATE tenant_leases SET epoch = epoch + 1 WHERE tenant = %s", (tenant,))
         gate.set()
         await settled([one])
-        assert node.counters.turns_fenced == 1  # the turn under epoch 1 committed nothing
+        assert node.metrics.fenced.value(kind="turn") == 1  # the turn under epoch 1 committed nothing
         # the message stayed pending and was run again under the current epoch: answered once
         assert texts(tg, 555) == ["late answer"]
         async with node.pool.connection() as conn:

@@ -103,7 +103,7 @@ class ClaimWorkers:
 
     async def _run(self, claim: Claim) -> None:
         node = self.node
-        node.counters.claims += 1
+        node.metrics.lane_claimed()
         try:
             held = await node.hold(claim.tenant)
         except Exception as exc:

@@ -136,7 +136,7 @@ class IngressElection:
                     spread_held.append(role)
                 log.info("ingress: this node now holds %s (epoch %d)", role.name, lease.epoch)
                 self._changed(role, "gained")
-                if lease.epoch > 1 and self.metrics is not None:  # it moved here from another node
+                if lease.taken_over and self.metrics is not None:  # it moved here from another node
                     self.metrics.lease_taken_over("ingress")
 
     async def _renew_all(self) -> None:

@@ -30,6 +30,7 @@ class Lease:
     holder: str
     epoch: int
     expires_at: datetime
+    taken_over: bool = False  # acquire_lease: it moved here from another holder (epoch bumped)
 
 
 async def register_node(pool: Pool, node_id: str, ttl_s: float) -> None:
@@ -66,7 +67,7 @@ async def leave(pool: Pool, node_id: str) -> None:
 
 
 def _lease(row: DictRow) -> Lease:
-    return Lease(row["tenant"], row["holder"], int(row["epoch"]), row["expires_at"])
+    return Lease(row["tenant"], row["holder"], int(row["epoch"]), row["expires_at"], bool(row.get("taken_over")))
 
 
 async def acquire_lease(pool: Pool, tenant: str, node_id: str, ttl_s: float) -> Lease | None:
@@ -81,7 +82,7 @@ async def acquire_lease(pool: Pool, tenant: str, node_id: str, ttl_s: float) -> 
                    acquired_at = CASE WHEN l.holder = EXCLUDED.holder THEN l.acquired_at ELSE now() END,
                    holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
                WHERE l.holder = EXCLUDED.holder OR l.expires_at <= now()
-               RETURNING tenant, holder, epoch, expires_at""",
+               RETURNING tenant, holder, epoch, expires_at, (epoch > 1 AND acquired_at = now()) AS taken_over""",
             (tenant, node_id, ttl_s),
         )
         row = await cur.fetchone()

@@ -260,7 +260,10 @@ class ClusterOutbox:
     def may_send(self, chunk: Chunk) -> bool:
         """Right before the send: the chunk's lane is claimed here under a live lease."""
         held = self.node.claims.get(self._lanes.get(chunk.id, ""))
-        return held is not None and held.valid()
+        if held is not None and held.valid():
+            return True
+        self.node.metrics.fenced_out("send")
+        return False
 
     async def mark_sent(self, chunk_id: int, sent_id: str) -> None:
         await self._settle(chunk_id, "sent", sent_id)

@@ -24,6 +24,7 @@ from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.leases import Lease, acquire_lease, heartbeat, leave, register_node, release_lease, renew_lease
 from gateway.cluster.migrations import migrate
 from gateway.config import ClusterConfig
+from gateway.metrics import ClusterMetrics
 
 log = logging.getLogger("hermes.cluster")
 
@@ -61,17 +62,6 @@ class HeldLease:
             raise LeaseLost(f"lease on {self.tenant} at epoch {self.epoch} ran past its local deadline")
 
 
-@dataclass
-class NodeCounters:
-    """What /metrics and the tests read about this node."""
-
-    claims: int = 0
-    lease_busy: int = 0
-    leases_lost: int = 0
-    heartbeats_failed: int = 0
-    turns_fenced: int = 0  # turns stopped because their lease went
-
-
 class ClusterNode:
     """Membership and tenant leases of this process; build it with the DSN, `start()` it."""
 
@@ -82,6 +72,7 @@ class ClusterNode:
         *,
         pool_size: int | None = None,
         on_lost: Callable[[str], None] | None = None,
+        metrics: ClusterMetrics | None = None,
     ) -> None:
         self.cfg = cfg
         self.dsn = dsn
@@ -90,7 +81,7 @@ class ClusterNode:
         self.margin = max(0.2 * self.ttl, 0.1)  # local deadline ends this long before the database's
         self.pool_size = pool_size or cfg.max_lanes + 4
         self.on_lost = on_lost  # called with the tenant whose lease was lost (close its profile)
-        self.counters = NodeCounters()
+        self.metrics = metrics or ClusterMetrics()  # the app's /metrics share it
         self._pool: Pool | None = None
         self._held: dict[str, HeldLease] = {}
         # lanes this node has claimed -> the tenant lease their claim runs under
@@ -155,10 +146,13 @@ class ClusterNode:
             started = time.monotonic()
             lease = await acquire_lease(self.pool, tenant, self.node_id, self.ttl)
             if lease is None:
-                self.counters.lease_busy += 1
+                self.metrics.lease_busy.inc()
                 raise LeaseBusy(f"tenant {tenant} is held by another node")
             held = HeldLease(lease, started + self.ttl - self.margin, users=1)
             self._held[tenant] = held
+            self.metrics.tenants_held.set(len(self._held))
+            if lease.taken_over:
+                self.metrics.lease_taken_over("tenant")
             return held
 
     async def unhold(self, held: HeldLease) -> None:
@@ -169,6 +163,7 @@ class ClusterNode:
                 return
             if self._held.get(held.tenant) is held:
                 del self._held[held.tenant]
+                self.metrics.tenants_held.set(len(self._held))
             if held.lost or self._pool is None:
                 return
             held.lost, held.reason = True, "released"
@@ -181,7 +176,7 @@ class ClusterNode:
         if held.lost:
             return
         held.lost, held.reason = True, reason
-        self.counters.leases_lost += 1
+        self.metrics.leases_lost.inc()
         log.warning(
             "lease on tenant %s (epoch %d) lost: %s; its turn stops and its profile closes",
             held.tenant,
@@ -201,7 +196,7 @@ class ClusterNode:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.counters.heartbeats_failed += 1
+                self.metrics.heartbeat_failures.inc()
                 log.error("heartbeat failed (%s); writes stop when the leases run out locally", exc)
 
     async def beat(self) -> None:
@@ -210,7 +205,7 @@ class ClusterNode:
         if not alive:
             # the node lease ran out (a pause, a partition): other nodes may run our lanes and
             # tenants now; everything held is lost, then the node joins afresh
-            self.counters.heartbeats_failed += 1
+            self.metrics.heartbeat_failures.inc()
             for held in list(self._held.values()):
                 self._lose(held, "node lease expired")
             await register_node(self.pool, self.node_id, self.ttl)

@@ -11,6 +11,7 @@ import re
 import socket
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -23,9 +24,9 @@ from gateway.cluster.leases import FencedOut
 from gateway.config import ConfigError
 from gateway.logs import JsonFormatter, Redactor
 from tests.fakes.telegram_api import FakeTelegram
-from tests.pg import schema_dsn, skip_without_postgresql
+from tests.pg import DSN, require_postgres
 
-skip_without_postgresql()
+require_postgres()
 
 TOKEN = "123456:AAE2eFAKEtokenFAKEtoken_-cluster"
 TOKEN_ENV = "HERMES_CLUSTER_TG_TOKEN"
@@ -34,6 +35,11 @@ DSN_ENV = "HERMES_CLUSTER_TEST_DSN"
 SECRET = "cluster-secret_1"
 LOOSE_FLOOD = FloodLimits(per_chat=(50, 1.0), per_group=(50, 1.0), overall=(100, 1.0))
 TTL = 3.0
+
+
+def schema_dsn(schema: str) -> str:
+    """The DSN with `schema` on the search_path (what a node's cluster.postgres_dsn_env holds)."""
+    return f"{DSN}?options={quote(f'-csearch_path={schema}')}"
 
 
 def free_port() -> int:

@@ -290,7 +290,7 @@ class GatewayApp:
             _, late = await asyncio.wait(list(self._background), timeout=drain_timeout)
             for task in late:  # their messages stay pending and are handled on the next start
                 task.cancel()
-        if self._started:
+        if self._started and self.node is None:  # in a cluster the sessions go on on other nodes
             try:
                 await asyncio.wait_for(self._flush_lanes(), drain_timeout)
             except TimeoutError:

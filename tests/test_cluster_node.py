@@ -384,3 +384,28 @@ async def test_an_answer_stored_in_the_profile_but_never_recorded_is_sent_by_the
         assert refused == ["first"]
         assert texts(tg, 888) == ["ok: first", "ok: second"]
         assert len(fake_llm.requests) == 2  # the first answer was not asked for again
+
+
+async def test_nodes_share_the_data_dir_but_a_single_node_gateway_is_kept_out(tg, fake_llm, node_config, config_for):
+    from gateway.admin import AdminError
+
+    async with cluster(node_config, "n1", "n2"):
+        single = GatewayApp(config_for(), [])
+        with pytest.raises(AdminError, match="is in use"):
+            await single.start()
+        await single.stop()
+
+
+async def test_a_graceful_stop_leaves_the_cluster_and_frees_its_tenant_leases_at_once(tg, fake_llm, node_config):
+    async with started(node_config("n1")) as one:
+        assert await post(tg, tg.push_private(999, "hi"), one) == 200
+        await settled([one])
+        node = one.app.node
+        assert node is not None and node.held_tenants()
+        pool_dsn = node.dsn
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(pool_dsn) as conn:
+        nodes = await (await conn.execute("SELECT count(*) FROM nodes")).fetchone()
+        live = await (await conn.execute("SELECT count(*) FROM tenant_leases WHERE expires_at > now()")).fetchone()
+    assert nodes == (0,) and live == (0,)

@@ -409,3 +409,10 @@ async def test_a_graceful_stop_leaves_the_cluster_and_frees_its_tenant_leases_at
         nodes = await (await conn.execute("SELECT count(*) FROM nodes")).fetchone()
         live = await (await conn.execute("SELECT count(*) FROM tenant_leases WHERE expires_at > now()")).fetchone()
     assert nodes == (0,) and live == (0,)
+
+
+async def test_a_message_with_nul_characters_is_recorded_without_them_and_answered(tg, fake_llm, node_config):
+    async with started(node_config("n1")) as one:
+        assert await post(tg, tg.push_private(1212, "a\x00b typed \\u0000"), one) == 200
+        await settled([one])
+        assert texts(tg, 1212) == ["ok: ab typed \\u0000"]

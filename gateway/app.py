@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import secrets
 import time
@@ -79,6 +78,17 @@ class _Answer:
 class Job:
     msg: InboundMessage
     lane: Lane
+
+
+def _without_nul(value: Any) -> Any:
+    """`value` (JSON data) with NUL characters removed from every string."""
+    if isinstance(value, str):
+        return value.replace("\0", "")
+    if isinstance(value, list):
+        return [_without_nul(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+    return value
 
 
 def _lease_lost(exc: BaseException) -> bool:
@@ -305,7 +315,7 @@ class GatewayApp:
             _, late = await asyncio.wait(list(self._background), timeout=drain_timeout)
             for task in late:  # their messages stay pending and are handled on the next start
                 task.cancel()
-        if self._started:
+        if self._started and self.node is None:  # in a cluster the sessions go on on other nodes
             try:
                 await asyncio.wait_for(self._flush_lanes(), drain_timeout)
             except TimeoutError:
@@ -402,8 +412,7 @@ class GatewayApp:
         except ValueError:  # refused ("bad_ids") by whichever node runs it, like on one node
             tenant = lane_key = f"unplaceable/{msg.platform}/{msg.chat_id}"
             lane = None
-        # PostgreSQL text cannot hold NUL characters
-        payload = json.loads(msg.model_dump_json().replace("\\u0000", ""))
+        payload = _without_nul(msg.model_dump(mode="json"))  # PostgreSQL text cannot hold NUL
         new = await record_inbound(
             self.node.pool, Inbound(msg.platform, msg.chat_id, msg.message_id, lane_key, tenant, payload)
         )
@@ -994,11 +1003,12 @@ class GatewayApp:
         recorded but did not send go out first, in order; then the pending messages, in
         arrival order, through the same admit/turn path as on one node; every answer is sent
         before the lane is given back. Raises LeaseLost when the lease goes."""
+        from gateway.cluster.claims import LaneStalled
         from gateway.cluster.inbox import pending_messages
 
         assert self.node is not None
         await self._send_unsent(claim.lane, held)
-        seen, batch = 0, claim.messages
+        seen, batch, first = 0, claim.messages, True
         while batch and self._accepting:
             keys: list[str] = []
             try:
@@ -1010,6 +1020,12 @@ class GatewayApp:
                     key = await self._admit(InboundMessage.model_validate(m.payload), force=True)
                     if key is not None and key not in keys:
                         keys.append(key)
+                    if first and key is not None:
+                        # the lane's oldest open message may have been answered in the profile
+                        # by a node that died before recording the answer: it runs alone (not
+                        # collected with later ones), so that stored answer is what it gets
+                        first = False
+                        await self.lanes.settle(key)
             except asyncio.CancelledError:  # stopping: what is queued stays pending
                 for key in keys:
                     self.lanes.discard(key)
@@ -1023,7 +1039,12 @@ class GatewayApp:
                 await self.lanes.settle(key)
             held.check()
             await self._send_unsent(claim.lane, held)
-            batch = [m for m in await pending_messages(self.node.pool, claim.lane) if m.id > seen]
+            pending = await pending_messages(self.node.pool, claim.lane)
+            if any(m.id <= seen and not m.answered for m in pending):
+                # a turn of this batch did not finish (fenced, failed): later messages wait,
+                # the lane is given back and its oldest open message is run again first
+                raise LaneStalled(f"lane {claim.lane} has an unfinished message")
+            batch = [m for m in pending if m.id > seen]
 
     async def _send_unsent(self, lane: str, held: HeldLease) -> None:
         """Until every chunk recorded for `lane` was sent (or given up), by the Deliverer."""

@@ -17,10 +17,10 @@ from gateway.linking import Linking
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, tenant_dir
 from tests.conftest import RecordingAdapter, dm, make_config, say
-from tests.pg import second_pool, skip_without_postgresql
+from tests.pg import require_postgres, second_pool
 from tests.test_linking import code_in
 
-skip_without_postgresql()
+require_postgres()
 TTL = 15.0
 
 

@@ -20,10 +20,10 @@ from gateway.cluster.leases import leave, register_node
 from gateway.config import DiscordConfig
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.telegram_api import FakeTelegram
-from tests.pg import second_pool, skip_without_postgresql
+from tests.pg import require_postgres, second_pool
 from tests.test_telegram_adapter import BOT, LOOSE_FLOOD, TOKEN, Recorder, free_port, make_cfg
 
-skip_without_postgresql()
+require_postgres()
 TTL = 2.0  # short, so a takeover happens within the test
 
 

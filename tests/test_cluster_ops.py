@@ -11,10 +11,10 @@ from gateway.cluster.ingress import TELEGRAM_POLLING, IngressElection, Role, dis
 from gateway.cluster.leases import acquire_lease, register_node
 from gateway.cluster.migrations import LATEST
 from tests.conftest import RecordingAdapter
-from tests.pg import second_pool, skip_without_postgresql
+from tests.pg import require_postgres, second_pool
 from tests.test_ops_observability import parse_prometheus, value
 
-skip_without_postgresql()
+require_postgres()
 TTL = 15.0
 
 

@@ -51,7 +51,7 @@ import time
 import uuid
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.storm_audit import TOKEN_RE, order_violations, profile_problems, responder, spread  # noqa: E402
 from tests.fakes.llm import FakeLLM  # noqa: E402
-from tests.fakes.telegram_api import FakeTelegram  # noqa: E402
+from tests.fakes.telegram_api import FakeTelegram, Pushed  # noqa: E402
 
 TG_TOKEN = "123456:AAEclusterstormFAKEtoken_-storm"
 SECRET = "cluster-storm-webhook-secret"
@@ -445,6 +445,8 @@ class ClusterStorm:
         pg_restart: bool = False,
         lease_ttl_s: float = 3.0,
         lb_workers: int = 4,
+        model_latency_s: float = 0.15,
+        group_share: float = 0.1,
         settle_s: float = 60.0,
         say: Callable[[str], None] = print,
     ) -> None:
@@ -453,6 +455,9 @@ class ClusterStorm:
         self.kill_every, self.down_for = kill_every, down_for
         self.pause, self.pg_restart, self.lease_ttl_s = pause, pg_restart, lease_ttl_s
         self.lb_workers, self.settle_s, self.say = lb_workers, settle_s, say
+        self.model_latency_s, self.group_share = model_latency_s, group_share
+        self.queues: list[asyncio.Queue] = []
+        self._workers: list[asyncio.Task] = []
         self.rng = random.Random(seed)
         self.result = ClusterResult(nodes=nodes, messages=messages, people=people, lease_ttl_s=lease_ttl_s)
         self.nodes: list[Node] = []
@@ -586,13 +591,13 @@ class ClusterStorm:
     # ----------------------------------------------------------------- traffic
 
     def _people(self) -> None:
-        n_groups = max(1, self.people // 25)
+        n_groups = max(1, self.people // 10)
         self.groups = [-1003000000000 - i for i in range(n_groups)]
         self.users = [7000 + i for i in range(self.people)]
-        self.group_members = {g: self.users[i::n_groups][:5] for i, g in enumerate(self.groups)}
+        self.group_members = {g: self.users[i::n_groups][:4] for i, g in enumerate(self.groups)}
 
     def _next_message(self, n: int, counters: dict[tuple[str, str], int], *, word: str = "hello"):
-        if self.rng.random() < 0.8:
+        if self.rng.random() >= self.group_share:
             user = self.rng.choice(self.users)
             chat, key = user, f"tg:{user}"
         else:
@@ -613,17 +618,16 @@ class ClusterStorm:
         self.pushed[token] = ("tg", key, str(user), idx)
         return token, pushed, key
 
-    async def _traffic(self, queues: list[asyncio.Queue]) -> None:
+    async def _traffic(self) -> None:
         counters: dict[tuple[str, str], int] = defaultdict(int)
         for n in range(1, self.messages + 1):
             await asyncio.sleep(self.interval)
             token, pushed, key = self._next_message(n, counters)
-            self.tg.updates.clear()  # delivered by webhook, never polled
-            queues[zlib.crc32(key.encode()) % len(queues)].put_nowait((token, pushed))
+            self.send(token, pushed, key)
             if n % 250 == 0:
                 self.say(f"  {n}/{self.messages} messages, {self.result.kills} kills")
             if self.pause and n == self.messages // 3 and self.paused_node is None:
-                self._pause_task = self._spawn_task(self._pause_scenario(queues, counters))
+                self._pause_task = self._spawn_task(self._pause_scenario(counters))
             if self.pg_restart and n == (2 * self.messages) // 3:
                 self._spawn_task(self._restart_pg())
 
@@ -648,13 +652,12 @@ class ClusterStorm:
         await self._spawn(node)
         node.restarting = False
 
-    async def _pause_scenario(self, queues: list[asyncio.Queue], counters: dict[tuple[str, str], int]) -> None:
+    async def _pause_scenario(self, counters: dict[tuple[str, str], int]) -> None:
         """Hold one turn at the model, freeze the node running it past its lease, resume it."""
         n = self.messages + 1
         token, pushed, key = self._next_message(n, counters, word=SLOW_WORD)
-        self.tg.updates.clear()
         self.paused_token = token
-        queues[zlib.crc32(key.encode()) % len(queues)].put_nowait((token, pushed))
+        self.send(token, pushed, key)
         deadline = time.monotonic() + 30
         node = None
         while time.monotonic() < deadline and node is None:
@@ -727,13 +730,17 @@ class ClusterStorm:
 
     # ----------------------------------------------------------------- run
 
-    async def run(self) -> ClusterResult:
-        started = time.monotonic()
+    @contextlib.asynccontextmanager
+    async def up(self) -> AsyncIterator[None]:
+        """The fakes, the nodes (migrated, started, answering) and the load balancer; on exit
+        the nodes are stopped (SIGTERM) and their last lives closed."""
         data = self.workdir / "data"
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         async with FakeLLM() as llm, FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg:
             self.llm, self.tg = llm, tg
-            llm.responder = responder(random.Random(self.seed + 1), slow={SLOW_WORD: 1.5})
+            llm.responder = responder(
+                random.Random(self.seed + 1), max_latency_s=self.model_latency_s, slow={SLOW_WORD: 1.5}
+            )
             for i in range(self.n_nodes):
                 name = f"n{i + 1}"
                 node = Node(name, self.workdir / f"{name}.yaml", free_port(), free_port())
@@ -758,30 +765,48 @@ class ClusterStorm:
                     tail = node.life.log.read_text(errors="replace").strip().splitlines()[-3:] if node.life else []
                     raise RuntimeError(f"node {node.name} did not start: {' | '.join(tail)}")
             self._people()
-            queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(self.lb_workers)]
+            self.queues = [asyncio.Queue() for _ in range(self.lb_workers)]
             async with aiohttp.ClientSession() as session:
-                workers = [asyncio.create_task(self._lb_worker(q, session)) for q in queues]
-                chaos = asyncio.create_task(self._chaos()) if self.kill_every else None
+                self._workers = [asyncio.create_task(self._lb_worker(q, session)) for q in self.queues]
                 try:
-                    await self._traffic(queues)
-                    if self._pause_task is not None:
-                        await self._pause_task
-                    self.sending = False
-                    if chaos is not None:
-                        await chaos
-                    for q in queues:
-                        q.put_nowait(None)
-                    await asyncio.gather(*workers)
-                    self.say(f"  traffic done ({time.monotonic() - started:.1f} s), waiting for the answers")
-                    await self._all_up()
-                    await self._settle()
-                    self.say(f"  settled ({time.monotonic() - started:.1f} s)")
+                    yield
                 finally:
                     self.sending = False
-                    for t in [*workers, *([chaos] if chaos else [])]:
+                    for t in self._workers:
                         t.cancel()
                     await self._stop_all()
-            self._audit(data)
+
+    def send(self, token: str, pushed: Pushed, key: str) -> None:
+        """Hand an update to the load balancer (one worker per chat: per chat, in order)."""
+        self.tg.updates.clear()  # delivered by webhook, never polled
+        self.queues[zlib.crc32(key.encode()) % len(self.queues)].put_nowait((token, pushed))
+
+    async def close_ingress(self) -> None:
+        """Until every update handed to the load balancer was acknowledged by a node."""
+        for q in self.queues:
+            q.put_nowait(None)
+        await asyncio.gather(*self._workers)
+
+    async def run(self) -> ClusterResult:
+        started = time.monotonic()
+        async with self.up():
+            chaos = asyncio.create_task(self._chaos()) if self.kill_every else None
+            try:
+                await self._traffic()
+                if self._pause_task is not None:
+                    await self._pause_task
+                self.sending = False
+                if chaos is not None:
+                    await chaos
+                await self.close_ingress()
+                self.say(f"  traffic done ({time.monotonic() - started:.1f} s), waiting for the answers")
+                await self._all_up()
+                await self._settle()
+                self.say(f"  settled ({time.monotonic() - started:.1f} s)")
+            finally:
+                if chaos is not None:
+                    chaos.cancel()
+        self._audit(self.workdir / "data")
         self.result.seconds = round(time.monotonic() - started, 1)
         return self.result
 

@@ -26,7 +26,7 @@ The audit (after everything is answered and the nodes stopped):
   must end with that holder fenced out after SIGCONT; any other overlap is a violation.
 
 `--pause`: mid-run, the node running a deliberately slow turn is SIGSTOPped for
-2 x lease_ttl + 1 s and resumed; its late writes must be refused (its log says it was
+2 x lease_ttl + 2 s and resumed; its late writes must be refused (its log says it was
 fenced out) and that message answered once. `--pg-restart`: mid-run, the local
 PostgreSQL is restarted (`pg_ctlcluster ... restart`); nodes must wait and lose nothing.
 Every run uses a fresh schema (dropped at the end).
@@ -73,7 +73,7 @@ BOT = "hermes_cluster_bot"
 BIN = Path(sys.executable).parent / "hermes-gateway"
 BASE_DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 SLOW_WORD = "slowpoke"  # the model holds turns with this word (the --pause scenario)
-FENCED_HINTS = ("fenced", "fencedout", "fenced_out")
+FENCED_HINTS = ("fenced", "lease_lost")  # in a log record: a write refused, a profile closed for a lost lease
 
 
 # --------------------------------------------------------------------------- PostgreSQL
@@ -330,6 +330,8 @@ class ClusterResult:
     paused_fenced_records: int = 0  # the paused node's log records about being fenced, after SIGCONT
     paused_fenced_metric: float = 0.0
     paused_message_answers: int = -1  # copies of the answer to the message held during the pause
+    paused_node: str = ""
+    paused_message_by: list[str] = field(default_factory=list)  # who sent those copies
     pg_outage_s: list[float] = field(default_factory=list)
     window_ms: list[float] = field(default_factory=list)
     restart_s: list[float] = field(default_factory=list)  # spawn -> webhook answering
@@ -350,6 +352,7 @@ class ClusterResult:
             and not self.nodes_crashed
             and (self.pauses == 0 or (self.paused_fenced_records > 0 or self.paused_fenced_metric > 0))
             and (self.pauses == 0 or self.paused_message_answers == 1)
+            and self.paused_node not in self.paused_message_by
         )
 
 
@@ -672,12 +675,13 @@ class ClusterStorm:
             self.result.details.append("pause: no node picked up the held turn within 30 s; pause skipped")
             return
         self.paused_node = node
+        self.result.paused_node = node.name
         life = node.life
         t_stop = time.time()
         self.stops_mono[node.name].append(time.monotonic())
         node.proc.send_signal(signal.SIGSTOP)
         self.result.pauses += 1
-        await asyncio.sleep(2 * self.lease_ttl_s + 1)
+        await asyncio.sleep(2 * self.lease_ttl_s + 2)
         node.proc.send_signal(signal.SIGCONT)
         t_cont = time.time()
         life.stops.append((t_stop, t_cont))
@@ -739,7 +743,7 @@ class ClusterStorm:
         async with FakeLLM() as llm, FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg:
             self.llm, self.tg = llm, tg
             llm.responder = responder(
-                random.Random(self.seed + 1), max_latency_s=self.model_latency_s, slow={SLOW_WORD: 1.5}
+                random.Random(self.seed + 1), max_latency_s=self.model_latency_s, slow={SLOW_WORD: 1.0}
             )
             for i in range(self.n_nodes):
                 name = f"n{i + 1}"
@@ -904,6 +908,7 @@ class ClusterStorm:
         r.details += dups.details[:20]
         if self.paused_token is not None and r.pauses:
             r.paused_message_answers = len(copies.get(self.paused_token, []))
+            r.paused_message_by = [c.via or "?" for c in copies.get(self.paused_token, [])]
         bad, details = order_violations((t for t, _ in answers), self.pushed)
         r.order_violations = bad
         r.details += details[:20]
@@ -959,7 +964,8 @@ def summary(r: ClusterResult) -> list[str]:
         f"audit log: {r.audit_records} records over {r.audit_tenants} tenants; overlaps {r.overlaps}, "
         f"with a frozen holder {r.overlaps_paused}; anomalies {r.audit_anomalies}",
         f"pause: fenced records after SIGCONT {r.paused_fenced_records}, fenced metric {r.paused_fenced_metric}, "
-        f"answers to the held message {r.paused_message_answers}; PostgreSQL outage s {r.pg_outage_s}",
+        f"answers to the held message {r.paused_message_answers} (paused {r.paused_node or '-'}, answered by "
+        f"{r.paused_message_by or '-'}); PostgreSQL outage s {r.pg_outage_s}",
         f"send window (accepted -> SIGKILL) ms: {spread(r.window_ms)}; restart (spawn -> webhook up) s: "
         f"{spread(r.restart_s)}; nodes that exited on their own: {r.nodes_crashed or 'none'}",
     ]

@@ -152,6 +152,7 @@ class Interval:
     start: float
     end: float
     ended_by: str  # "close", "kill", "exit" (open when the process ended)
+    reason: str = ""  # the close record's reason, if any
 
 
 def parse_ts(value: Any) -> float | None:
@@ -203,7 +204,8 @@ def profile_intervals(lives: list[Life]) -> tuple[list[Interval], list[str]]:
                 open_now[tenant] = (ts, rec.get("epoch"))
             elif tenant in open_now:
                 start, epoch = open_now.pop(tenant)
-                intervals.append(Interval(tenant, life.node, life.index, epoch, start, ts, "close"))
+                reason = str(rec.get("reason") or "")
+                intervals.append(Interval(tenant, life.node, life.index, epoch, start, ts, "close", reason))
             else:
                 anomalies.append(f"{life.node}#{life.index}: {tenant} closed but never opened")
         end = life.ended if life.ended is not None else time.time()
@@ -238,7 +240,7 @@ def find_overlaps(intervals: list[Interval], lives: list[Life]) -> tuple[list[st
             first, second = (a, b) if a.start <= b.start else (b, a)
             text = (
                 f"{tenant}: {first.node}#{first.life} epoch {first.epoch} open {first.start:.3f}-{first.end:.3f} "
-                f"({first.ended_by}) and {second.node}#{second.life} epoch {second.epoch} open "
+                f"({first.ended_by}{' ' + first.reason if first.reason else ''}) and {second.node}#{second.life} epoch {second.epoch} open "
                 f"{second.start:.3f}-{second.end:.3f} ({second.ended_by})"
             )
             frozen = stopped_at(lives, first.node, first.life, second.start)

@@ -167,7 +167,7 @@ def _quiet(_: str) -> None:
 @needs_cluster
 async def test_three_nodes_under_sigkills_answer_every_message_once_in_order(tmp_path):
     r = await cluster_storm(
-        tmp_path, messages=200, people=20, seed=5, interval=0.04, kill_every=(2.0, 3.0), lease_ttl_s=2.0, say=_quiet
+        tmp_path, messages=200, people=20, seed=5, interval=0.04, kill_every=(2.0, 3.0), lease_ttl_s=3.0, say=_quiet
     )
     assert r.kills >= 2, r
     assert r.lost == 0 and r.ingress_failed == 0, r.details
@@ -190,7 +190,7 @@ async def test_a_node_paused_past_its_lease_is_fenced_out_and_nothing_is_duplica
         interval=0.05,
         kill_every=None,
         pause=True,
-        lease_ttl_s=2.0,
+        lease_ttl_s=3.0,
         say=_quiet,
     )
     assert r.pauses == 1, r.details

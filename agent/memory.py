@@ -126,8 +126,12 @@ class MemoryStore:
         *,
         read_only: bool = False,
         scope: Scope = PRIVATE_CHAT,
+        guard: Callable[[], None] | None = None,
     ) -> None:
+        """`guard` is called before a file is written and may raise to refuse it (cluster
+        mode: this node no longer holds the tenant's lease)."""
         self.profile_dir = Path(profile_dir)
+        self.guard = guard
         self.memory_dir = self.profile_dir / "memories"
         self.memory_char_limit = memory_char_limit
         self.user_char_limit = user_char_limit
@@ -463,6 +467,8 @@ class MemoryStore:
                 )
         new, result = mutate(view.visible)
         if new is not None:
+            if self.guard is not None:
+                self.guard()
             new = view.merge(new)
             data = ENTRY_DELIMITER.join(new).encode("utf-8")
             atomic_write(path, data)

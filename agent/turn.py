@@ -125,6 +125,7 @@ class Agent:
                 mem_cfg.user_char_limit,
                 read_only=lane.personal_memory == "read",
                 scope=scope,
+                guard=profile.memory.guard,
             )
         return profile.memory
 

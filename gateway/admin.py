@@ -60,11 +60,14 @@ class RunLock:
         self.path = Path(data_dir) / LOCK_NAME
         self._fd: int | None = None
 
-    def acquire(self, what: str = "the gateway") -> RunLock:
+    def acquire(self, what: str = "the gateway", *, shared: bool = False) -> RunLock:
+        """Exclusive: one gateway (or admin command) per data dir. `shared`: cluster nodes,
+        several of which run on one data dir; they still keep out a single-node gateway and
+        the admin commands that change data (on this host: flock is per host on NFS)."""
         private_mkdir(self.path.parent)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             raise AdminError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import secrets
 import time
@@ -26,6 +27,7 @@ from agent.sessions import StoragePool
 from agent.tokens import TokenCounter
 from agent.turn import Agent, TurnResult, UserInput
 from gateway.access import Access
+from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config
 from gateway.delivery import split_text
@@ -46,6 +48,10 @@ from tenancy.profiles import ProfileManager
 
 if TYPE_CHECKING:
     from gateway.admin import RunLock
+    from gateway.cluster.claims import ClaimWorkers
+    from gateway.cluster.inbox import Claim
+    from gateway.cluster.ledger import ClusterOutbox
+    from gateway.cluster.node import ClusterNode, HeldLease
     from gateway.observability import Observability
 
 log = logging.getLogger("hermes.gateway")
@@ -71,6 +77,18 @@ class _Answer:
 class Job:
     msg: InboundMessage
     lane: Lane
+
+
+def _lease_lost(exc: BaseException) -> bool:
+    """Whether `exc` was caused by a lost tenant lease (cluster mode)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, LeaseLost):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def input_uid(msg: InboundMessage) -> str:
@@ -118,8 +136,28 @@ class GatewayApp:
     ) -> None:
         self.cfg = cfg
         self.adapters: dict[str, Adapter] = {a.platform: a for a in adapters}
-        self.inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
-        self.outbox = Outbox(self.inbox)
+        # cluster mode (README "Cluster mode"): the inbox and outbox are in PostgreSQL and
+        # a profile opens only under its tenant lease; None on a single node
+        self.node: ClusterNode | None = None
+        self.shared_outbox: ClusterOutbox | None = None
+        self.claims: ClaimWorkers | None = None
+        gate = None
+        if cfg.cluster.enabled:
+            from gateway.cluster.db import dsn_from_env
+            from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
+            from gateway.cluster.node import ClusterNode, ProfileLeases
+
+            self.node = ClusterNode(
+                cfg.cluster, dsn_from_env(cfg.cluster.postgres_dsn_env or ""), on_lost=self._lease_lost
+            )
+            self.shared_outbox = ClusterOutbox(self.node)
+            # duck-typed: they implement what the app, Access and Linking call in cluster mode
+            self.outbox = cast(Outbox, self.shared_outbox)
+            self.inbox = cast(Inbox, ClusterInbox(self.node, self.shared_outbox))
+            gate = ProfileLeases(self.node)
+        else:
+            self.inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
+            self.outbox = Outbox(self.inbox)
         self.links = IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
         self.storage_pool = StoragePool(cfg.storage.io_threads)
         self.profiles = ProfileManager(
@@ -130,6 +168,9 @@ class GatewayApp:
             user_char_limit=cfg.memory.user_char_limit,
             provider_kind=cfg.memory.provider,
             pool=self.storage_pool,
+            gate=gate,
+            # WAL's shared-memory index is for one host; a shared data_dir needs a rollback journal
+            journal_mode="delete" if cfg.cluster.enabled else "wal",
         )
         self._own_llm = llm is None
         self.llm = llm or LLMClient.from_config(cfg.llm)
@@ -159,8 +200,10 @@ class GatewayApp:
         )
         self._background: set[asyncio.Task] = set()  # replies sent outside an adapter's sink
         self._turn_stops: dict[str, asyncio.Event] = {}  # lane key -> stop event of its running turn
+        self._stopped_here: set[str] = set()  # cluster mode: /stop messages that stopped a turn at ingress
         self.reminders = ReminderScheduler(lambda: self.inbox.db, cfg.data_dir, self._submit_reminder)
-        self.agent.reminder_index = self.reminders.note  # the tool keeps the due-time index current
+        # the tool keeps the due-time index current; no reminders in cluster mode
+        self.agent.reminder_index = self.reminders.note if cfg.reminders_on else None
         self._started = False
         self._accepting = False
         self.metrics.bind(
@@ -170,6 +213,7 @@ class GatewayApp:
             adapters_up=self._adapters_up,
         )
         self._housekeeping: asyncio.Task | None = None
+        self._idle_closer: asyncio.Task | None = None  # cluster mode
         # lanes that ran turns in this process, newest last: flushed at shutdown (bounded)
         self._active_lanes: OrderedDict[tuple[str, str], tuple[InboundMessage, Lane, ChatPlace]] = OrderedDict()
 
@@ -179,11 +223,15 @@ class GatewayApp:
         from gateway.admin import RunLock
 
         private_mkdir(self.cfg.data_dir)
-        self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway")  # one gateway per data dir
-        await self.inbox.open()
-        await self.reminders.open()
-        await self.outbox.open()
-        await self.linking.recover()  # a /link merge a crash interrupted: finished or undone
+        # one gateway per data dir; cluster nodes share it (each node's lease is its own lock)
+        self._run_lock = RunLock(self.cfg.data_dir).acquire("hermes-gateway", shared=self.node is not None)
+        if self.node is not None:
+            await self.node.start()  # pool, migrations, registration, heartbeats
+        else:
+            await self.inbox.open()
+            await self.reminders.open()
+            await self.outbox.open()
+            await self.linking.recover()  # a /link merge a crash interrupted: finished or undone
         self._started = True
         self._accepting = True
         await self.inbox.prune(DEDUPE_WINDOW_S)
@@ -203,9 +251,17 @@ class GatewayApp:
                 await adapter.start(self.handle_inbound)
             except Exception:
                 log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
-        if self.cfg.reminders.enabled:
+        if self.cfg.reminders_on:
             self.reminders.start()
         await self.deliverer.resume()  # what the previous run recorded but did not get sent
+        if self.node is not None:
+            from gateway.cluster.claims import ClaimWorkers
+
+            self.claims = ClaimWorkers(
+                self.node, self._run_claim, workers=self.cfg.cluster.max_lanes, poll_s=self.cfg.cluster.poll_interval_s
+            )
+            self.claims.start()
+            self._idle_closer = asyncio.create_task(self._close_idle_profiles(), name="idle-profiles")
         if self.cfg.observability.listen:
             from gateway.observability import Observability
 
@@ -217,6 +273,12 @@ class GatewayApp:
         the adapters and close everything. Messages arriving meanwhile are recorded and
         replayed on the next start."""
         self._accepting = False
+        if self.claims is not None:  # running lanes finish and deliver (bounded), no new claims
+            await self.claims.stop(drain_timeout)
+            self.claims = None
+        if self._idle_closer is not None:
+            self._idle_closer.cancel()
+            self._idle_closer = None
         await self.reminders.stop()
         if self._housekeeping is not None:
             self._housekeeping.cancel()
@@ -249,6 +311,8 @@ class GatewayApp:
             await self.outbox.close()
             await self.inbox.close()
             self._started = False
+        if self.node is not None:  # after the profiles closed: leaves the cluster, frees what is left
+            await self.node.stop()
         if self._own_llm:
             await self.llm.aclose()
         if self.observability is not None:
@@ -286,6 +350,9 @@ class GatewayApp:
         if msg.unreadable_fields():
             await self._refuse_unreadable(msg)
             return
+        if self.node is not None:
+            await self._record_shared(msg)
+            return
         if not await self.inbox.record(msg):
             self.metrics.inbound.inc(platform=msg.platform, outcome="duplicate")
             log.info("duplicate %s message ignored", msg.platform)
@@ -305,6 +372,38 @@ class GatewayApp:
                 log.exception("could not forget the record; the message is replayed on the next start")
             raise
 
+    async def _record_shared(self, msg: InboundMessage) -> None:
+        """Cluster mode's ingress: commit `msg` to the shared inbox on its lane (once per
+        platform message id) and return; a claim worker of some node runs it."""
+        from gateway.cluster.inbox import Inbound, record_inbound
+
+        assert self.node is not None
+        try:
+            lane = resolve_lane(msg, self.cfg.tenancy, self.links)
+            tenant, lane_key = lane.tenant_id, f"{lane.tenant_id}/{lane.session_key}"
+        except ValueError:  # refused ("bad_ids") by whichever node runs it, like on one node
+            tenant = lane_key = f"unplaceable/{msg.platform}/{msg.chat_id}"
+            lane = None
+        # PostgreSQL text cannot hold NUL characters
+        payload = json.loads(msg.model_dump_json().replace("\\u0000", ""))
+        new = await record_inbound(
+            self.node.pool, Inbound(msg.platform, msg.chat_id, msg.message_id, lane_key, tenant, payload)
+        )
+        if new is None:
+            self.metrics.inbound.inc(platform=msg.platform, outcome="duplicate")
+            log.info("duplicate %s message ignored", msg.platform)
+            return
+        self.metrics.inbound.inc(platform=msg.platform, outcome="new")
+        if lane is not None and not is_reminder(msg):
+            command = parse_command(msg.text)
+            if command is not None and command[0].name == "stop":  # reaches a turn running on this node
+                running = self._turn_stops.get(f"{lane.tenant_id}\0{lane.session_key}")
+                if running is not None and not running.is_set():
+                    running.set()
+                    self._stopped_here.add(input_uid(msg))
+        if self.claims is not None:
+            self.claims.kick()
+
     async def _overheard(self, platform: str, text: str) -> None:
         """A group message the adapter does not answer (no mention): nothing is recorded or
         said, but a live link code in it is burnt like anywhere else outside a private chat."""
@@ -318,14 +417,16 @@ class GatewayApp:
         )
         await self.linking.screen(msg)
 
-    async def _admit(self, msg: InboundMessage, *, replay: bool = False) -> None:
+    async def _admit(self, msg: InboundMessage, *, replay: bool = False, force: bool = False) -> str | None:
+        """Refuse `msg`, or queue it on its lane (`force`: never refused as busy, as for a
+        message a cluster node claimed); the lane key it was queued on, else None."""
         try:  # a link code typed where others can read it is burnt, whoever sent it
             await self.linking.screen(msg)
         except Exception:
             log.exception("could not screen a %s message for link codes", msg.platform)
         if not await self.access.is_allowed(msg.principal):
             await self._refuse_stranger(msg)
-            return
+            return None
         if len(msg.text) > self.cfg.limits.max_text_length:
             await self._refuse(
                 msg,
@@ -335,10 +436,10 @@ class GatewayApp:
                     f"{self.cfg.limits.max_text_length:,}. Please split it or send a shorter version."
                 ),
             )
-            return
+            return None
         if not msg.text.strip() and not msg.attachments:
             await self.inbox.finish(msg, "empty")
-            return
+            return None
         if not replay:
             allowed, wait = self.limiter.allow(msg.principal)
             if not allowed:
@@ -348,30 +449,31 @@ class GatewayApp:
                     f"You're sending messages faster than I can answer. Please wait about {int(wait) + 1} seconds and send it again.",
                     quiet_key=msg.principal,
                 )
-                return
+                return None
         try:
             lane = resolve_lane(msg, self.cfg.tenancy, self.links)
         except ValueError as err:
             log.warning("cannot place a %s message: %s", msg.platform, err)
             await self._refuse(msg, "bad_ids", "Sorry, I can't handle messages from this chat.")
-            return
+            return None
         key = f"{lane.tenant_id}\0{lane.session_key}"
         command = None if is_reminder(msg) else parse_command(msg.text)
         if command is not None and command[0].name == "stop":  # handled now, not behind the lane's queue
             await self._stop_turn(msg, key, replay)
-            return
+            return None
         # a replayed message was accepted once already: it never gets a "busy" refusal
-        if not self.lanes.submit(key, Job(msg, lane), force=replay):
+        if not self.lanes.submit(key, Job(msg, lane), force=replay or force):
             await self._refuse(
                 msg,
                 "busy",
                 "I'm still working on your earlier messages. Please wait for my answer, then send this again.",
             )
-            return
+            return None
         if self.cfg.limits.busy_mode == "interrupt" and command is None and not replay:
             running = self._turn_stops.get(key)
             if running is not None:
                 running.set()  # the running turn ends; this message is answered next
+        return key
 
     @staticmethod
     def _mergeable(job: Job) -> bool:
@@ -396,8 +498,14 @@ class GatewayApp:
         if running is not None and not running.is_set():
             running.set()
             text = "Stopped."
+        elif input_uid(msg) in self._stopped_here:  # cluster mode: it stopped the turn on arrival
+            self._stopped_here.discard(input_uid(msg))
+            text = "Stopped."
         else:
             text = "There's nothing to stop right now."
+        if self.node is not None:  # recorded under this lane's claim, before it is given back
+            await self._send_and_finish(msg, text, "notice", "command")
+            return
         self._in_background(self._send_and_finish(msg, text, "notice", "command"))
 
     async def _refuse_unreadable(self, msg: InboundMessage) -> None:
@@ -433,6 +541,12 @@ class GatewayApp:
         """A refusal of a message that is never stored: nothing of it (not even its id as
         the reply target) goes into gateway.db."""
         try:
+            adapter = self.adapters.get(msg.platform)
+            if self.node is not None and adapter is not None:  # cluster mode: not in the shared inbox either
+                await adapter.send(
+                    OutboundMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, text=text, kind="error")
+                )
+                return
             await self.send(msg, text, kind="error", reply=False)
         except Exception:
             log.exception("could not send a refusal")
@@ -499,6 +613,9 @@ class GatewayApp:
                 break
             except LaneMoved as moved:  # linked or unlinked meanwhile: run it in its new lane
                 await self._move_jobs(jobs, moved.lane)
+                return
+            except LeaseLost as lost:  # cluster mode: another node runs this tenant now
+                self._fenced_turn(key, lane, lost, tlog)
                 return
             except Exception as exc:
                 fault = storage_fault(exc)
@@ -606,9 +723,11 @@ class GatewayApp:
                     text = f"{result.text}\n\n(stopped)" if result.text else ""
                     return _Answer(text, "reply", "stopped", result=result, streamer=streamer)
                 return _Answer(result.text, "reply", "replied", result=result, streamer=streamer)
-        except LaneMoved:
+        except (LaneMoved, LeaseLost):
             raise
         except Exception as exc:
+            if _lease_lost(exc):  # a store or tool wrapped it
+                raise LeaseLost(str(exc)) from exc
             if command is None and storage_fault(exc) is not None:
                 raise
             tlog.exception("turn failed")
@@ -642,7 +761,7 @@ class GatewayApp:
                     edit_of=int(handle.message_id) if handle is not None else None,
                 )
             )
-        ids = await self.outbox.record(drafts, finish=finish)
+        ids = await self.outbox.record(drafts, finish=finish, source=msg)
         self.deliverer.kick(msg.platform, msg.chat_id)
         return ids
 
@@ -713,6 +832,8 @@ class GatewayApp:
                 )
         except LaneMoved:
             log.info("background review skipped: the lane moved to another profile")
+        except LeaseLost as lost:
+            log.info("background review skipped: %s", lost)
         except Exception:  # never shown to the person
             log.exception("background review failed")
 
@@ -726,7 +847,7 @@ class GatewayApp:
                     session_id = await profile.sessions.route(lane.session_key)
                     if session_id is not None:
                         await self.agent.flush(profile, lane, place, await profile.sessions.history(session_id))
-            except LaneMoved:
+            except (LaneMoved, LeaseLost):  # moved, or another node runs the tenant now
                 continue
             except Exception:
                 log.exception("memory flush at shutdown failed")
@@ -800,7 +921,7 @@ class GatewayApp:
             )
             for i, chunk in enumerate(chunks)
         ]
-        ids = await self.outbox.record(drafts, finish=finish)
+        ids = await self.outbox.record(drafts, finish=finish, source=msg)
         if ids:
             self.deliverer.kick(msg.platform, msg.chat_id)
         return ids
@@ -809,7 +930,7 @@ class GatewayApp:
         """A streamed reply to `msg` when `delivery.streaming` covers its chat and the
         platform can edit messages; None: the answer is sent when it is complete. Drafts go
         through the outbox like every other message (a handle's message_id is its chunk id)."""
-        mode, adapter = self.cfg.delivery.streaming, self.adapters.get(msg.platform)
+        mode, adapter = self.cfg.streaming_mode, self.adapters.get(msg.platform)
         if adapter is None or not adapter.can_edit or mode == "off" or (mode == "dm" and msg.chat_type != "dm"):
             return None
 
@@ -841,10 +962,87 @@ class GatewayApp:
                     kind="notice",
                     edit_of=chunk_id,
                 )
-            ]
+            ],
+            source=msg,
         )
         self.deliverer.kick(msg.platform, msg.chat_id)
         return edit_id
+
+    # ----- cluster mode: claimed lanes -------------------------------------------------
+    async def _run_claim(self, claim: Claim, held: HeldLease) -> None:
+        """Run a lane this node claimed, under its tenant lease: the chunks a node before us
+        recorded but did not send go out first, in order; then the pending messages, in
+        arrival order, through the same admit/turn path as on one node; every answer is sent
+        before the lane is given back. Raises LeaseLost when the lease goes."""
+        from gateway.cluster.inbox import pending_messages
+
+        assert self.node is not None
+        await self._send_unsent(claim.lane, held)
+        seen, batch = 0, claim.messages
+        while batch and self._accepting:
+            keys: list[str] = []
+            for m in batch:
+                seen = max(seen, m.id)
+                if m.answered:  # its turn ran; only its chunks were left (sent above)
+                    continue
+                held.check()
+                key = await self._admit(InboundMessage.model_validate(m.payload), force=True)
+                if key is not None and key not in keys:
+                    keys.append(key)
+            for key in keys:
+                await self.lanes.settle(key)
+            held.check()
+            await self._send_unsent(claim.lane, held)
+            batch = [m for m in await pending_messages(self.node.pool, claim.lane) if m.id > seen]
+
+    async def _send_unsent(self, lane: str, held: HeldLease) -> None:
+        """Until every chunk recorded for `lane` was sent (or given up), by the Deliverer."""
+        assert self.shared_outbox is not None and self.node is not None
+        for platform, chat_id, last in await self.shared_outbox.unsent_chats(lane):
+            while True:
+                held.check()
+                self.deliverer.kick(platform, chat_id)
+                await self.deliverer.wait(last, timeout=self.node.ttl / 3)
+                if await self.shared_outbox.status(last) != "pending":
+                    break
+
+    def _fenced_turn(self, key: str, lane: Lane, lost: LeaseLost, tlog: logging.LoggerAdapter) -> None:
+        """A turn whose tenant lease went: nothing of it was committed; the lane's queued
+        jobs are dropped (their messages stay pending for the lease's new holder) and the
+        profile is closed."""
+        dropped = self.lanes.discard(key)
+        tlog.warning("turn stopped, nothing committed: %s", lost, extra={"event": "turn_fenced", "dropped": dropped})
+        if self.node is not None:
+            self.node.counters.turns_fenced += 1
+        self._in_background(self._close_profile(lane.tenant_id))
+
+    def _lease_lost(self, tenant: str) -> None:
+        """The node lost `tenant`'s lease: stop its running turns now and close its profile."""
+        prefix = f"{tenant}\0"
+        for key, stop in self._turn_stops.items():
+            if key.startswith(prefix):
+                stop.set()
+        self._in_background(self._close_profile(tenant))
+
+    async def _close_profile(self, tenant: str) -> None:
+        """Close `tenant`'s profile as soon as no turn uses it."""
+        for _ in range(600):
+            if await self.profiles.evict(tenant):
+                return
+            await asyncio.sleep(0.05)
+        log.warning("a profile whose lease was lost stayed in use for 30 s")
+
+    async def _close_idle_profiles(self) -> None:
+        """Cluster mode: a profile idle for a lease ttl is closed, so its tenant lease is
+        free for whichever node claims the tenant's next lane."""
+        assert self.node is not None
+        while True:
+            await asyncio.sleep(self.node.ttl / 3)
+            for tenant in self.profiles.idle(self.node.ttl):
+                try:
+                    await self.profiles.evict(tenant)
+                except Exception:
+                    log.exception("closing an idle profile failed")
 
     # ----- identity links (the /link command) -----------------------------------------
     async def link_command(self, msg: InboundMessage, args: str) -> str:

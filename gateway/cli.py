@@ -67,6 +67,22 @@ async def _run(cfg: Config) -> int:
     return 0
 
 
+def _run_node(cfg: Config) -> int:
+    """`run` as a cluster node: a database that cannot be reached is one line, not a traceback."""
+    import psycopg
+
+    from gateway.cluster.db import ClusterError, one_line
+
+    try:
+        return asyncio.run(_run(cfg))
+    except ClusterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except psycopg.Error as err:
+        print(f"error: PostgreSQL: {one_line(err)}", file=sys.stderr)
+        return 1
+
+
 async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> int:
     from adapters.console import ConsoleAdapter
     from gateway.app import GatewayApp
@@ -232,11 +248,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         setup_logging(cfg, quiet=True)
         return asyncio.run(run_doctor(cfg))
-    if args.command in ("run", "chat") and cfg.cluster.postgres_dsn_env:
+    if args.command == "chat" and cfg.cluster.enabled:
         raise ConfigError(
-            f"{args.config}: cluster.postgres_dsn_env is set, but cluster mode is not available "
-            "yet in this version; only `hermes-gateway cluster migrate|status` use it "
-            "(remove the cluster section to run a single node)"
+            f"{args.config}: cluster.postgres_dsn_env is set; `chat` is single-node only "
+            "(use a config without the cluster section for the console)"
         )
     if args.command == "chat":
         setup_logging(cfg, quiet=True)
@@ -245,6 +260,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return asyncio.run(_chat(cfg, args.user, args.group, args.config))
     if args.command == "run":
         setup_logging(cfg)
+        if cfg.cluster.enabled:
+            return _run_node(cfg)
         return asyncio.run(_run(cfg))
     handler = getattr(args, "handler", None)
     if handler is not None:

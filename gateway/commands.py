@@ -306,7 +306,13 @@ async def _memory_approve(ctx: CommandContext, memory: MemoryStore, args: str) -
         return f"There is no pending change #{number}; see /memory pending."
     if item.origin == "shared" and memory.scope is PRIVATE_CHAT:
         # a write staged in a group lane is applied as there: it sees and writes shared entries only
-        memory = MemoryStore(memory.profile_dir, memory.memory_char_limit, memory.user_char_limit, scope=GROUP_LANE)
+        memory = MemoryStore(
+            memory.profile_dir,
+            memory.memory_char_limit,
+            memory.user_char_limit,
+            scope=GROUP_LANE,
+            guard=memory.guard,
+        )
     if item.action == "add":
         result = await memory.add(item.target, item.content or "")
     elif item.action == "replace":

@@ -7,6 +7,7 @@ Defaults follow the Hermes seed documents (compression and memory numbers).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -283,12 +284,14 @@ class LoggingConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    """Several nodes on one PostgreSQL (preview: only `hermes-gateway cluster migrate|status`
-    use it so far; `run` refuses a config that sets `postgres_dsn_env`)."""
+    """Several nodes on one PostgreSQL (README "Cluster mode"): set `postgres_dsn_env` and
+    `hermes-gateway run` is one node of the cluster; unset, the gateway is a single node."""
 
     postgres_dsn_env: str | None = None  # env var holding the DSN; None = single node (the default)
     node_id: str | None = None  # None = "<hostname>-<pid>"
     lease_ttl_s: float = Field(default=15.0, ge=1, le=3600)
+    max_lanes: int = Field(default=4, ge=1, le=256)  # lanes this node runs at once
+    poll_interval_s: float = Field(default=5.0, gt=0, le=300)  # claim without a wakeup this often
 
     @field_validator("postgres_dsn_env", "node_id")
     @classmethod
@@ -296,6 +299,17 @@ class ClusterConfig(_Section):
         if v is not None and not v.strip():
             raise ValueError("must not be empty (leave the key out instead)")
         return v
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id_chars(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", v):
+            raise ValueError(f"{v!r} must be 1-64 letters, digits or . _ : -")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.postgres_dsn_env is not None
 
     def node_name(self) -> str:
         """This process's node id: the configured one, else hostname and pid."""
@@ -323,6 +337,39 @@ class Config(_Section):
     observability: ObservabilityConfig = ObservabilityConfig()
     logging: LoggingConfig = LoggingConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _cluster_refuses_node_local_features(self) -> Config:
+        """Reminders and streamed drafts keep state on one node; in cluster mode they are
+        off, and turning one on explicitly is an error rather than a silent no-op."""
+        if not self.cluster.enabled:
+            return self
+        if "enabled" in self.reminders.model_fields_set and self.reminders.enabled:
+            raise ValueError(
+                "reminders.enabled: reminders are not available in cluster mode yet "
+                "(cluster.postgres_dsn_env is set); remove the key or set it to false"
+            )
+        if "streaming" in self.delivery.model_fields_set and self.delivery.streaming != "off":
+            raise ValueError(
+                "delivery.streaming: streamed replies are not available in cluster mode yet "
+                "(cluster.postgres_dsn_env is set); remove the key or set it to off"
+            )
+        if self.compression.progress_notices:
+            raise ValueError(
+                "compression.progress_notices: progress notices are edited in place, which cluster "
+                "mode does not support yet; remove the key or set it to false"
+            )
+        return self
+
+    @property
+    def reminders_on(self) -> bool:
+        """Reminders run on a single node only (cluster mode turns them off)."""
+        return self.reminders.enabled and not self.cluster.enabled
+
+    @property
+    def streaming_mode(self) -> Literal["dm", "all", "off"]:
+        """`delivery.streaming`, off in cluster mode."""
+        return "off" if self.cluster.enabled else self.delivery.streaming
 
 
 def _describe(err: ValidationError) -> str:

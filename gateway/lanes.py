@@ -37,6 +37,7 @@ class Lanes(Generic[Job]):
         self._workers: dict[str, asyncio.Task] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        self._settled: dict[str, asyncio.Event] = {}  # lanes someone waits on (`settle`)
 
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values()) + len(self._workers)
@@ -87,8 +88,25 @@ class Lanes(Generic[Job]):
             self._workers.pop(key, None)
             if not queue:
                 self._queues.pop(key, None)
+            settled = self._settled.pop(key, None)
+            if settled is not None:
+                settled.set()
             if not self._workers:
                 self._idle.set()
+
+    async def settle(self, key: str) -> None:
+        """Wait until lane `key` has no job queued or running."""
+        while key in self._workers:
+            await self._settled.setdefault(key, asyncio.Event()).wait()
+
+    def discard(self, key: str) -> int:
+        """Drop the jobs queued on lane `key` (not the running one); how many."""
+        queue = self._queues.get(key)
+        if not queue:
+            return 0
+        n = len(queue)
+        queue.clear()
+        return n
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until every lane is empty; False on timeout."""

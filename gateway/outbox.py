@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import aiosqlite
 
@@ -81,9 +81,26 @@ class Chunk:
     created_at: float
 
 
+class Ledger(Protocol):
+    """What the Deliverer needs of an outbox: this module's `Outbox` (gateway.db) or
+    cluster mode's `ClusterOutbox` (PostgreSQL)."""
+
+    TRANSIENT: tuple[type[BaseException], ...]  # database failures to wait out and retry
+
+    async def next_for(self, platform: str, chat_id: str) -> Chunk | None: ...
+    def may_send(self, chunk: Chunk) -> bool: ...
+    async def mark_sent(self, chunk_id: int, sent_id: str) -> None: ...
+    async def give_up(self, chunk_id: int, status: str) -> None: ...
+    async def sent_message(self, chunk_id: int) -> SentMessage | None: ...
+    async def status(self, chunk_id: int) -> str | None: ...
+    async def pending_chats(self) -> list[tuple[str, str]]: ...
+
+
 class Outbox:
     """The ledger. Shares the inbox's connection, so a turn's completion and its chunks
     commit in one transaction."""
+
+    TRANSIENT: tuple[type[BaseException], ...] = (sqlite3.Error, OSError)
 
     def __init__(self, inbox: Inbox) -> None:
         self.inbox = inbox
@@ -106,9 +123,16 @@ class Outbox:
     def _mark_db(self) -> aiosqlite.Connection:
         return self._marks or self.inbox.db
 
-    async def record(self, drafts: Sequence[Draft], *, finish: Sequence[tuple[InboundMessage, str]] = ()) -> list[int]:
+    async def record(
+        self,
+        drafts: Sequence[Draft],
+        *,
+        finish: Sequence[tuple[InboundMessage, str]] = (),
+        source: InboundMessage | None = None,
+    ) -> list[int]:
         """Record `drafts` as pending chunks and mark `finish` answered, atomically.
-        Returns the chunk ids in order."""
+        Returns the chunk ids in order. (`source`, the message they answer, matters only
+        to cluster mode's outbox, which files chunks under their lane.)"""
         now = time.time()
 
         def write(con: sqlite3.Connection) -> list[int]:
@@ -135,6 +159,9 @@ class Outbox:
             return ids
 
         return await self.inbox.atomically(write)
+
+    def may_send(self, chunk: Chunk) -> bool:
+        return True  # one node: nobody else could send it
 
     async def mark_sent(self, chunk_id: int, sent_id: str) -> None:
         await self._mark_db.execute(
@@ -196,7 +223,7 @@ class Deliverer:
 
     def __init__(
         self,
-        outbox: Outbox,
+        outbox: Ledger,
         adapters: Mapping[str, Adapter],
         metrics: Metrics,
         cfg: DeliveryConfig,
@@ -309,6 +336,8 @@ class Deliverer:
                     self.metrics.deliveries.inc(platform=platform, outcome="expired")
                     self._resolve(chunk.id, None)
                     continue
+                if not self.outbox.may_send(chunk):
+                    return  # cluster mode: the chunk's lane is no longer ours; its next holder sends it
                 try:
                     if adapter is None:
                         raise DeliveryDeferred(f"no {platform} adapter running")
@@ -355,10 +384,10 @@ class Deliverer:
         while True:
             try:
                 return await op()
-            except (sqlite3.Error, OSError) as exc:
+            except self.outbox.TRANSIENT as exc:
                 failures += 1
                 delay = self._backoff(failures, None)
-                log.error("outbox: gateway.db failed (%s); retrying in %.1f s", exc, delay)
+                log.error("outbox: the database failed (%s); retrying in %.1f s", exc, delay)
                 await self._pause(key, delay)
 
     def _backoff(self, failures: int, retry_after: float | None) -> float:

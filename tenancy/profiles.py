@@ -11,15 +11,17 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from agent.fileio import atomic_write, private_mkdir
 from agent.memory import MemoryStore
 from agent.providers import MemoryProvider, make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
+from agent.sessions.db import JournalMode
 from tenancy.keys import tenant_dir
 
 SCHEMA_VERSION = 1
@@ -39,11 +41,18 @@ class Profile:
     principals: set[str] = field(default_factory=set)
     users: int = 0  # turns currently using it; never closed while > 0
     last_used: float = field(default_factory=time.monotonic)
+    guard: Callable[[], None] | None = None  # raises when writing is no longer allowed (ProfileGate)
+    on_close: Callable[[], Awaitable[None]] | None = None  # after the stores are closed
 
     async def close(self) -> None:
-        await self.sessions.close()
-        if self.provider is not None:
-            await self.provider.shutdown()
+        try:
+            await self.sessions.close()
+            if self.provider is not None:
+                await self.provider.shutdown()
+        finally:
+            if self.on_close is not None:
+                on_close, self.on_close = self.on_close, None
+                await on_close()
 
     def read_manifest(self) -> dict:
         try:
@@ -56,6 +65,8 @@ class Profile:
         manifest = self.read_manifest()
         principals = manifest.setdefault("principals", [])
         if principal not in principals:
+            if self.guard is not None:
+                self.guard()
             principals.append(principal)
             write_manifest(self.path, manifest)
         self.principals.add(principal)
@@ -100,6 +111,18 @@ def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path,
     return path, set(manifest.get("principals", []))
 
 
+class ProfileGate(Protocol):
+    """Who may open a profile (cluster mode: the node holding the tenant's lease).
+
+    `opening` is awaited before a profile is opened and returns the write guard its stores
+    call before every write (raising to refuse); it raises itself to refuse the open.
+    `closed` is awaited once the profile's stores are closed."""
+
+    async def opening(self, tenant_id: str) -> Callable[[], None]: ...
+
+    async def closed(self, tenant_id: str) -> None: ...
+
+
 class ProfileManager:
     """Opens tenants' profiles on demand and closes idle ones beyond `max_open`."""
 
@@ -113,8 +136,14 @@ class ProfileManager:
         user_char_limit: int = 1375,
         provider_kind: str = "",
         pool: StoragePool | None = None,
+        gate: ProfileGate | None = None,
+        journal_mode: JournalMode = "wal",
     ) -> None:
+        """`gate` guards every open and write (cluster mode); `journal_mode` "delete" opens
+        SQLite with a rollback journal, safe on a network filesystem (one host at a time)."""
         self.data_dir = data_dir
+        self.gate = gate
+        self.journal_mode: JournalMode = journal_mode
         self.pool = pool  # storage threads shared by every profile's SessionStore
         self.max_open = max_open
         self._fsync = fsync
@@ -196,17 +225,52 @@ class ProfileManager:
                 del self._closing[profile.tenant_id]
 
     async def _open_profile(self, tenant_id: str, kind: str) -> Profile:
-        path, principals = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
-        sessions = SessionStore(path, fsync=self._fsync, pool=self.pool)
-        await sessions.open()
+        gate = self.gate
+        guard = await gate.opening(tenant_id) if gate is not None else None
+        try:
+            if guard is not None:
+                guard()
+            path, principals = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
+            sessions = SessionStore(
+                path,
+                fsync=self._fsync,
+                pool=self.pool,
+                guard=guard,
+                journal_mode=self.journal_mode,
+                profile_lock=gate is None,  # under a gate its lease is the one-writer rule
+            )
+            await sessions.open()
+        except BaseException:
+            if gate is not None:
+                await gate.closed(tenant_id)
+            raise
         mem_limit, user_limit = self._memory_limits
-        memory = MemoryStore(path, mem_limit, user_limit)
+        memory = MemoryStore(path, mem_limit, user_limit, guard=guard)
         provider = make_provider(self._provider_kind)
+        on_close = (lambda: gate.closed(tenant_id)) if gate is not None else None
+        profile = Profile(
+            tenant_id=tenant_id,
+            path=path,
+            sessions=sessions,
+            memory=memory,
+            provider=provider,
+            guard=guard,
+            on_close=on_close,
+        )
         if provider is not None:
-            await provider.initialize(tenant_id, path)
-        profile = Profile(tenant_id=tenant_id, path=path, sessions=sessions, memory=memory, provider=provider)
+            try:
+                await provider.initialize(tenant_id, path)
+            except BaseException:
+                await profile.close()
+                raise
         profile.principals = principals
         return profile
+
+    def idle(self, for_s: float) -> list[str]:
+        """Open profiles nobody used for `for_s` seconds (cluster mode closes them to free
+        their tenant leases for other nodes)."""
+        cutoff = time.monotonic() - for_s
+        return [t for t, p in self._open.items() if p.users == 0 and p.last_used < cutoff]
 
     async def evict(self, tenant_id: str) -> bool:
         """Close a profile now (e.g. before deleting it); False if it is in use."""

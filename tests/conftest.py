@@ -13,6 +13,8 @@ from adapters.loopback import LoopbackAdapter
 from gateway.config import Config, parse_config
 from tests.fakes.llm import FakeLLM
 
+pytest_plugins = ["tests.pg"]  # `schema` and `pool`: a fresh PostgreSQL schema per test (cluster tests)
+
 
 @pytest.fixture(autouse=True)
 def _keep_logging_config():

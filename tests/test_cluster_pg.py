@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
-import uuid
 from pathlib import Path
 from urllib.parse import quote
 
@@ -49,48 +46,10 @@ from gateway.cluster.migrations import LATEST, migrate, schema_version
 from gateway.cluster.outbox import finish_turn, mark_sent, unsent_replies
 from gateway.cluster.wakeups import InboxWakeups
 from gateway.config import parse_config
+from tests.pg import DSN, ensure_server_running, pg_cluster, skip_without_postgresql
 
-DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+skip_without_postgresql()
 TTL = 15.0
-
-
-def _reachable() -> str | None:
-    try:
-        psycopg.connect(DSN, connect_timeout=3).close()
-    except psycopg.Error as err:
-        return str(err).strip().splitlines()[0]
-    return None
-
-
-_why_not = _reachable()
-if _why_not is not None:
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI is set but PostgreSQL at {DSN} is unreachable: {_why_not}")
-    pytest.skip(
-        f"PostgreSQL at {DSN} is unreachable ({_why_not}); start it with "
-        "`pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` "
-        "(these tests are required under CI)",
-        allow_module_level=True,
-    )
-
-
-@pytest.fixture
-def schema():
-    name = f"hermes_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{name}"')
-    yield name
-    _ensure_server_running()
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA "{name}" CASCADE')
-
-
-@pytest.fixture
-async def pool(schema):
-    p = await open_pool(DSN, schema=schema, max_size=6)
-    await migrate(p)
-    yield p
-    await p.close()
 
 
 async def _second_pool(schema: str) -> Pool:
@@ -507,12 +466,20 @@ def test_cluster_commands_say_in_one_line_what_is_missing(tmp_path, monkeypatch,
     assert "cluster.postgres_dsn_env is not set" in capsys.readouterr().err
 
 
-def test_run_refuses_a_cluster_config_until_the_run_loop_uses_it(tmp_path, capsys):
+def test_chat_refuses_a_cluster_config_in_one_line(tmp_path, capsys):
     cfg = _config_file(tmp_path)
-    assert cli_main(["-c", str(cfg), "run"]) == 2
+    assert cli_main(["-c", str(cfg), "chat"]) == 2
     err = capsys.readouterr().err
-    assert "cluster mode is not available yet in this version" in err
-    assert "cluster migrate|status" in err
+    assert "chat` is single-node only" in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_as_a_node_says_in_one_line_when_postgresql_is_unreachable(tmp_path, monkeypatch, capsys):
+    cfg = _config_file(tmp_path, "platforms:\n  telegram:\n    enabled: true\n")
+    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", "123:abc")
+    monkeypatch.setenv("HERMES_TEST_CLUSTER_DSN", "postgresql://postgres:s3cret@127.0.0.1:1/test")
+    assert cli_main(["-c", str(cfg), "run"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: cannot reach PostgreSQL") and "s3cret" not in "".join(err)
 
 
 def test_cluster_config_defaults():
@@ -525,21 +492,7 @@ def test_cluster_config_defaults():
 # --- PostgreSQL restart (this test restarts the local server) -------------------------------
 
 
-def _pg_cluster() -> list[str] | None:
-    if shutil.which("pg_ctlcluster") is None or not Path("/etc/postgresql").is_dir():
-        return None
-    versions = sorted(os.listdir("/etc/postgresql"))
-    return [versions[-1], "main"] if versions else None
-
-
-def _ensure_server_running() -> None:
-    cluster = _pg_cluster()
-    if cluster is None or _reachable() is None:
-        return
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"], check=False, capture_output=True)
-
-
-@pytest.mark.skipif(_pg_cluster() is None, reason="needs pg_ctlcluster to restart the local PostgreSQL")
+@pytest.mark.skipif(pg_cluster() is None, reason="needs pg_ctlcluster to restart the local PostgreSQL")
 async def test_RESTARTS_POSTGRESQL_the_pool_reconnects_and_an_interrupted_transaction_leaves_nothing(pool):
     await register_node(pool, "node-a", TTL)
     await record_inbound(pool, _msg("L", "before"))
@@ -556,7 +509,7 @@ async def test_RESTARTS_POSTGRESQL_the_pool_reconnects_and_an_interrupted_transa
     await asyncio.sleep(0.5)
     try:
         restart = await asyncio.create_subprocess_exec(
-            "pg_ctlcluster", "--skip-systemctl-redirect", *_pg_cluster(), "restart", "-m", "fast"
+            "pg_ctlcluster", "--skip-systemctl-redirect", *pg_cluster(), "restart", "-m", "fast"
         )
         assert await restart.wait() == 0
         with pytest.raises(psycopg.OperationalError):
@@ -567,4 +520,4 @@ async def test_RESTARTS_POSTGRESQL_the_pool_reconnects_and_an_interrupted_transa
         claim = await claim_lane(pool, "node-a")
         assert [m.message_id for m in claim.messages] == ["before", "after"]
     finally:
-        _ensure_server_running()
+        ensure_server_running()

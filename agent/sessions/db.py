@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from agent.messages import StoredMessage
 from agent.sessions.codec import msg_row
@@ -114,15 +114,20 @@ def chunks(items: list[T], n: int = _SQL_CHUNK) -> Iterable[list[T]]:
         yield items[i : i + n]
 
 
-def connect(path: Path, fsync: str) -> sqlite3.Connection:
+JournalMode = Literal["wal", "delete"]
+
+
+def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> sqlite3.Connection:
     """Open state.db for one profile (usable from any pool thread, one call at a time).
 
+    `journal_mode` "delete" (a rollback journal) is for a data_dir on a network filesystem
+    (cluster mode): WAL's shared-memory index only works among processes of one host.
     The schema script runs only when PRAGMA user_version says it has not run yet."""
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA busy_timeout=10000")
-        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA journal_mode={'WAL' if journal_mode == 'wal' else 'DELETE'}")
         db.execute(f"PRAGMA synchronous={'FULL' if fsync == 'always' else 'NORMAL'}")
         if db.execute("PRAGMA user_version").fetchone()[0] != USER_VERSION:
             db.executescript(SCHEMA)

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 from collections import OrderedDict
@@ -45,6 +46,8 @@ from agent.sessions.pool import StoragePool, default_pool
 from agent.sessions.reconcile import reconcile
 from agent.sessions.search import clamp_limit, search
 from agent.sessions.write import Lines, Tx, journaled
+
+log = logging.getLogger("agent.sessions")
 
 FsyncPolicy = Literal["always", "batch", "never"]
 LIVE_CACHE = 16  # sessions per profile whose history/compression state stay in memory
@@ -111,14 +114,42 @@ class _Call:
             self.soft_done = True
 
 
+def _allowed(guard: Callable[[], None] | None, profile_dir: Path) -> bool:
+    """Whether `guard` lets a closing store write (it says no by raising)."""
+    if guard is None:
+        return True
+    try:
+        guard()
+    except Exception as exc:
+        log.warning("profile %s closed without writing its pending counters: %s", profile_dir.name, exc)
+        return False
+    return True
+
+
 class SessionStore:
     """Sessions and messages of one tenant profile (`profile_dir`)."""
 
-    def __init__(self, profile_dir: Path, fsync: FsyncPolicy = "batch", *, pool: StoragePool | None = None) -> None:
+    def __init__(
+        self,
+        profile_dir: Path,
+        fsync: FsyncPolicy = "batch",
+        *,
+        pool: StoragePool | None = None,
+        guard: Callable[[], None] | None = None,
+        journal_mode: q.JournalMode = "wal",
+        profile_lock: bool = True,
+    ) -> None:
+        """`guard` is called before every storage call and may raise to refuse it (cluster
+        mode: the tenant lease is gone); a refused close writes nothing. `journal_mode`
+        "delete" suits a network filesystem. `profile_lock` False leaves the one-writer rule
+        to the caller (cluster mode's tenant lease) instead of an flock on this host."""
         if fsync not in ("always", "batch", "never"):
             raise ValueError(f"fsync must be always|batch|never, not {fsync!r}")
         self.profile_dir = Path(profile_dir)
         self.fsync: FsyncPolicy = fsync
+        self._guard = guard
+        self._journal_mode: q.JournalMode = journal_mode
+        self._profile_lock = profile_lock
         self.db_path = self.profile_dir / "state.db"
         self.sessions_dir = self.profile_dir / "sessions"
         self._pool = pool or default_pool()
@@ -141,11 +172,14 @@ class SessionStore:
 
     def _open_blocking(self) -> sqlite3.Connection:
         private_mkdir(self.sessions_dir)
-        self._take_profile_lock()
+        if self._guard is not None:
+            self._guard()
+        if self._profile_lock:
+            self._take_profile_lock()
         private_file(self.db_path)  # SQLite gives -wal/-shm the database file's mode
         db: sqlite3.Connection | None = None
         try:
-            db = q.connect(self.db_path, self.fsync)
+            db = q.connect(self.db_path, self.fsync, self._journal_mode)
             reconcile(db, self._journal)
             return db
         except BaseException:
@@ -183,10 +217,13 @@ class SessionStore:
             self._routes.clear()
             self._live.clear()
 
+            guard = self._guard
+
             def job() -> None:
                 try:
                     try:
-                        _Call(db, self._journal, soft or None).flush_soft()
+                        if _allowed(guard, self.profile_dir):  # refused: pending counters dropped, nothing written
+                            _Call(db, self._journal, soft or None).flush_soft()
                     finally:
                         self._journal.close()
                 finally:
@@ -230,7 +267,11 @@ class SessionStore:
                 soft, self._soft = self._soft, _Soft()
                 call = _Call(db, self._journal, soft or None)
 
+                guard = self._guard
+
                 def job() -> T:
+                    if guard is not None:
+                        guard()  # on the storage thread, right before the write
                     if soft_first:
                         call.flush_soft()
                     result = fn(call)

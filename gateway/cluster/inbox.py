@@ -16,10 +16,11 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from gateway.cluster.db import ClusterError, Conn, Pool
+from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.wakeups import NOTIFY_SQL
 
 
-class NotClaimed(ClusterError):
+class NotClaimed(ClusterError, LeaseLost):
     """This node no longer holds the lane (its node lease expired and the lane was reaped)."""
 
 

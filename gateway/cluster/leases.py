@@ -17,9 +17,10 @@ from datetime import datetime
 from psycopg.rows import DictRow
 
 from gateway.cluster.db import ClusterError, Conn, Pool
+from gateway.cluster.fencing import LeaseLost
 
 
-class FencedOut(ClusterError):
+class FencedOut(ClusterError, LeaseLost):
     """The caller's lease was taken over or expired: it must stop the turn and close the profile."""
 
 

@@ -117,6 +117,25 @@ CREATE TABLE identity_links (
 CREATE INDEX identity_links_by_name ON identity_links (link_name);
 """,
     ),
+    Migration(
+        2,
+        "outcomes, sent message ids, lane-less kv",
+        """
+-- why a message was finished (replied, refused, unauthorized, ...), as in gateway.db
+ALTER TABLE inbox ADD COLUMN outcome text;
+-- chunks also carry notices recorded mid-turn; `outcome`: sent | refused | expired once
+-- settled, `sent_id` the platform's message id (for edits)
+ALTER TABLE outbox ADD COLUMN outcome text;
+ALTER TABLE outbox ADD COLUMN sent_id text;
+-- the per-chat delivery order: a chat's unsent chunks by id
+CREATE INDEX outbox_unsent_by_chat ON outbox (platform, chat_id, id) WHERE sent_at IS NULL;
+-- small shared state of the access and linking flows (what gateway.db's kv holds on one node)
+CREATE TABLE kv (
+    key   text PRIMARY KEY,
+    value text NOT NULL
+);
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

@@ -1,0 +1,271 @@
+"""One gateway process as a cluster node: membership, heartbeats, held tenant leases.
+
+The node registers at start, heartbeats every `lease_ttl_s / 3` (renewing its node lease
+and every tenant lease it holds) and leaves on a graceful stop. A tenant lease is held
+while a claimed lane of the tenant runs or its profile is open (reference counted), and
+released when neither is the case any more.
+
+Each held lease keeps a local deadline: the monotonic time taken *before* the acquire or
+renew request, plus the ttl, minus a margin. Past it (a paused process, a database that
+stopped answering) every write on the tenant's behalf is refused locally, whatever the
+database would say; the database fences the same writes by epoch (`leases.fenced`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.cluster.db import Pool, open_pool
+from gateway.cluster.fencing import LeaseLost
+from gateway.cluster.leases import Lease, acquire_lease, heartbeat, leave, register_node, release_lease, renew_lease
+from gateway.cluster.migrations import migrate
+from gateway.config import ClusterConfig
+
+log = logging.getLogger("hermes.cluster")
+
+
+class LeaseBusy(LeaseLost):
+    """Another node holds the tenant's lease: this node may not open its profile now."""
+
+
+@dataclass
+class HeldLease:
+    """A tenant lease this node holds, with its local deadline (monotonic)."""
+
+    lease: Lease
+    deadline: float
+    users: int = 0
+    lost: bool = False
+    reason: str = ""
+
+    @property
+    def tenant(self) -> str:
+        return self.lease.tenant
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.epoch
+
+    def valid(self) -> bool:
+        return not self.lost and time.monotonic() < self.deadline
+
+    def check(self) -> None:
+        """Raise LeaseLost unless writing under this lease is still allowed (any thread)."""
+        if self.lost:
+            raise LeaseLost(f"lease on {self.tenant} at epoch {self.epoch} was lost ({self.reason})")
+        if time.monotonic() >= self.deadline:
+            raise LeaseLost(f"lease on {self.tenant} at epoch {self.epoch} ran past its local deadline")
+
+
+@dataclass
+class NodeCounters:
+    """What /metrics and the tests read about this node."""
+
+    claims: int = 0
+    lease_busy: int = 0
+    leases_lost: int = 0
+    heartbeats_failed: int = 0
+    turns_fenced: int = 0  # turns stopped because their lease went
+
+
+class ClusterNode:
+    """Membership and tenant leases of this process; build it with the DSN, `start()` it."""
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        dsn: str,
+        *,
+        pool_size: int | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dsn = dsn
+        self.node_id = cfg.node_name()
+        self.ttl = cfg.lease_ttl_s
+        self.margin = max(0.2 * self.ttl, 0.1)  # local deadline ends this long before the database's
+        self.pool_size = pool_size or cfg.max_lanes + 4
+        self.on_lost = on_lost  # called with the tenant whose lease was lost (close its profile)
+        self.counters = NodeCounters()
+        self._pool: Pool | None = None
+        self._held: dict[str, HeldLease] = {}
+        # lanes this node has claimed -> the tenant lease their claim runs under
+        self.claims: dict[str, HeldLease] = {}
+        self._lock = asyncio.Lock()
+        self._beat: asyncio.Task | None = None
+
+    @property
+    def pool(self) -> Pool:
+        if self._pool is None:
+            raise RuntimeError("the cluster node is not started")
+        return self._pool
+
+    # ----- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the pool, migrate the schema (safe on every node at once), register."""
+        self._pool = await open_pool(self.dsn, max_size=self.pool_size)
+        applied = await migrate(self._pool)
+        if applied:
+            log.info("cluster schema migrated (applied %s)", ", ".join(map(str, applied)))
+        await register_node(self._pool, self.node_id, self.ttl)
+        log.info("node %s joined the cluster (lease ttl %g s)", self.node_id, self.ttl, extra={"node": self.node_id})
+        self._beat = asyncio.create_task(self._heartbeats(), name="cluster-heartbeat")
+
+    async def stop(self) -> None:
+        """Leave the cluster: lanes and tenant leases are free for the others at once."""
+        if self._beat is not None:
+            self._beat.cancel()
+            await asyncio.gather(self._beat, return_exceptions=True)
+            self._beat = None
+        if self._pool is None:
+            return
+        try:
+            await leave(self._pool, self.node_id)
+            log.info("node %s left the cluster", self.node_id, extra={"node": self.node_id})
+        except Exception:
+            log.exception("leaving the cluster failed; the other nodes take over after the lease ttl")
+        for held in self._held.values():
+            held.lost, held.reason = True, "node stopped"
+        self._held.clear()
+        await self._pool.close()
+        self._pool = None
+
+    # ----- tenant leases --------------------------------------------------------------
+    def held(self, tenant: str) -> HeldLease | None:
+        return self._held.get(tenant)
+
+    def held_tenants(self) -> dict[str, int]:
+        """Tenant -> epoch of every lease this node holds now (for /healthz)."""
+        return {t: h.epoch for t, h in self._held.items() if h.valid()}
+
+    async def hold(self, tenant: str) -> HeldLease:
+        """Hold `tenant`'s lease (acquiring it unless this node holds it already); raises
+        LeaseBusy when another node holds it. Pair every call with `unhold`."""
+        async with self._lock:
+            held = self._held.get(tenant)
+            if held is not None and held.valid():
+                held.users += 1
+                return held
+            if held is not None:  # lost or stale: its users are failing; start afresh
+                del self._held[tenant]
+            started = time.monotonic()
+            lease = await acquire_lease(self.pool, tenant, self.node_id, self.ttl)
+            if lease is None:
+                self.counters.lease_busy += 1
+                raise LeaseBusy(f"tenant {tenant} is held by another node")
+            held = HeldLease(lease, started + self.ttl - self.margin, users=1)
+            self._held[tenant] = held
+            return held
+
+    async def unhold(self, held: HeldLease) -> None:
+        """One user less; the last one releases the lease (unless it was lost)."""
+        async with self._lock:
+            held.users -= 1
+            if held.users > 0:
+                return
+            if self._held.get(held.tenant) is held:
+                del self._held[held.tenant]
+            if held.lost or self._pool is None:
+                return
+            held.lost, held.reason = True, "released"
+            try:
+                await release_lease(self._pool, held.lease)
+            except Exception:
+                log.warning("could not release the lease on %s; it expires by itself", held.tenant, exc_info=True)
+
+    def _lose(self, held: HeldLease, reason: str) -> None:
+        if held.lost:
+            return
+        held.lost, held.reason = True, reason
+        self.counters.leases_lost += 1
+        log.warning(
+            "lease on tenant %s (epoch %d) lost: %s; its turn stops and its profile closes",
+            held.tenant,
+            held.epoch,
+            reason,
+            extra={"event": "lease_lost", "tenant": held.tenant, "epoch": held.epoch, "node": self.node_id},
+        )
+        if self.on_lost is not None:
+            self.on_lost(held.tenant)
+
+    # ----- heartbeats -----------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await self.beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.counters.heartbeats_failed += 1
+                log.error("heartbeat failed (%s); writes stop when the leases run out locally", exc)
+
+    async def beat(self) -> None:
+        """Renew the node lease and every tenant lease; a lease that cannot be renewed is lost."""
+        alive = await heartbeat(self.pool, self.node_id, self.ttl)
+        if not alive:
+            # the node lease ran out (a pause, a partition): other nodes may run our lanes and
+            # tenants now; everything held is lost, then the node joins afresh
+            self.counters.heartbeats_failed += 1
+            for held in list(self._held.values()):
+                self._lose(held, "node lease expired")
+            await register_node(self.pool, self.node_id, self.ttl)
+            log.warning("node %s rejoined the cluster after its lease had expired", self.node_id)
+            return
+        for held in list(self._held.values()):
+            if held.lost:
+                continue
+            if time.monotonic() >= held.deadline:
+                self._lose(held, "not renewed in time")
+                continue
+            started = time.monotonic()
+            lease = await renew_lease(self.pool, held.lease, self.ttl)
+            if lease is None:
+                self._lose(held, "taken over by another node")
+                continue
+            held.lease, held.deadline = lease, started + self.ttl - self.margin
+
+
+class ProfileLeases:
+    """Cluster mode's ProfileGate: a profile opens only under its tenant lease, its stores'
+    writes are guarded by that lease, and closing it lets the lease go. Every open and
+    close is one audit record (logger hermes.cluster): `event` profile_open|profile_close,
+    `tenant`, `epoch`, `node` and the wall-clock `ts`; the open is logged once the lease is
+    held and before SQLite opens, the close after SQLite closed and before the release."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self.node = node
+        self._open: dict[str, HeldLease] = {}
+
+    async def opening(self, tenant_id: str) -> Callable[[], None]:
+        held = await self.node.hold(tenant_id)
+        self._open[tenant_id] = held
+        self._audit("profile_open", held)
+        return held.check
+
+    async def closed(self, tenant_id: str) -> None:
+        held = self._open.pop(tenant_id, None)
+        if held is None:
+            return
+        self._audit("profile_close", held, reason=held.reason if held.lost else "closed")
+        await self.node.unhold(held)
+
+    def _audit(self, event: str, held: HeldLease, **extra: str) -> None:
+        log.info(
+            "%s %s epoch %d",
+            event,
+            held.tenant,
+            held.epoch,
+            extra={
+                "event": event,
+                "tenant": held.tenant,
+                "epoch": held.epoch,
+                "node": self.node.node_id,
+                "ts": time.time(),
+                **extra,
+            },
+        )

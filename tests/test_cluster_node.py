@@ -1,0 +1,341 @@
+"""Cluster mode, in process: two GatewayApp nodes on one data_dir and one PostgreSQL schema,
+the real TelegramAdapter in webhook mode against the fake Bot API (a webhook can be posted
+to either node), and the fake LLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import pytest
+
+from adapters.telegram import TelegramAdapter
+from adapters.telegram_flood import FloodLimits
+from agent.sessions import SessionStore
+from gateway.app import GatewayApp
+from gateway.cluster.fencing import LeaseLost
+from gateway.config import ConfigError
+from gateway.logs import JsonFormatter, Redactor
+from tests.fakes.telegram_api import FakeTelegram
+from tests.pg import schema_dsn, skip_without_postgresql
+
+skip_without_postgresql()
+
+TOKEN = "123456:AAE2eFAKEtokenFAKEtoken_-cluster"
+TOKEN_ENV = "HERMES_CLUSTER_TG_TOKEN"
+SECRET_ENV = "HERMES_CLUSTER_TG_SECRET"
+DSN_ENV = "HERMES_CLUSTER_TEST_DSN"
+SECRET = "cluster-secret_1"
+LOOSE_FLOOD = FloodLimits(per_chat=(50, 1.0), per_group=(50, 1.0), overall=(100, 1.0))
+TTL = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def tg(monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    async with FakeTelegram(token=TOKEN) as fake:
+        yield fake
+
+
+@pytest.fixture
+def node_config(config_for, tg, schema, monkeypatch):
+    """The config of node `node_id` (webhook on its own port) over the shared data_dir."""
+    monkeypatch.setenv(DSN_ENV, schema_dsn(schema))
+
+    def build(node_id: str, **sections: Any):
+        port = free_port()
+        telegram = {
+            "enabled": True,
+            "token_env": TOKEN_ENV,
+            "base_url": tg.base_url,
+            "mode": "webhook",
+            "webhook": {
+                "listen": "127.0.0.1",
+                "port": port,
+                "path": "/telegram",
+                "public_url": f"http://127.0.0.1:{port}",
+                "secret_token_env": SECRET_ENV,
+            },
+        }
+        sections.setdefault("limits", {"rate_limit_per_minute": 1000})
+        cluster = {"postgres_dsn_env": DSN_ENV, "node_id": node_id, "lease_ttl_s": TTL, "poll_interval_s": 0.3}
+        cluster.update(sections.pop("cluster", {}))
+        return config_for(platforms={"telegram": telegram}, cluster=cluster, **sections)
+
+    return build
+
+
+class Node:
+    def __init__(self, app: GatewayApp) -> None:
+        self.app = app
+        self.url = f"http://127.0.0.1:{app.cfg.platforms.telegram.webhook.port}/telegram"
+
+
+@asynccontextmanager
+async def started(cfg):
+    adapter = TelegramAdapter.from_config(
+        cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5, flood_limits=LOOSE_FLOOD
+    )
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        yield Node(app)
+    finally:
+        await app.stop(drain_timeout=5)
+        await adapter.aclose()
+
+
+@asynccontextmanager
+async def cluster(node_config, *names: str, **sections: Any):
+    async with AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(started(node_config(n, **sections))) for n in names]
+
+
+async def post(tg: FakeTelegram, update: Any, node: Node) -> int:
+    """Telegram delivering `update` to `node`'s webhook."""
+    return await tg.post_to_webhook(update, url=node.url, secret_token=SECRET)
+
+
+def texts(tg: FakeTelegram, chat_id: int) -> list[str]:
+    return [m["text"] for m in tg.sent_messages(chat_id)]
+
+
+async def settled(nodes: list[Node], timeout: float = 20) -> None:
+    """Until the shared inbox holds nothing pending."""
+    app = nodes[0].app
+    assert app.node is not None
+
+    async def empty() -> bool:
+        async with app.node.pool.connection() as conn:
+            row = await (await conn.execute("SELECT count(*) AS n FROM inbox WHERE done_at IS NULL")).fetchone()
+            return row is not None and row["n"] == 0
+
+    async def wait() -> None:
+        while not await empty():
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(wait(), timeout)
+
+
+# --- config and CLI -------------------------------------------------------------------------
+
+
+def test_a_cluster_config_refuses_reminders_and_streaming_turned_on_and_defaults_them_off(node_config):
+    cfg = node_config("n1")
+    assert cfg.cluster.max_lanes == 4 and not cfg.reminders_on and cfg.streaming_mode == "off"
+    with pytest.raises(ConfigError, match=r"reminders\.enabled"):
+        node_config("n1", reminders={"enabled": True})
+    with pytest.raises(ConfigError, match=r"delivery\.streaming"):
+        node_config("n1", delivery={"streaming": "dm"})
+    with pytest.raises(ConfigError, match="node_id"):
+        node_config("n1", cluster={"node_id": "has space"})
+    assert node_config("n1", delivery={"streaming": "off"}).streaming_mode == "off"
+
+
+# --- answering --------------------------------------------------------------------------------
+
+
+async def test_every_message_is_answered_once_whichever_node_receives_it(tg, fake_llm, node_config):
+    async with cluster(node_config, "n1", "n2") as nodes:
+        for i in range(12):
+            update = tg.push_private(100 + i % 4, f"hello {i}")
+            assert await post(tg, update, nodes[i % 2]) == 200
+        await settled(nodes)
+        for user in range(100, 104):
+            assert sorted(texts(tg, user)) == sorted(f"ok: hello {i}" for i in range(12) if 100 + i % 4 == user)
+        assert len(fake_llm.requests) == 12
+
+
+async def test_a_duplicate_delivery_to_both_nodes_is_answered_once(tg, fake_llm, node_config):
+    async with cluster(node_config, "n1", "n2") as nodes:
+        update = tg.push_private(111, "only once")
+        statuses = await asyncio.gather(*(post(tg, update, n) for n in nodes * 2))
+        assert statuses == [200] * 4
+        await settled(nodes)
+        await asyncio.sleep(0.3)
+        assert texts(tg, 111) == ["ok: only once"]
+        assert len(fake_llm.requests) == 1
+
+
+async def test_a_lanes_messages_are_answered_in_arrival_order_across_nodes(tg, fake_llm, node_config):
+    async def slow(request: dict) -> str:
+        await asyncio.sleep(0.05)
+        return "ok: " + json.dumps(request["messages"][-1]["content"])[1:-1]
+
+    fake_llm.responder = slow
+    async with cluster(node_config, "n1", "n2", limits={"busy_mode": "queue", "rate_limit_per_minute": 1000}) as nodes:
+        for i in range(8):
+            assert await post(tg, tg.push_private(222, f"step {i}"), nodes[i % 2]) == 200
+        await settled(nodes)
+        assert texts(tg, 222) == [f"ok: step {i}" for i in range(8)]
+
+
+# --- failover and fencing -------------------------------------------------------------------
+
+
+async def test_a_node_that_stops_heartbeating_is_taken_over_and_its_unsent_chunks_go_out_in_order(
+    tg, fake_llm, node_config
+):
+    long_answer = "\n\n".join(f"part {i} " + "x" * 3000 for i in range(3))  # three chunks
+    fake_llm.script(long_answer)
+    async with started(node_config("n1")) as one:
+        app = one.app
+        assert app.node is not None
+        tg.fail_next("sendMessage", status=500, times=100)  # n1 records the answer but cannot send it
+        assert await post(tg, tg.push_private(333, "long please"), one) == 200
+
+        async def recorded() -> None:
+            while True:
+                async with app.node.pool.connection() as conn:
+                    row = await (await conn.execute("SELECT count(*) AS n FROM outbox")).fetchone()
+                if row and row["n"] == 3:
+                    return
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(recorded(), 20)
+        # n1 freezes: no heartbeats, no sends (its tasks are cancelled without leaving)
+        assert app.claims is not None
+        await app.claims.stop(0)
+        app.claims = None
+        await app.deliverer.close(0)
+        assert app.node._beat is not None
+        app.node._beat.cancel()
+        tg._failures.clear()  # the platform works again
+        async with started(node_config("n2")) as two:
+            await tg.wait_sent(3, 333, timeout=20)
+            await settled([two])
+        assert [t.split(" x")[0] for t in texts(tg, 333)] == ["part 0", "part 1", "part 2"]
+        assert len(fake_llm.requests) == 1  # the turn was not run again
+
+
+async def test_a_profile_write_under_a_lost_lease_is_refused_and_the_profile_closed(tg, fake_llm, node_config):
+    async with started(node_config("n1")) as one:
+        app = one.app
+        node = app.node
+        assert node is not None
+        assert await post(tg, tg.push_private(444, "hello"), one) == 200
+        await settled([one])
+        [tenant] = list(node.held_tenants())
+        profile = app.profiles._open[tenant]
+        held = node.held(tenant)
+        assert held is not None
+        # another node takes the tenant over: its lease expired and the epoch moved on
+        async with node.pool.connection() as conn:
+            await conn.execute(
+                "UPDATE tenant_leases SET holder = 'n2', epoch = epoch + 1, expires_at = now() + interval '1 minute'"
+                " WHERE tenant = %s",
+                (tenant,),
+            )
+        await node.beat()  # the renewal fails: the lease is lost
+        assert held.lost and node.counters.leases_lost == 1
+        with pytest.raises(LeaseLost):
+            await profile.memory.add("memory", "written after the takeover")
+        with pytest.raises(LeaseLost):
+            held.check()
+        memory_file = profile.path / "memories" / "MEMORY.md"
+        assert not memory_file.exists() or "written after the takeover" not in memory_file.read_text()
+
+        async def closed() -> None:
+            while tenant in app.profiles._open:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(closed(), 10)
+
+
+async def test_an_outbox_commit_under_a_stale_epoch_is_refused(tg, fake_llm, node_config):
+    gate = asyncio.Event()
+
+    async def held_up(request: dict) -> str:
+        await gate.wait()
+        return "late answer"
+
+    fake_llm.responder = held_up
+    async with started(node_config("n1")) as one:
+        app = one.app
+        node = app.node
+        assert node is not None
+        assert await post(tg, tg.push_private(555, "hello"), one) == 200
+
+        async def claimed() -> str:
+            while not node.claims:
+                await asyncio.sleep(0.02)
+            return next(iter(node.claims))
+
+        lane = await asyncio.wait_for(claimed(), 10)
+        tenant = node.claims[lane].tenant
+        async with node.pool.connection() as conn:  # taken over behind the node's back
+            await conn.execute("UPDATE tenant_leases SET epoch = epoch + 1 WHERE tenant = %s", (tenant,))
+        gate.set()
+        await settled([one])
+        assert node.counters.turns_fenced == 1  # the turn under epoch 1 committed nothing
+        # the message stayed pending and was run again under the current epoch: answered once
+        assert texts(tg, 555) == ["late answer"]
+        async with node.pool.connection() as conn:
+            rows = await (await conn.execute("SELECT epoch FROM outbox")).fetchall()
+        assert [r["epoch"] for r in rows] == [2]
+
+
+# --- audit and storage --------------------------------------------------------------------------
+
+
+async def test_profile_open_and_close_are_audited_as_json_with_tenant_epoch_node_and_ts(
+    tg, fake_llm, node_config, caplog
+):
+    caplog.set_level(logging.INFO, logger="hermes.cluster")
+    async with started(node_config("n1")) as one:
+        assert await post(tg, tg.push_private(666, "hi"), one) == 200
+        await settled([one])
+    fmt = JsonFormatter(Redactor([]))
+    events = [json.loads(fmt.format(r)) for r in caplog.records if getattr(r, "event", "").startswith("profile_")]
+    assert [e["event"] for e in events] == ["profile_open", "profile_close"]
+    for e in events:
+        assert e["node"] == "n1" and e["epoch"] >= 1 and e["tenant"] and isinstance(e["ts"], float)
+    assert events[0]["tenant"] == events[1]["tenant"]
+
+
+async def test_profiles_of_a_cluster_node_use_a_rollback_journal_not_wal(tg, fake_llm, node_config):
+    async with started(node_config("n1")) as one:
+        assert await post(tg, tg.push_private(777, "hi"), one) == 200
+        await settled([one])
+        data_dir = one.app.cfg.data_dir
+    [db] = list((data_dir / "profiles").glob("*/state.db"))
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert not (data_dir / "gateway.db").exists()
+
+
+def test_a_session_store_guard_refuses_the_write_and_the_close_writes_nothing(tmp_path):
+    allowed = [True]
+
+    def guard() -> None:
+        if not allowed[0]:
+            raise LeaseLost("gone")
+
+    async def scenario() -> None:
+        store = SessionStore(tmp_path / "p", guard=guard, journal_mode="delete", profile_lock=False)
+        await store.open()
+        sid = await store.start_session("k")
+        allowed[0] = False
+        with pytest.raises(LeaseLost):
+            await store.start_session("k2")
+        await store.close()
+        allowed[0] = True
+        again = SessionStore(tmp_path / "p")
+        await again.open()
+        assert await again.route("k") == sid and await again.route("k2") is None
+        await again.close()
+
+    asyncio.run(scenario())

@@ -483,6 +483,11 @@ class ClusterStorm:
 
     # ----------------------------------------------------------------- processes
 
+    def _event(self, what: str, **fields: Any) -> None:
+        """One line in logs/harness.log (kills, spawns, pauses, restarts): the evidence's timeline."""
+        with open(self.workdir / "logs" / "harness.log", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"ts": time.time(), "event": what, **fields}) + "\n")
+
     def _env(self, node: Node) -> dict[str, str]:
         return dict(
             os.environ,
@@ -501,6 +506,7 @@ class ClusterStorm:
         node.life = life
         if node.log_file is not None:
             node.log_file.close()
+        self._event("spawn", node=node.name, life=node.lives)
         node.log_file = open(log_path, "ab")  # noqa: ASYNC230, SIM115 (this life's log; closed at the next spawn or the end)
         t0 = time.monotonic()
         node.proc = await asyncio.create_subprocess_exec(
@@ -548,6 +554,7 @@ class ClusterStorm:
         node.life.ended = time.time()
         self.kills_mono[node.name].append(time.monotonic())
         node.proc.send_signal(signal.SIGKILL)
+        self._event("SIGKILL", node=node.name, life=node.life.index)
         self.result.kills += 1
 
     def _spawn_task(self, coro) -> asyncio.Task:
@@ -682,10 +689,12 @@ class ClusterStorm:
         t_stop = time.time()
         self.stops_mono[node.name].append(time.monotonic())
         node.proc.send_signal(signal.SIGSTOP)
+        self._event("SIGSTOP", node=node.name, life=life.index, token=token)
         self.result.pauses += 1
         await asyncio.sleep(2 * self.lease_ttl_s + 2)
         node.proc.send_signal(signal.SIGCONT)
         t_cont = time.time()
+        self._event("SIGCONT", node=node.name, life=life.index)
         life.stops.append((t_stop, t_cont))
         self.say(f"  paused {node.name} for {t_cont - t_stop:.1f} s")
         await asyncio.sleep(self.lease_ttl_s + 2)  # let it notice and log
@@ -715,6 +724,7 @@ class ClusterStorm:
             self.result.details.append("pg restart: pg_ctlcluster not available; skipped")
             return
         t0 = time.monotonic()
+        self._event("pg restart begins")
         proc = await asyncio.create_subprocess_exec(
             "pg_ctlcluster",
             "--skip-systemctl-redirect",
@@ -727,6 +737,7 @@ class ClusterStorm:
         )
         _, err = await proc.communicate()
         t1 = time.monotonic()
+        self._event("pg restart done", rc=proc.returncode)
         self.pg_outages_mono.append((t0, t1))
         self.result.pg_restarts += 1
         self.result.pg_outage_s.append(round(t1 - t0, 2))
@@ -899,6 +910,7 @@ class ClusterStorm:
         lost = self.acked - set(copies)
         r.lost = len(lost)
         r.details += [f"lost: {t} {self.pushed.get(t)}" for t in sorted(lost)[:20]]
+        r.details += self._pg_evidence(sorted(lost)[:5])
         dups = classify_duplicates(copies, self.kills_mono, self.stops_mono, self.pg_outages_mono)
         r.dup_window_kill, r.dup_window_pause, r.dup_window_pg, r.dup_other = (
             dups.window_kill,
@@ -946,6 +958,37 @@ class ClusterStorm:
                 r.details += [
                     f"after SIGCONT {life.node}#{life.index} logged: {json.dumps(rec)[:300]}" for rec in fenced[:3]
                 ]
+
+    def _pg_evidence(self, tokens: list[str]) -> list[str]:
+        """What PostgreSQL holds about some lost messages: their inbox rows, lanes, outbox rows."""
+        if not tokens:
+            return []
+        import psycopg
+        from psycopg.rows import dict_row
+
+        out = []
+        try:
+            with psycopg.connect(self.dsn, connect_timeout=5, row_factory=dict_row) as conn:
+                for token in tokens:
+                    rows = conn.execute(
+                        "SELECT id, lane, tenant, message_id, received_at, answered_at, done_at, done_epoch, outcome "
+                        "FROM inbox WHERE payload::text LIKE %s",
+                        (f"%{token}%",),
+                    ).fetchall()
+                    if not rows:
+                        out.append(f"  PG: {token} is not in the inbox")
+                    for row in rows:
+                        lane = conn.execute("SELECT * FROM lanes WHERE lane = %s", (row["lane"],)).fetchone()
+                        chunks = conn.execute(
+                            "SELECT seq, epoch, sent_at, sent_epoch FROM outbox WHERE inbox_id = %s", (row["id"],)
+                        ).fetchall()
+                        lease = conn.execute(
+                            "SELECT holder, epoch, expires_at FROM tenant_leases WHERE tenant = %s", (row["tenant"],)
+                        ).fetchone()
+                        out.append(f"  PG: {token} inbox {row}; lane {lane}; outbox {chunks}; lease {lease}")
+        except psycopg.Error as err:
+            out.append(f"  PG evidence unavailable: {err}")
+        return out
 
 
 async def cluster_storm(workdir: Path, **kwargs: Any) -> ClusterResult:

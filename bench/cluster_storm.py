@@ -470,6 +470,7 @@ class ClusterStorm:
         # token -> (platform, chat key, sender, index in that person's chat)
         self.pushed: dict[str, tuple[str, str, str, int]] = {}
         self.acked: set[str] = set()
+        self.acked_by: dict[str, str] = {}  # token -> "n2#3 at <wall time>": who acknowledged it
         self.kills_mono: dict[str, list[float]] = defaultdict(list)
         self.stops_mono: dict[str, list[float]] = defaultdict(list)
         self.pg_outages_mono: list[tuple[float, float]] = []
@@ -590,6 +591,8 @@ class ClusterStorm:
                     status = None
                 if status == 200:
                     self.acked.add(token)
+                    life = node.life.index if node.life else 0
+                    self.acked_by[token] = f"{node.name}#{life} at {time.time():.3f}"
                     break
                 attempts += 1
                 self.result.ingress_retries += 1
@@ -909,7 +912,9 @@ class ClusterStorm:
         r.answers_by_node = dict(sorted(by_node.items()))
         lost = self.acked - set(copies)
         r.lost = len(lost)
-        r.details += [f"lost: {t} {self.pushed.get(t)}" for t in sorted(lost)[:20]]
+        r.details += [
+            f"lost: {t} {self.pushed.get(t)}, acknowledged by {self.acked_by.get(t)}" for t in sorted(lost)[:20]
+        ]
         r.details += self._pg_evidence(sorted(lost)[:5])
         dups = classify_duplicates(copies, self.kills_mono, self.stops_mono, self.pg_outages_mono)
         r.dup_window_kill, r.dup_window_pause, r.dup_window_pg, r.dup_other = (
@@ -971,19 +976,22 @@ class ClusterStorm:
             with psycopg.connect(self.dsn, connect_timeout=5, row_factory=dict_row) as conn:
                 for token in tokens:
                     rows = conn.execute(
-                        "SELECT id, lane, tenant, message_id, received_at, answered_at, done_at, done_epoch, outcome "
-                        "FROM inbox WHERE payload::text LIKE %s",
+                        "SELECT id, lane, tenant, message_id, received_at::text, answered_at::text, done_at::text, "
+                        "done_epoch, outcome FROM inbox WHERE payload::text LIKE %s",
                         (f"%{token}%",),
                     ).fetchall()
                     if not rows:
                         out.append(f"  PG: {token} is not in the inbox")
                     for row in rows:
-                        lane = conn.execute("SELECT * FROM lanes WHERE lane = %s", (row["lane"],)).fetchone()
+                        lane = conn.execute(
+                            "SELECT to_jsonb(l)::text AS lane FROM lanes l WHERE lane = %s", (row["lane"],)
+                        ).fetchone()
                         chunks = conn.execute(
-                            "SELECT seq, epoch, sent_at, sent_epoch FROM outbox WHERE inbox_id = %s", (row["id"],)
+                            "SELECT seq, epoch, sent_at::text, sent_epoch FROM outbox WHERE inbox_id = %s", (row["id"],)
                         ).fetchall()
                         lease = conn.execute(
-                            "SELECT holder, epoch, expires_at FROM tenant_leases WHERE tenant = %s", (row["tenant"],)
+                            "SELECT holder, epoch, expires_at::text FROM tenant_leases WHERE tenant = %s",
+                            (row["tenant"],),
                         ).fetchone()
                         out.append(f"  PG: {token} inbox {row}; lane {lane}; outbox {chunks}; lease {lease}")
         except psycopg.Error as err:

@@ -982,6 +982,12 @@ class ClusterStorm:
                     ).fetchall()
                     if not rows:
                         out.append(f"  PG: {token} is not in the inbox")
+                    named = conn.execute(
+                        "SELECT id, inbox_id, seq, epoch, sent_at::text, sent_epoch, body->>'text' AS text "
+                        "FROM outbox WHERE body::text LIKE %s",
+                        (f"%{token}%",),
+                    ).fetchall()
+                    out.append(f"  PG: outbox chunks naming {token}: {named}")
                     for row in rows:
                         lane = conn.execute(
                             "SELECT to_jsonb(l)::text AS lane FROM lanes l WHERE lane = %s", (row["lane"],)

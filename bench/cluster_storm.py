@@ -292,9 +292,15 @@ def classify_duplicates(
                 out.details.append(f"duplicate across a PostgreSQL restart: {token} ({c1.via} then {c2.via})")
             else:
                 out.other += 1
+                frozen = [s for s in stops.get(c2.via or "?", []) if s <= c2.at]
+                late = (
+                    f"; the second sender {c2.via} had been frozen (SIGSTOP) {c2.at - frozen[-1]:.1f} s before it sent"
+                    if frozen
+                    else ""
+                )
                 out.details.append(
                     f"duplicate with nothing between: {token} by {c1.via} then {c2.via}, "
-                    f"{(c2.at - c1.at) * 1000:.0f} ms apart"
+                    f"{(c2.at - c1.at) * 1000:.0f} ms apart{late}"
                 )
     return out
 

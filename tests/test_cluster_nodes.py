@@ -110,12 +110,14 @@ def test_duplicates_are_classified_by_what_separates_the_copies():
         "tk2x0": [Copy("n2", 1.0), Copy("n3", 3.0)],  # n2 frozen at 1.5
         "tk3x0": [Copy("n3", 10.0), Copy("n1", 11.0)],  # PostgreSQL restarting 9.5-10.5
         "tk4x0": [Copy("n1", 20.0), Copy("n1", 20.5)],  # nothing between: a bug
+        "tk6x0": [Copy("n1", 40.0), Copy("n2", 45.0)],  # a late send from n2 after its pause: a bug too
         "tk5x0": [Copy("n3", 5.0)],
     }
-    d = classify_duplicates(copies, {"n1": [2.0], "n3": [30.0]}, {"n2": [1.5]}, [(9.5, 10.5)])
-    assert (d.window_kill, d.window_pause, d.window_pg, d.other) == (1, 1, 1, 1)
+    d = classify_duplicates(copies, {"n1": [2.0], "n3": [30.0]}, {"n2": [1.5, 38.0]}, [(9.5, 10.5)])
+    assert (d.window_kill, d.window_pause, d.window_pg, d.other) == (1, 1, 1, 2)
     assert d.window_ms == [1000.0]
     assert any("tk4x0 by n1 then n1" in x for x in d.details)
+    assert any("tk6x0 by n1 then n2" in x and "n2 had been frozen (SIGSTOP) 7.0 s before" in x for x in d.details)
 
 
 def test_a_kill_of_another_node_does_not_excuse_a_duplicate():

@@ -618,7 +618,7 @@ class GatewayApp:
                 self._fenced_turn(key, lane, lost, tlog)
                 return
             except Exception as exc:
-                fault = storage_fault(exc)
+                fault = storage_fault(exc) or self._database_fault(exc)
                 if fault is None:
                     raise
                 failures += 1
@@ -1005,6 +1005,12 @@ class GatewayApp:
                 await self.deliverer.wait(last, timeout=self.node.ttl / 3)
                 if await self.shared_outbox.status(last) != "pending":
                     break
+
+    def _database_fault(self, exc: BaseException) -> str | None:
+        """Cluster mode: PostgreSQL unreachable is a storage fault too (the lane waits and retries)."""
+        if self.shared_outbox is not None and isinstance(exc, self.shared_outbox.TRANSIENT):
+            return "database unreachable"
+        return None
 
     def _fenced_turn(self, key: str, lane: Lane, lost: LeaseLost, tlog: logging.LoggerAdapter) -> None:
         """A turn whose tenant lease went: nothing of it was committed; the lane's queued

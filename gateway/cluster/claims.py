@@ -33,6 +33,7 @@ class ClaimWorkers:
         self._tasks: list[asyncio.Task] = []
         self._listener: asyncio.Task | None = None
         self.running: set[str] = set()  # lanes being run now
+        self._unreleased: set[str] = set()  # lanes whose release failed (database down): retried
 
     def start(self) -> None:
         self._listener = asyncio.create_task(self._listen(), name="cluster-wakeups")
@@ -80,6 +81,9 @@ class ClaimWorkers:
         failures = 0
         while not self._stopping:
             self._wake.clear()  # before the query: a wakeup from now on is not missed
+            for lane in list(self._unreleased):
+                self._unreleased.discard(lane)
+                await self._give_back(lane)
             try:
                 claim = await claim_lane(self.node.pool, self.node.node_id, CLAIM_BATCH)
                 failures = 0
@@ -127,5 +131,6 @@ class ClaimWorkers:
     async def _give_back(self, lane: str) -> None:
         try:
             await release_lane(self.node.pool, self.node.node_id, lane)
-        except Exception as exc:  # the claim dies with our node lease anyway
-            log.warning("could not release a lane (%s); it is freed when this node's lease expires", exc)
+        except Exception as exc:  # kept until it works: a live node's claim would hold the lane forever
+            self._unreleased.add(lane)
+            log.warning("could not release a lane (%s); retrying", exc)

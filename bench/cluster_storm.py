@@ -337,6 +337,7 @@ class ClusterResult:
     audit_anomalies: int = 0
     paused_fenced_records: int = 0  # the paused node's log records about being fenced, after SIGCONT
     paused_fenced_metric: float = 0.0
+    paused_turns_fenced: int = 0  # its "turn_fenced" records after SIGCONT: the held turn was stopped
     paused_message_answers: int = -1  # copies of the answer to the message held during the pause
     paused_node: str = ""
     paused_message_by: list[str] = field(default_factory=list)  # who sent those copies
@@ -358,7 +359,7 @@ class ClusterResult:
             and self.overlaps == 0
             and self.audit_records > 0
             and not self.nodes_crashed
-            and (self.pauses == 0 or (self.paused_fenced_records > 0 or self.paused_fenced_metric > 0))
+            and (self.pauses == 0 or self.paused_turns_fenced > 0)
             and (self.pauses == 0 or self.paused_message_answers == 1)
             and self.paused_node not in self.paused_message_by
         )
@@ -966,6 +967,7 @@ class ClusterStorm:
                     if (parse_ts(rec.get("ts")) or 0) >= b and any(h in json.dumps(rec).lower() for h in FENCED_HINTS)
                 ]
                 r.paused_fenced_records += len(fenced)
+                r.paused_turns_fenced += sum(1 for rec in fenced if rec.get("event") == "turn_fenced")
                 r.details += [
                     f"after SIGCONT {life.node}#{life.index} logged: {json.dumps(rec)[:300]}" for rec in fenced[:3]
                 ]
@@ -1028,7 +1030,8 @@ def summary(r: ClusterResult) -> list[str]:
         f"journal/SQLite mismatches {r.journal_mismatches}; integrity_check failures {r.integrity_failures}",
         f"audit log: {r.audit_records} records over {r.audit_tenants} tenants; overlaps {r.overlaps}, "
         f"with a frozen holder {r.overlaps_paused}; anomalies {r.audit_anomalies}",
-        f"pause: fenced records after SIGCONT {r.paused_fenced_records}, fenced metric {r.paused_fenced_metric}, "
+        f"pause: fenced records after SIGCONT {r.paused_fenced_records} (turns stopped {r.paused_turns_fenced}), "
+        f"fenced metric {r.paused_fenced_metric}, "
         f"answers to the held message {r.paused_message_answers} (paused {r.paused_node or '-'}, answered by "
         f"{r.paused_message_by or '-'}); PostgreSQL outage s {r.pg_outage_s}",
         f"send window (accepted -> SIGKILL) ms: {spread(r.window_ms)}; restart (spawn -> webhook up) s: "

@@ -149,8 +149,9 @@ def _spread(values: list[float], fmt: str) -> str:
     return med if len(values) == 1 else f"{med} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
-def machine_line(t0: float) -> str:
-    """Machine, code, PostgreSQL, time and load, for a BENCHMARKS.md section."""
+def machine_line(t0: float, load0: float) -> str:
+    """Machine, code, PostgreSQL, time and load (`load0`: the 1-minute load average at `t0`),
+    for a BENCHMARKS.md section."""
     from bench.gateway_bench import git_state, machine_info
 
     m = machine_info()
@@ -165,7 +166,7 @@ def machine_line(t0: float) -> str:
     return (
         f"Machine: {m['nproc']} vCPU ({m['cpu']}), {m['memory']}, Python {platform.python_version()}, {pg} "
         f"(local, default settings). Code: {git_state()}. {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, "
-        f"{(time.time() - t0) / 60:.1f} min; load average {m['loadavg_start'][0]:.2f} at the start, "
+        f"{(time.time() - t0) / 60:.1f} min; load average {load0:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (shared machine)."
     )
 
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"error: PostgreSQL at {BASE_DSN} is unreachable ({why})", file=sys.stderr)
         return 2
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     tput: dict[int, list[dict[str, Any]]] = defaultdict(list)
     fail: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for i in range(args.runs):
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {n} | {args.runs} | {_spread(ok_t, '{:.1f}')} | {cell_f} |")
     body = (
         f"`python -m bench.cluster_bench --runs {args.runs} --messages {args.messages} --people {args.people} "
-        f"--lease-ttl {args.lease_ttl:g}` — {machine_line(t0)} Median of the runs, min–max in brackets; "
+        f"--lease-ttl {args.lease_ttl:g}` — {machine_line(t0, load0)} Median of the runs, min–max in brackets; "
         f"fake model latency 0–50 ms (throughput) and 0–150 ms (failover); lease_ttl_s {args.lease_ttl:g}.\n\n"
         + "\n".join(lines)
         + "\n\nProblems: "

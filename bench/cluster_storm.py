@@ -1087,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
         "pg_restart": args.pg_restart,
         "lease_ttl_s": args.lease_ttl,
     }
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         r = asyncio.run(cluster_storm(args.keep, **kwargs))
@@ -1106,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
 
         body = (
             f"`python -m bench.cluster_storm {' '.join(argv if argv is not None else sys.argv[1:])}` — "
-            f"{machine_line(t0)}\n\n"
+            f"{machine_line(t0, load0)}\n\n"
             + "\n".join(f"- {line}" for line in lines)
             + "\n- targets met: "
             + ("yes" if r.targets_met() else "NO: " + "; ".join(r.details[:8]))

@@ -119,6 +119,10 @@ class OutboundMessage(BaseModel):
     #: idempotency key of this chunk (stable across resends): Discord's `nonce` with
     #: `enforce_nonce`, so a resend returns the first message instead of posting twice
     nonce: str | None = None
+    #: checked by the adapter right before the request, after its own waits (flood
+    #: pacing): False means this process may no longer send the chunk (cluster mode: its
+    #: lane's lease is gone) and the send is deferred instead
+    may_send: Callable[[], bool] | None = Field(default=None, exclude=True, repr=False)
 
 
 class DeliveryDeferred(Exception):

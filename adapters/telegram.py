@@ -921,6 +921,8 @@ class TelegramAdapter:
         while True:
             attempts += 1
             await self._flood.wait_turn(str(chat_id))
+            if message.may_send is not None and not message.may_send():  # e.g. a lease lost meanwhile
+                raise DeliveryDeferred("no longer ours to send")
             try:
                 if formatted:
                     sent = await self.bot.send_message(chat_id, html_text, parse_mode=ParseMode.HTML, **kwargs)

@@ -412,14 +412,15 @@ class Agent:
 
     @staticmethod
     def _answer_after(history: list[StoredMessage], uid: str) -> str | None:
-        """The final assistant answer already stored after message `uid`, if any."""
+        """The final assistant answer already stored after message `uid` (before the next
+        user message), if any."""
         seen = False
         answer = None
         for m in history:
             if uid in (m.uid, m.meta.get("copied_from")):
                 seen = True
             elif seen and m.role == "user":
-                answer = None
+                return answer
             elif seen and m.role == "assistant" and not m.tool_calls and m.content:
                 answer = m.content
         return answer

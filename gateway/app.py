@@ -974,26 +974,48 @@ class GatewayApp:
         recorded but did not send go out first, in order; then the pending messages, in
         arrival order, through the same admit/turn path as on one node; every answer is sent
         before the lane is given back. Raises LeaseLost when the lease goes."""
+        from gateway.cluster.claims import LaneStalled
         from gateway.cluster.inbox import pending_messages
 
         assert self.node is not None
         await self._send_unsent(claim.lane, held)
-        seen, batch = 0, claim.messages
+        seen, batch, first = 0, claim.messages, True
         while batch and self._accepting:
             keys: list[str] = []
-            for m in batch:
-                seen = max(seen, m.id)
-                if m.answered:  # its turn ran; only its chunks were left (sent above)
-                    continue
-                held.check()
-                key = await self._admit(InboundMessage.model_validate(m.payload), force=True)
-                if key is not None and key not in keys:
-                    keys.append(key)
+            try:
+                for m in batch:
+                    seen = max(seen, m.id)
+                    if m.answered:  # its turn ran; only its chunks were left (sent above)
+                        continue
+                    held.check()
+                    key = await self._admit(InboundMessage.model_validate(m.payload), force=True)
+                    if key is not None and key not in keys:
+                        keys.append(key)
+                    if first and key is not None:
+                        # the lane's oldest open message may have been answered in the profile
+                        # by a node that died before recording the answer: it runs alone (not
+                        # collected with later ones), so that stored answer is what it gets
+                        first = False
+                        await self.lanes.settle(key)
+            except asyncio.CancelledError:  # stopping: what is queued stays pending
+                for key in keys:
+                    self.lanes.discard(key)
+                raise
+            except Exception:  # what is queued stays pending; the running turn ends first
+                for key in keys:
+                    self.lanes.discard(key)
+                    await self.lanes.settle(key)
+                raise
             for key in keys:
                 await self.lanes.settle(key)
             held.check()
             await self._send_unsent(claim.lane, held)
-            batch = [m for m in await pending_messages(self.node.pool, claim.lane) if m.id > seen]
+            pending = await pending_messages(self.node.pool, claim.lane)
+            if any(m.id <= seen and not m.answered for m in pending):
+                # a turn of this batch did not finish (fenced, failed): later messages wait,
+                # the lane is given back and its oldest open message is run again first
+                raise LaneStalled(f"lane {claim.lane} has an unfinished message")
+            batch = [m for m in pending if m.id > seen]
 
     async def _send_unsent(self, lane: str, held: HeldLease) -> None:
         """Until every chunk recorded for `lane` was sent (or given up), by the Deliverer."""

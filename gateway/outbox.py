@@ -410,6 +410,7 @@ class Deliverer:
             kind=chunk.kind,
             reply_to_message_id=chunk.reply_to,
             nonce=chunk.nonce,
+            may_send=partial(self.outbox.may_send, chunk),  # re-checked after the adapter's own waits
         )
         return await adapter.send(out)
 

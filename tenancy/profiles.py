@@ -111,6 +111,16 @@ def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path,
     return path, set(manifest.get("principals", []))
 
 
+def _writable(profile: Profile) -> bool:
+    if profile.guard is None:
+        return True
+    try:
+        profile.guard()
+    except Exception:
+        return False
+    return True
+
+
 class ProfileGate(Protocol):
     """Who may open a profile (cluster mode: the node holding the tenant's lease).
 
@@ -170,8 +180,13 @@ class ProfileManager:
             profile.last_used = time.monotonic()
 
     def _reuse(self, tenant_id: str) -> Profile | None:
-        """The open profile, marked in use and most recently used (call under `_lock`)."""
+        """The open profile, marked in use and most recently used (call under `_lock`). One
+        its gate no longer lets write (a lost lease) is closed instead, and opened afresh."""
         profile = self._open.get(tenant_id)
+        if profile is not None and not _writable(profile):
+            del self._open[tenant_id]
+            self._close_soon(profile)
+            return None
         if profile is not None:
             profile.users += 1
             self._open.move_to_end(tenant_id)

@@ -21,6 +21,11 @@ from gateway.cluster.wakeups import InboxWakeups
 
 log = logging.getLogger("hermes.cluster")
 
+
+class LaneStalled(Exception):
+    """A claimed lane's message did not finish; the lane is given back and retried later."""
+
+
 RunClaim = Callable[[Claim, HeldLease], Awaitable[None]]
 CLAIM_BATCH = 100  # pending messages read with a claim (more are read as these are done)
 
@@ -115,10 +120,14 @@ class ClaimWorkers:
             return
         node.claims[claim.lane] = held
         self.running.add(claim.lane)
+        stalled = False
         try:
             await self.run(claim, held)
         except LeaseLost as exc:
             log.warning("lane given up: %s", exc)
+        except LaneStalled as exc:
+            log.warning("%s; it is run again shortly", exc)
+            stalled = True
         except Exception:
             log.exception("running a claimed lane failed; its messages stay pending")
         finally:
@@ -127,6 +136,8 @@ class ClaimWorkers:
                 del node.claims[claim.lane]
             await self._give_back(claim.lane)
             await node.unhold(held)
+        if stalled:  # not at once: what failed may need a moment (another node may take it)
+            await asyncio.sleep(random.uniform(0.2, 1.0))
 
     async def _give_back(self, lane: str) -> None:
         try:

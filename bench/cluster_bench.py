@@ -82,7 +82,7 @@ async def throughput(workdir: Path, dsn: str, nodes: int, messages: int, people:
         last = await _wait_answered(storm, tokens, timeout=300)
         by_node: dict[str, int] = defaultdict(int)
         for _, copy in storm._answers():
-            by_node[copy.via or "?"] += 1
+            by_node[copy.node] += 1
     if last is None:
         return {"ok": False, "why": "not every message was answered within 300 s"}
     return {"ok": True, "msg_s": messages / (last - t0), "by_node": dict(by_node)}
@@ -115,7 +115,7 @@ async def failover(workdir: Path, dsn: str, nodes: int, ttl: float) -> dict[str,
                 await asyncio.sleep(0.05)
                 answers = [c for t, c in storm._answers() if storm.pushed.get(t, ("", ""))[1] == key]
                 if len(answers) >= 3:  # warmed up: the lane is running on some node
-                    victim = next(n for n in storm.nodes if n.name == answers[-1].via)
+                    victim = next(n for n in storm.nodes if n.name == answers[-1].node)
             if victim is None:
                 return {"ok": False, "why": "no answer within 60 s"}
             t_kill = time.monotonic()
@@ -131,7 +131,7 @@ async def failover(workdir: Path, dsn: str, nodes: int, ttl: float) -> dict[str,
                     for t, c in storm._answers()
                     if storm.pushed.get(t, ("", ""))[1] == key
                     and c.at > t_kill
-                    and (nodes == 1 or c.via != victim.name)
+                    and (nodes == 1 or c.node != victim.name)
                 ]
                 if after:
                     return {"ok": True, "failover_s": after[0].at - t_kill, "victim": victim.name, "by": after[0].via}

@@ -253,8 +253,12 @@ def find_overlaps(intervals: list[Interval], lives: list[Life]) -> tuple[list[st
 
 @dataclass
 class Copy:
-    via: str | None
+    via: str | None  # the sending process life, "<node>-<life>"
     at: float  # monotonic, when the fake Telegram accepted it
+
+    @property
+    def node(self) -> str:
+        return (self.via or "?").rsplit("-", 1)[0]
 
 
 @dataclass
@@ -263,30 +267,33 @@ class DupCounts:
     window_pause: int = 0
     window_pg: int = 0
     other: int = 0
-    window_ms: list[float] = field(default_factory=list)  # first copy accepted -> its sender's SIGKILL
+    window_ms: list[float] = field(default_factory=list)  # first copy accepted -> its sender's SIGKILL (>= 0)
     details: list[str] = field(default_factory=list)
 
 
 def classify_duplicates(
     copies: dict[str, list[Copy]],
-    kills: dict[str, list[float]],
+    kills: dict[str, float],
     stops: dict[str, list[float]],
     pg_outages: list[tuple[float, float]],
 ) -> DupCounts:
-    """Each later copy of an answer, by what lies between it and the copy before: a SIGKILL
-    or SIGSTOP of the first copy's sender, a PostgreSQL restart, or nothing. Times are
-    monotonic; `kills`/`stops` per node label."""
+    """Each later copy of an answer, by what lies between it and the copy before: the end of
+    the first copy's sending process (SIGKILL) or its freezing (SIGSTOP), a PostgreSQL
+    restart, or nothing. Times are monotonic; `kills` and `stops` are keyed by process life
+    ("<node>-<life>", as in `Copy.via`). A killed life cannot send after its kill, so a copy
+    the fake recorded a few ms after the kill (the request was already on its way) still
+    counts as sent before it."""
     out = DupCounts()
     for token, seen in copies.items():
         for c1, c2 in itertools.pairwise(seen):
-            node = c1.via or "?"
-            kill = next((k for k in kills.get(node, []) if c1.at <= k <= c2.at), None)
-            if kill is not None:
+            life = c1.via or "?"
+            kill = kills.get(life)
+            if kill is not None and kill <= c2.at:
                 out.window_kill += 1
-                out.window_ms.append(round((kill - c1.at) * 1000, 1))
-            elif any(c1.at <= s <= c2.at for s in stops.get(node, [])):
+                out.window_ms.append(max(0.0, round((kill - c1.at) * 1000, 1)))
+            elif any(c1.at <= s <= c2.at for s in stops.get(life, [])):
                 out.window_pause += 1
-                out.details.append(f"duplicate across a SIGSTOP of {node}: {token} ({c1.via} then {c2.via})")
+                out.details.append(f"duplicate across a SIGSTOP of {life}: {token} ({c1.via} then {c2.via})")
             elif any(c1.at <= b and a <= c2.at for a, b in pg_outages):
                 out.window_pg += 1
                 out.details.append(f"duplicate across a PostgreSQL restart: {token} ({c1.via} then {c2.via})")
@@ -402,8 +409,10 @@ def node_config(
     webhook_port: int,
     obs_port: int,
     lease_ttl_s: float,
+    label: str | None = None,
 ) -> None:
-    """One node's config: everything shared but its id, its ports and its label at the fakes."""
+    """One node's config: everything shared but its id, its ports and its label at the fake
+    Telegram (`label`, default the node id: whom the fake records as the sender)."""
     path.write_text(
         json.dumps(
             {
@@ -425,7 +434,7 @@ def node_config(
                     "telegram": {
                         "enabled": True,
                         "token_env": "HERMES_STORM_TG",
-                        "base_url": tg.base_url_for(name),
+                        "base_url": tg.base_url_for(label or name),
                         "mode": "webhook",
                         "webhook": {
                             "listen": "127.0.0.1",
@@ -478,8 +487,8 @@ class ClusterStorm:
         self.pushed: dict[str, tuple[str, str, str, int]] = {}
         self.acked: set[str] = set()
         self.acked_by: dict[str, str] = {}  # token -> "n2#3 at <wall time>": who acknowledged it
-        self.kills_mono: dict[str, list[float]] = defaultdict(list)
-        self.stops_mono: dict[str, list[float]] = defaultdict(list)
+        self.kills_mono: dict[str, float] = {}  # process life "<node>-<life>" -> its SIGKILL
+        self.stops_mono: dict[str, list[float]] = defaultdict(list)  # process life -> its SIGSTOPs
         self.pg_outages_mono: list[tuple[float, float]] = []
         self.sending = True
         self.stopping = False  # the harness is stopping the nodes: exits are expected
@@ -506,8 +515,22 @@ class ClusterStorm:
             PYTHONPATH=str(ROOT),
         )
 
+    def _write_config(self, node: Node, label: str) -> None:
+        node_config(
+            node.config,
+            name=node.name,
+            data=self.workdir / "data",
+            llm=self.llm,
+            tg=self.tg,
+            webhook_port=node.webhook_port,
+            obs_port=node.obs_port,
+            lease_ttl_s=self.lease_ttl_s,
+            label=label,
+        )
+
     async def _spawn(self, node: Node) -> None:
         node.lives += 1
+        self._write_config(node, f"{node.name}-{node.lives}")  # its sends are labelled with this life
         log_path = self.workdir / "logs" / f"{node.name}.{node.lives}.log"
         life = Life(node.name, node.lives, log_path, started=time.time())
         self.lives.append(life)
@@ -560,7 +583,7 @@ class ClusterStorm:
         assert node.proc is not None and node.life is not None
         node.life.killed = True
         node.life.ended = time.time()
-        self.kills_mono[node.name].append(time.monotonic())
+        self.kills_mono[f"{node.name}-{node.life.index}"] = time.monotonic()
         node.proc.send_signal(signal.SIGKILL)
         self._event("SIGKILL", node=node.name, life=node.life.index)
         self.result.kills += 1
@@ -697,7 +720,7 @@ class ClusterStorm:
         self.result.paused_node = node.name
         life = node.life
         t_stop = time.time()
-        self.stops_mono[node.name].append(time.monotonic())
+        self.stops_mono[f"{node.name}-{life.index}"].append(time.monotonic())
         node.proc.send_signal(signal.SIGSTOP)
         self._event("SIGSTOP", node=node.name, life=life.index, token=token)
         self.result.pauses += 1
@@ -761,7 +784,6 @@ class ClusterStorm:
     async def up(self) -> AsyncIterator[None]:
         """The fakes, the nodes (migrated, started, answering) and the load balancer; on exit
         the nodes are stopped (SIGTERM) and their last lives closed."""
-        data = self.workdir / "data"
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         async with FakeLLM() as llm, FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg:
             self.llm, self.tg = llm, tg
@@ -771,16 +793,7 @@ class ClusterStorm:
             for i in range(self.n_nodes):
                 name = f"n{i + 1}"
                 node = Node(name, self.workdir / f"{name}.yaml", free_port(), free_port())
-                node_config(
-                    node.config,
-                    name=name,
-                    data=data,
-                    llm=llm,
-                    tg=tg,
-                    webhook_port=node.webhook_port,
-                    obs_port=node.obs_port,
-                    lease_ttl_s=self.lease_ttl_s,
-                )
+                self._write_config(node, f"{name}-0")
                 self.nodes.append(node)
             await self._migrate(self.nodes[0])
             for node in self.nodes:
@@ -915,7 +928,7 @@ class ClusterStorm:
         copies: dict[str, list[Copy]] = defaultdict(list)
         for token, copy in answers:
             copies[token].append(copy)
-            by_node[copy.via or "?"] += 1
+            by_node[copy.node] += 1
         r.answers_by_node = dict(sorted(by_node.items()))
         lost = self.acked - set(copies)
         r.lost = len(lost)
@@ -934,7 +947,7 @@ class ClusterStorm:
         r.details += dups.details[:20]
         if self.paused_token is not None and r.pauses:
             r.paused_message_answers = len(copies.get(self.paused_token, []))
-            r.paused_message_by = [c.via or "?" for c in copies.get(self.paused_token, [])]
+            r.paused_message_by = [c.node for c in copies.get(self.paused_token, [])]
         bad, details = order_violations((t for t, _ in answers), self.pushed)
         r.order_violations = bad
         r.details += details[:20]

@@ -106,23 +106,27 @@ def test_log_times_are_read_as_epoch_seconds_or_iso():
 
 def test_duplicates_are_classified_by_what_separates_the_copies():
     copies = {
-        "tk1x0": [Copy("n1", 1.0), Copy("n2", 3.0)],  # n1 killed at 2.0: the send window
-        "tk2x0": [Copy("n2", 1.0), Copy("n3", 3.0)],  # n2 frozen at 1.5
-        "tk3x0": [Copy("n3", 10.0), Copy("n1", 11.0)],  # PostgreSQL restarting 9.5-10.5
-        "tk4x0": [Copy("n1", 20.0), Copy("n1", 20.5)],  # nothing between: a bug
-        "tk6x0": [Copy("n1", 40.0), Copy("n2", 45.0)],  # a late send from n2 after its pause: a bug too
-        "tk5x0": [Copy("n3", 5.0)],
+        "tk1x0": [Copy("n1-1", 1.0), Copy("n2-1", 3.0)],  # n1's first life killed at 2.0: the send window
+        "tk7x0": [Copy("n3-1", 5.2), Copy("n2-1", 8.0)],  # killed at 5.19, the request already on its way
+        "tk2x0": [Copy("n2-1", 1.0), Copy("n3-2", 3.0)],  # n2 frozen at 1.5
+        "tk3x0": [Copy("n3-2", 10.0), Copy("n1-2", 11.0)],  # PostgreSQL restarting 9.5-10.5
+        "tk4x0": [Copy("n1-2", 20.0), Copy("n1-2", 20.5)],  # nothing between: a bug
+        "tk6x0": [Copy("n1-2", 40.0), Copy("n2-1", 45.0)],  # a late send from n2 after its pause: a bug too
+        "tk5x0": [Copy("n3-2", 5.0)],
     }
-    d = classify_duplicates(copies, {"n1": [2.0], "n3": [30.0]}, {"n2": [1.5, 38.0]}, [(9.5, 10.5)])
-    assert (d.window_kill, d.window_pause, d.window_pg, d.other) == (1, 1, 1, 2)
-    assert d.window_ms == [1000.0]
-    assert any("tk4x0 by n1 then n1" in x for x in d.details)
-    assert any("tk6x0 by n1 then n2" in x and "n2 had been frozen (SIGSTOP) 7.0 s before" in x for x in d.details)
+    kills = {"n1-1": 2.0, "n3-1": 5.19}
+    d = classify_duplicates(copies, kills, {"n2-1": [1.5, 38.0]}, [(9.5, 10.5)])
+    assert (d.window_kill, d.window_pause, d.window_pg, d.other) == (2, 1, 1, 2)
+    assert d.window_ms == [1000.0, 0.0]
+    assert any("tk4x0 by n1-2 then n1-2" in x for x in d.details)
+    assert any("tk6x0 by n1-2 then n2-1" in x and "n2-1 had been frozen (SIGSTOP) 7.0 s before" in x for x in d.details)
 
 
-def test_a_kill_of_another_node_does_not_excuse_a_duplicate():
-    d = classify_duplicates({"tk1x0": [Copy("n1", 1.0), Copy("n2", 3.0)]}, {"n2": [2.0]}, {}, [])
+def test_a_kill_of_another_process_does_not_excuse_a_duplicate():
+    copies = {"tk1x0": [Copy("n1-2", 1.0), Copy("n2-1", 3.0)]}
+    d = classify_duplicates(copies, {"n2-1": 2.0, "n1-1": 0.5}, {}, [])  # n1's earlier life is not the sender
     assert d.other == 1 and d.window_kill == 0
+    assert Copy("n1-2", 0.0).node == "n1"
 
 
 def test_order_is_per_person_and_chat():

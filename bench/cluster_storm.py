@@ -23,7 +23,8 @@ The audit (after everything is answered and the nodes stopped):
   per tenant, no two process lives ever had the profile open at once. A killed process's
   open profiles count as closed at its kill. A process frozen by SIGSTOP cannot close
   anything, so an overlap with a frozen holder is counted apart (`overlaps_paused`) and
-  must end with that holder fenced out after SIGCONT; any other overlap is a violation.
+  must end with that holder closing the profile within 2 s of its SIGCONT; any other
+  overlap is a violation.
 
 `--pause`: mid-run, the node running a deliberately slow turn is SIGSTOPped for
 2 x lease_ttl + 2 s and resumed; its late writes must be refused (its log says it was
@@ -216,18 +217,26 @@ def profile_intervals(lives: list[Life]) -> tuple[list[Interval], list[str]]:
     return intervals, anomalies
 
 
-def stopped_at(lives: list[Life], node: str, index: int, t: float) -> tuple[float, float] | None:
+RESUME_GRACE_S = 2.0  # a resumed process must have closed what it held within this after SIGCONT
+
+
+def frozen_holder(lives: list[Life], first: Interval, overlap_end: float) -> tuple[float, float] | None:
+    """The SIGSTOP..SIGCONT that explains `first` still being open during an overlap ending at
+    `overlap_end`: it froze the holder while it held the profile, before the overlap ended,
+    and the holder closed the profile (or died) within RESUME_GRACE_S of its SIGCONT."""
     for life in lives:
-        if life.node == node and life.index == index:
+        if life.node == first.node and life.index == first.life:
             for a, b in life.stops:
-                if a <= t <= b:
+                if first.start <= b and a <= overlap_end and first.end - b <= RESUME_GRACE_S:
                     return a, b
     return None
 
 
 def find_overlaps(intervals: list[Interval], lives: list[Life]) -> tuple[list[str], list[str]]:
     """(overlaps, overlaps with a frozen holder): pairs of intervals of one tenant, from two
-    process lives, that intersect."""
+    process lives, that intersect. An overlap explained by the earlier holder having been
+    frozen (SIGSTOP) while it held the profile, and closing it within RESUME_GRACE_S of its
+    SIGCONT, is counted apart; the text says how long after SIGCONT it closed."""
     by_tenant: dict[str, list[Interval]] = defaultdict(list)
     for iv in intervals:
         by_tenant[iv.tenant].append(iv)
@@ -243,9 +252,12 @@ def find_overlaps(intervals: list[Interval], lives: list[Life]) -> tuple[list[st
                 f"({first.ended_by}{' ' + first.reason if first.reason else ''}) and {second.node}#{second.life} epoch {second.epoch} open "
                 f"{second.start:.3f}-{second.end:.3f} ({second.ended_by})"
             )
-            frozen = stopped_at(lives, first.node, first.life, second.start)
+            frozen = frozen_holder(lives, first, min(first.end, second.end))
             if frozen is not None:
-                paused.append(f"{text}; {first.node}#{first.life} frozen {frozen[0]:.3f}-{frozen[1]:.3f}")
+                paused.append(
+                    f"{text}; {first.node}#{first.life} frozen {frozen[0]:.3f}-{frozen[1]:.3f}, closed "
+                    f"{first.end - frozen[1]:.3f} s after SIGCONT"
+                )
             else:
                 bad.append(text)
     return bad, paused

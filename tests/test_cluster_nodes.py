@@ -89,6 +89,21 @@ def test_an_overlap_with_a_frozen_holder_is_counted_apart(tmp_path):
     intervals, _ = profile_intervals([a, b])
     bad, paused = find_overlaps(intervals, [a, b])
     assert bad == [] and len(paused) == 1 and "frozen 12.000-25.000" in paused[0]
+    assert "closed 1.000 s after SIGCONT" in paused[0]
+    # another node opening it just after SIGCONT, before the resumed holder got to close it
+    c = _life(tmp_path, "n3", 1, [_open("t1", 3, 25.5, "n3"), _close("t1", 3, 27.0, "n3")], ended=40.0)
+    intervals, _ = profile_intervals([a, c])
+    bad, paused = find_overlaps(intervals, [a, c])
+    assert bad == [] and len(paused) == 1
+    # a holder that kept it open long after its SIGCONT is not excused by the freeze
+    late = _life(tmp_path, "n1", 2, [_open("t1", 1, 10.0, "n1"), _close("t1", 1, 29.0, "n1")], ended=40.0)
+    late.stops.append((12.0, 25.0))
+    intervals, _ = profile_intervals([late, c])
+    assert len(find_overlaps(intervals, [late, c])[0]) == 1
+    # the same overlap without a freeze is a violation
+    a.stops.clear()
+    intervals, _ = profile_intervals([a, c])
+    assert len(find_overlaps(intervals, [a, c])[0]) == 1
 
 
 def test_the_audit_reports_opens_without_close_and_closes_without_open(tmp_path):

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from adapters.base import Adapter, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from agent.fileio import private_mkdir
@@ -77,6 +76,17 @@ class _Answer:
 class Job:
     msg: InboundMessage
     lane: Lane
+
+
+def _without_nul(value: Any) -> Any:
+    """`value` (JSON data) with NUL characters removed from every string."""
+    if isinstance(value, str):
+        return value.replace("\0", "")
+    if isinstance(value, list):
+        return [_without_nul(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+    return value
 
 
 def _lease_lost(exc: BaseException) -> bool:
@@ -290,7 +300,7 @@ class GatewayApp:
             _, late = await asyncio.wait(list(self._background), timeout=drain_timeout)
             for task in late:  # their messages stay pending and are handled on the next start
                 task.cancel()
-        if self._started:
+        if self._started and self.node is None:  # in a cluster the sessions go on on other nodes
             try:
                 await asyncio.wait_for(self._flush_lanes(), drain_timeout)
             except TimeoutError:
@@ -384,8 +394,7 @@ class GatewayApp:
         except ValueError:  # refused ("bad_ids") by whichever node runs it, like on one node
             tenant = lane_key = f"unplaceable/{msg.platform}/{msg.chat_id}"
             lane = None
-        # PostgreSQL text cannot hold NUL characters
-        payload = json.loads(msg.model_dump_json().replace("\\u0000", ""))
+        payload = _without_nul(msg.model_dump(mode="json"))  # PostgreSQL text cannot hold NUL
         new = await record_inbound(
             self.node.pool, Inbound(msg.platform, msg.chat_id, msg.message_id, lane_key, tenant, payload)
         )

@@ -12,8 +12,7 @@ from adapters.base import InboundMessage
 from adapters.loopback import LoopbackAdapter
 from gateway.config import Config, parse_config
 from tests.fakes.llm import FakeLLM
-
-pytest_plugins = ["tests.pg"]  # `schema` and `pool`: a fresh PostgreSQL schema per test (cluster tests)
+from tests.pg import pool, schema  # noqa: F401 (fixtures: a fresh PostgreSQL schema per test)
 
 
 @pytest.fixture(autouse=True)

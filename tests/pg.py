@@ -1,8 +1,8 @@
-"""PostgreSQL for the cluster tests: the server at 127.0.0.1:5432 (database `test`), a fresh
-schema per test (dropped at the end) and a migrated pool on it.
+"""The real PostgreSQL for cluster tests (127.0.0.1:5432, database `test`): one fresh schema
+per test, dropped at the end. A test module calls `require_postgres()` at import: without a
+reachable server its tests skip locally, saying why; under CI they fail.
 
-A test module calls `skip_without_postgresql()` at import: without a reachable server its
-tests skip locally, saying why; under CI they fail. Fixtures are imported by name.
+Fixtures (import them into the test module): `schema`, `pool` (migrated, on `schema`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import uuid
 from pathlib import Path
-from urllib.parse import quote
 
 import psycopg
 import pytest
@@ -32,7 +31,7 @@ def reachable() -> str | None:
     return None
 
 
-def skip_without_postgresql() -> None:
+def require_postgres() -> None:
     why_not = reachable()
     if why_not is None:
         return
@@ -46,13 +45,7 @@ def skip_without_postgresql() -> None:
     )
 
 
-def schema_dsn(schema: str) -> str:
-    """The DSN with `schema` on the search_path (what a node's cluster.postgres_dsn_env holds)."""
-    return f"{DSN}?options={quote(f'-csearch_path={schema}')}"
-
-
 def pg_cluster() -> list[str] | None:
-    """The local server's `pg_ctlcluster` version and name, if it can be restarted from here."""
     if shutil.which("pg_ctlcluster") is None or not Path("/etc/postgresql").is_dir():
         return None
     versions = sorted(os.listdir("/etc/postgresql"))
@@ -79,7 +72,12 @@ def schema():
 
 @pytest.fixture
 async def pool(schema):
-    p: Pool = await open_pool(DSN, schema=schema, max_size=6)
+    p = await open_pool(DSN, schema=schema, max_size=6)
     await migrate(p)
     yield p
     await p.close()
+
+
+async def second_pool(schema: str) -> Pool:
+    """Another node's own connections to the same database."""
+    return await open_pool(DSN, schema=schema, max_size=4)

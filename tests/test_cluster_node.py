@@ -11,6 +11,7 @@ import re
 import socket
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -23,9 +24,9 @@ from gateway.cluster.leases import FencedOut
 from gateway.config import ConfigError
 from gateway.logs import JsonFormatter, Redactor
 from tests.fakes.telegram_api import FakeTelegram
-from tests.pg import schema_dsn, skip_without_postgresql
+from tests.pg import DSN, require_postgres
 
-skip_without_postgresql()
+require_postgres()
 
 TOKEN = "123456:AAE2eFAKEtokenFAKEtoken_-cluster"
 TOKEN_ENV = "HERMES_CLUSTER_TG_TOKEN"
@@ -34,6 +35,11 @@ DSN_ENV = "HERMES_CLUSTER_TEST_DSN"
 SECRET = "cluster-secret_1"
 LOOSE_FLOOD = FloodLimits(per_chat=(50, 1.0), per_group=(50, 1.0), overall=(100, 1.0))
 TTL = 3.0
+
+
+def schema_dsn(schema: str) -> str:
+    """The DSN with `schema` on the search_path (what a node's cluster.postgres_dsn_env holds)."""
+    return f"{DSN}?options={quote(f'-csearch_path={schema}')}"
 
 
 def free_port() -> int:
@@ -378,3 +384,35 @@ async def test_an_answer_stored_in_the_profile_but_never_recorded_is_sent_by_the
         assert refused == ["first"]
         assert texts(tg, 888) == ["ok: first", "ok: second"]
         assert len(fake_llm.requests) == 2  # the first answer was not asked for again
+
+
+async def test_nodes_share_the_data_dir_but_a_single_node_gateway_is_kept_out(tg, fake_llm, node_config, config_for):
+    from gateway.admin import AdminError
+
+    async with cluster(node_config, "n1", "n2"):
+        single = GatewayApp(config_for(), [])
+        with pytest.raises(AdminError, match="is in use"):
+            await single.start()
+        await single.stop()
+
+
+async def test_a_graceful_stop_leaves_the_cluster_and_frees_its_tenant_leases_at_once(tg, fake_llm, node_config):
+    async with started(node_config("n1")) as one:
+        assert await post(tg, tg.push_private(999, "hi"), one) == 200
+        await settled([one])
+        node = one.app.node
+        assert node is not None and node.held_tenants()
+        pool_dsn = node.dsn
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(pool_dsn) as conn:
+        nodes = await (await conn.execute("SELECT count(*) FROM nodes")).fetchone()
+        live = await (await conn.execute("SELECT count(*) FROM tenant_leases WHERE expires_at > now()")).fetchone()
+    assert nodes == (0,) and live == (0,)
+
+
+async def test_a_message_with_nul_characters_is_recorded_without_them_and_answered(tg, fake_llm, node_config):
+    async with started(node_config("n1")) as one:
+        assert await post(tg, tg.push_private(1212, "a\x00b typed \\u0000"), one) == 200
+        await settled([one])
+        assert texts(tg, 1212) == ["ok: ab typed \\u0000"]

@@ -46,15 +46,14 @@ from gateway.cluster.migrations import LATEST, migrate, schema_version
 from gateway.cluster.outbox import finish_turn, mark_sent, unsent_replies
 from gateway.cluster.wakeups import InboxWakeups
 from gateway.config import parse_config
-from tests.pg import DSN, ensure_server_running, pg_cluster, skip_without_postgresql
+from tests.pg import DSN, ensure_server_running, pg_cluster, require_postgres, second_pool
 
-skip_without_postgresql()
 TTL = 15.0
 
-
-async def _second_pool(schema: str) -> Pool:
-    """Another node's own connections to the same database."""
-    return await open_pool(DSN, schema=schema, max_size=4)
+require_postgres()
+_second_pool = second_pool
+_pg_cluster = pg_cluster
+_ensure_server_running = ensure_server_running
 
 
 def _msg(lane: str, message_id: str, *, tenant: str | None = None, text: str = "hi") -> Inbound:
@@ -492,7 +491,7 @@ def test_cluster_config_defaults():
 # --- PostgreSQL restart (this test restarts the local server) -------------------------------
 
 
-@pytest.mark.skipif(pg_cluster() is None, reason="needs pg_ctlcluster to restart the local PostgreSQL")
+@pytest.mark.skipif(_pg_cluster() is None, reason="needs pg_ctlcluster to restart the local PostgreSQL")
 async def test_RESTARTS_POSTGRESQL_the_pool_reconnects_and_an_interrupted_transaction_leaves_nothing(pool):
     await register_node(pool, "node-a", TTL)
     await record_inbound(pool, _msg("L", "before"))
@@ -509,7 +508,7 @@ async def test_RESTARTS_POSTGRESQL_the_pool_reconnects_and_an_interrupted_transa
     await asyncio.sleep(0.5)
     try:
         restart = await asyncio.create_subprocess_exec(
-            "pg_ctlcluster", "--skip-systemctl-redirect", *pg_cluster(), "restart", "-m", "fast"
+            "pg_ctlcluster", "--skip-systemctl-redirect", *_pg_cluster(), "restart", "-m", "fast"
         )
         assert await restart.wait() == 0
         with pytest.raises(psycopg.OperationalError):
@@ -520,4 +519,4 @@ async def test_RESTARTS_POSTGRESQL_the_pool_reconnects_and_an_interrupted_transa
         claim = await claim_lane(pool, "node-a")
         assert [m.message_id for m in claim.messages] == ["before", "after"]
     finally:
-        ensure_server_running()
+        _ensure_server_running()

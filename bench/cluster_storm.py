@@ -217,6 +217,7 @@ def profile_intervals(lives: list[Life]) -> tuple[list[Interval], list[str]]:
     return intervals, anomalies
 
 
+WINDOW_MAX_S = 2.0  # the send window is one HTTP answer and one commit: far less than this
 RESUME_GRACE_S = 2.0  # a resumed process must have closed what it held within this after SIGCONT
 
 
@@ -294,13 +295,14 @@ def classify_duplicates(
     restart, or nothing. Times are monotonic; `kills` and `stops` are keyed by process life
     ("<node>-<life>", as in `Copy.via`). A killed life cannot send after its kill, so a copy
     the fake recorded a few ms after the kill (the request was already on its way) still
-    counts as sent before it."""
+    counts as sent before it. A kill more than WINDOW_MAX_S after the first copy does not
+    explain a resend (the sender had all that time to mark it sent)."""
     out = DupCounts()
     for token, seen in copies.items():
         for c1, c2 in itertools.pairwise(seen):
             life = c1.via or "?"
             kill = kills.get(life)
-            if kill is not None and kill <= c2.at:
+            if kill is not None and kill <= c2.at and kill - c1.at <= WINDOW_MAX_S:
                 out.window_kill += 1
                 out.window_ms.append(max(0.0, round((kill - c1.at) * 1000, 1)))
             elif any(c1.at <= s <= c2.at for s in stops.get(life, [])):
@@ -515,7 +517,7 @@ class ClusterStorm:
     def _event(self, what: str, **fields: Any) -> None:
         """One line in logs/harness.log (kills, spawns, pauses, restarts): the evidence's timeline."""
         with open(self.workdir / "logs" / "harness.log", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"ts": time.time(), "event": what, **fields}) + "\n")
+            f.write(json.dumps({"ts": time.time(), "mono": time.monotonic(), "event": what, **fields}) + "\n")
 
     def _env(self, node: Node) -> dict[str, str]:
         return dict(
@@ -933,6 +935,14 @@ class ClusterStorm:
 
     def _audit(self, data: Path) -> None:
         r = self.result
+        with open(self.workdir / "logs" / "sent.jsonl", "w", encoding="utf-8") as f:  # the evidence
+            for m in self.tg.sent:
+                f.write(
+                    json.dumps(
+                        {"via": m.get("_via"), "mono": m.get("_at"), "chat": m["chat"]["id"], "text": m.get("text")}
+                    )
+                    + "\n"
+                )
         r.inputs = len(self.pushed)
         answers = self._answers()
         r.answers = len(answers)

@@ -128,10 +128,11 @@ def test_duplicates_are_classified_by_what_separates_the_copies():
         "tk4x0": [Copy("n1-2", 20.0), Copy("n1-2", 20.5)],  # nothing between: a bug
         "tk6x0": [Copy("n1-2", 40.0), Copy("n2-1", 45.0)],  # a late send from n2 after its pause: a bug too
         "tk5x0": [Copy("n3-2", 5.0)],
+        "tk8x0": [Copy("n2-1", 50.0), Copy("n1-2", 70.0)],  # n2's life killed 15 s after it sent: no excuse
     }
-    kills = {"n1-1": 2.0, "n3-1": 5.19}
+    kills = {"n1-1": 2.0, "n3-1": 5.19, "n2-1": 65.0}
     d = classify_duplicates(copies, kills, {"n2-1": [1.5, 38.0]}, [(9.5, 10.5)])
-    assert (d.window_kill, d.window_pause, d.window_pg, d.other) == (2, 1, 1, 2)
+    assert (d.window_kill, d.window_pause, d.window_pg, d.other) == (2, 1, 1, 3)
     assert d.window_ms == [1000.0, 0.0]
     assert any("tk4x0 by n1-2 then n1-2" in x for x in d.details)
     assert any("tk6x0 by n1-2 then n2-1" in x and "n2-1 had been frozen (SIGSTOP) 7.0 s before" in x for x in d.details)

@@ -27,7 +27,6 @@ import itertools
 import json
 import os
 import random
-import re
 import signal
 import sqlite3
 import sys
@@ -41,13 +40,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.storm_audit import TOKEN_RE, order_violations, profile_problems, responder, spread  # noqa: E402
 from tests.fakes.discord_api import FakeDiscord  # noqa: E402
-from tests.fakes.llm import FakeLLM, last_user_text, reply, tool_call  # noqa: E402
+from tests.fakes.llm import FakeLLM  # noqa: E402
 from tests.fakes.telegram_api import FakeTelegram  # noqa: E402
 
 TG_TOKEN = "123456:AAEkillstormFAKEtoken_-storm"
 BOT = "hermes_storm_bot"
-TOKEN_RE = re.compile(r"\b([td]k\d+x\d+)\b")
 BIN = Path(sys.executable).parent / "hermes-gateway"
 
 
@@ -81,25 +80,6 @@ class StormResult:
             and self.journal_mismatches == 0
             and self.integrity_failures == 0
         )
-
-
-def _responder(rng: random.Random):
-    async def respond(request: dict[str, Any]):
-        await asyncio.sleep(rng.random() * 0.15)  # a slow model
-        messages = request.get("messages") or []
-        text = last_user_text(request)
-        # a turn may answer several messages at once (busy_mode: collect, a replayed batch):
-        # the client merges their user turns into one, and the answer names every token in it
-        tokens = TOKEN_RE.findall(text)
-        token = " ".join(dict.fromkeys(tokens)) if tokens else "none"
-        if messages and messages[-1].get("role") == "tool":
-            return reply(f"ok: {token} (noted)")
-        offered = {t.get("function", {}).get("name") for t in request.get("tools") or []}
-        if "remember" in text and "memory" in offered:
-            return tool_call("memory", {"action": "add", "target": "memory", "content": f"note {token}"})
-        return reply(f"ok: {token}")
-
-    return respond
 
 
 def _config(path: Path, data: Path, llm: FakeLLM, tg: FakeTelegram, dc: FakeDiscord) -> None:
@@ -162,7 +142,7 @@ class Storm:
         started = time.monotonic()
         data, config = self.workdir / "data", self.workdir / "gw.yaml"
         async with FakeLLM() as llm, FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg, FakeDiscord() as dc:
-            llm.responder = _responder(random.Random(self.seed + 1))
+            llm.responder = responder(random.Random(self.seed + 1))
             _config(config, data, llm, tg, dc)
             env = dict(os.environ, HERMES_STORM_TG=TG_TOKEN, HERMES_STORM_DC=dc.token, PYTHONPATH=str(ROOT))
             self.tg, self.dc = tg, dc
@@ -315,7 +295,6 @@ class Storm:
                 last, since = len(answered), time.monotonic()
 
     def _audit(self, data: Path) -> None:
-        from tests.test_crash_recovery import db_messages, journal_uids
 
         r = self.result
         taken_dc = self._taken_discord(data)
@@ -345,33 +324,11 @@ class Storm:
                     r.dup_other += 1
                     r.details.append(f"duplicate within one process life: {token}")
         # order: per person and chat, first answers follow the inputs
-        firsts: dict[tuple[str, str], list[int]] = defaultdict(list)
-        seen_tokens: set[str] = set()
-        for _, token, _, _ in answers:
-            if token in seen_tokens or token not in self.pushed:
-                continue
-            seen_tokens.add(token)
-            _, key, sender, idx = self.pushed[token]
-            firsts[(key, sender)].append(idx)
-        for key, idxs in firsts.items():
-            bad = sum(1 for a, b in itertools.pairwise(idxs) if b < a)
-            if bad:
-                r.order_violations += bad
-                r.details.append(f"order: {key} answered {idxs}")
-        for profile in sorted((data / "profiles").iterdir()) if (data / "profiles").is_dir() else []:
-            if not (profile / "state.db").exists():
-                continue
-            if journal_uids(profile) != set(db_messages(profile)):
-                r.journal_mismatches += 1
-                r.details.append(f"journal and SQLite differ in {profile.name}")
-        for db in data.rglob("*.db"):
-            con = sqlite3.connect(db)
-            try:
-                if con.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
-                    r.integrity_failures += 1
-                    r.details.append(f"integrity_check failed: {db}")
-            finally:
-                con.close()
+        bad, details = order_violations((token for _, token, _, _ in answers), self.pushed)
+        r.order_violations += bad
+        r.details += details
+        r.journal_mismatches, r.integrity_failures, details = profile_problems(data)
+        r.details += details
 
 
 async def storm(
@@ -388,13 +345,6 @@ async def storm(
     return await Storm(
         workdir, cycles=cycles, people=people, seed=seed, min_up=min_up, max_up=max_up, interval=interval, say=say
     ).run()
-
-
-def _spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    v = sorted(values)
-    return f"min {v[0]}, median {v[len(v) // 2]}, max {v[-1]} (n={len(v)})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{r.dup_window_discord}, other {r.dup_other}; order violations {r.order_violations}; "
         f"journal/SQLite mismatches {r.journal_mismatches}; integrity_check failures {r.integrity_failures}"
     )
-    print(f"telegram window (accepted -> SIGKILL) ms: {_spread(r.window_ms)}")
-    print(f"restart (spawn -> polling) s: {_spread(r.restart_s)}")
+    print(f"telegram window (accepted -> SIGKILL) ms: {spread(r.window_ms)}")
+    print(f"restart (spawn -> polling) s: {spread(r.restart_s)}")
     for line in r.details[:30]:
         print("  " + line)
     if args.json:

@@ -33,9 +33,12 @@ timeout after Telegram processed the request).
 Recording: `tg.calls` is every call as `(method, params)`, `tg.responses` the matching
 `(method, status)`; `tg.sent_messages(chat_id=None)` the messages the bot sent (Message
 dicts, plus `"_params"` with the request parameters and `"_at"` the time.monotonic() it
-arrived); `tg.acked_offset`,
+arrived, `"_via"` the caller's label or None); `tg.acked_offset`,
 `tg.pending_updates`. Waiting helpers: `await tg.wait_for(lambda: ..., timeout=10)`,
 `await tg.wait_sent(n, chat_id=None)`.
+
+Several clients (the nodes of a cluster) can be told apart: give each the base URL
+`tg.base_url_for(label)` (`.../via/<label>/bot`); sent messages record the label in `"_via"`.
 
 Builders: `push_private`, `push_group`, `push_topic`, `push_edit`, `push_channel_post`,
 `push_update(raw)` queue updates and return `Pushed(update_id, message_id, chat_id, update)`.
@@ -45,6 +48,7 @@ Entities for `@mentions` and a leading `/command` are computed with UTF-16 offse
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import html.parser
 import itertools
 import json
@@ -77,6 +81,7 @@ _STRING_PARAMS = {
     "business_connection_id",
     "message_effect_id",
 }
+_VIA: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_telegram_via", default=None)
 _COMMAND_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 _MENTION_RE = re.compile(r"@[A-Za-z0-9_]{3,32}")
 _LEADING_COMMAND_RE = re.compile(r"^/[A-Za-z0-9_]{1,32}(?:@[A-Za-z0-9_]{3,32})?")
@@ -285,6 +290,10 @@ class FakeTelegram:
     def base_url(self) -> str:
         """For `telegram.Bot(base_url=...)` / `platforms.telegram.base_url` (token appended)."""
         return f"{self.root_url}/bot"
+
+    def base_url_for(self, label: str) -> str:
+        """A base URL whose calls are recorded as made by `label` (`"_via"` of sent messages)."""
+        return f"{self.root_url}/via/{label}/bot"
 
     @property
     def base_file_url(self) -> str:
@@ -694,10 +703,11 @@ class FakeTelegram:
         f = re.match(r"^/file/bot([^/]+)/(.+)$", path)
         if f:
             return self._serve_file(f.group(1), f.group(2))
-        m = re.match(r"^/bot([^/]+)/([A-Za-z_]+)$", path)
+        m = re.match(r"^(?:/via/([^/]+))?/bot([^/]+)/([A-Za-z_]+)$", path)
         if not m:
             return web.json_response({"ok": False, "error_code": 404, "description": "Not Found"}, status=404)
-        token, method = m.group(1), m.group(2)
+        via, token, method = m.group(1), m.group(2), m.group(3)
+        _VIA.set(via)  # each request is its own task: the label stays with this request
         try:
             params = await self._params(request)
         except Exception:
@@ -873,6 +883,7 @@ class FakeTelegram:
         record = dict(msg)
         record["_params"] = dict(params)
         record["_at"] = time.monotonic()  # arrival time, to check the adapter's pacing
+        record["_via"] = _VIA.get()
         self.sent.append(record)
         return self._ok("sendMessage", msg)
 

@@ -406,6 +406,8 @@ class GatewayApp:
         from gateway.cluster.inbox import Inbound, record_inbound
 
         assert self.node is not None
+        if self.links_refresh is not None:  # a link another node made routes this message too
+            await self.links_refresh()
         try:
             lane = resolve_lane(msg, self.cfg.tenancy, self.links)
             tenant, lane_key = lane.tenant_id, f"{lane.tenant_id}/{lane.session_key}"

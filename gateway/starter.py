@@ -106,4 +106,11 @@ logging:
   level: INFO
   format: text                  # text | json
   include_text: false
+
+# cluster:                      # several `run` nodes on one PostgreSQL (README "Running several nodes")
+#   postgres_dsn_env: HERMES_PG_DSN   # env var with the DSN; unset = one node, SQLite only
+#   node_id: null                # default <hostname>-<pid>; unique per running process
+#   lease_ttl_s: 15              # a silent node's lanes and tenants move after this long
+#   max_lanes: 4                 # conversations this node runs at once
+#   poll_interval_s: 5           # look for work this often even without a wakeup
 """

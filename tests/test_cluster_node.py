@@ -23,6 +23,7 @@ from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.leases import FencedOut
 from gateway.config import ConfigError
 from gateway.logs import JsonFormatter, Redactor
+from tests.fakes.llm import memory_saving_responder
 from tests.fakes.telegram_api import FakeTelegram
 from tests.pg import DSN, require_postgres
 
@@ -416,3 +417,72 @@ async def test_a_message_with_nul_characters_is_recorded_without_them_and_answer
         assert await post(tg, tg.push_private(1212, "a\x00b typed \\u0000"), one) == 200
         await settled([one])
         assert texts(tg, 1212) == ["ok: ab typed \\u0000"]
+
+
+async def test_a_collected_answer_stored_but_never_recorded_is_sent_by_the_next_claim(tg, fake_llm, node_config):
+    """As above, for one turn that answered several collected messages."""
+    async with started(node_config("n1", limits={"coalesce_burst_ms": 300, "rate_limit_per_minute": 1000})) as one:
+        app = one.app
+        outbox = app.shared_outbox
+        assert outbox is not None
+        real_record = outbox.record
+        refused: list[int] = []
+
+        async def record_once_refused(drafts, *, finish=(), source=None):
+            if len(finish) > 1 and not refused:
+                refused.append(len(finish))
+                raise FencedOut("the node died here")
+            return await real_record(drafts, finish=finish, source=source)
+
+        outbox.record = record_once_refused  # type: ignore[method-assign]
+        fake_llm.responder = memory_saving_responder  # the collected turn saves a memory first
+        for text in ("zero", "remember one", "two", "three"):
+            assert await post(tg, tg.push_private(1313, text), one) == 200
+        await settled([one])
+        assert refused == [3]
+        sent = texts(tg, 1313)
+        assert sent[0] == "ok: zero" and len(sent) == 2 and sent[1].startswith("done:"), sent
+        assert len(fake_llm.requests) == 3  # zero, the tool call, the answer: none asked again
+
+
+async def test_a_node_restarted_under_the_same_id_writes_under_a_new_epoch(tg, fake_llm, node_config):
+    epochs = []
+    for text in ("first life", "second life"):
+        async with started(node_config("n1")) as one:
+            assert await post(tg, tg.push_private(1414, text), one) == 200
+            await settled([one])
+            assert one.app.node is not None
+            epochs += list(one.app.node.held_tenants().values())
+    assert texts(tg, 1414) == ["ok: first life", "ok: second life"]
+    assert epochs[1] > epochs[0]
+
+
+async def test_a_collected_answer_stored_by_a_node_that_then_froze_is_sent_by_another_node(tg, fake_llm, node_config):
+    limits = {"coalesce_burst_ms": 300, "rate_limit_per_minute": 1000}
+    fake_llm.responder = memory_saving_responder
+    async with started(node_config("n1", limits=limits)) as one:
+        app = one.app
+        assert app.shared_outbox is not None and app.claims is not None and app.node is not None
+        real_record = app.shared_outbox.record
+        refused: list[int] = []
+
+        async def record_then_freeze(drafts, *, finish=(), source=None):
+            if len(finish) > 1 and not refused:
+                refused.append(len(finish))
+                assert app.claims is not None and app.node is not None and app.node._beat is not None
+                app.claims._stopping = True  # n1 takes no more lanes and stops heartbeating
+                app.node._beat.cancel()
+                raise FencedOut("n1 froze here")
+            return await real_record(drafts, finish=finish, source=source)
+
+        app.shared_outbox.record = record_then_freeze  # type: ignore[method-assign]
+        for text in ("zero", "remember one", "two", "three"):
+            assert await post(tg, tg.push_private(1515, text), one) == 200
+        await tg.wait_sent(1, 1515, timeout=20)
+        while not refused:
+            await asyncio.sleep(0.05)
+        async with started(node_config("n2", limits=limits)) as two:
+            await tg.wait_sent(2, 1515, timeout=30)
+            await settled([two])
+    sent = texts(tg, 1515)
+    assert sent[0] == "ok: zero" and len(sent) == 2 and sent[1].startswith("done:"), sent

@@ -45,6 +45,17 @@ async def register_node(pool: Pool, node_id: str, ttl_s: float) -> None:
         await conn.execute("UPDATE lanes SET claimed_by = NULL, claimed_at = NULL WHERE claimed_by = %s", (node_id,))
 
 
+async def retire_leases(pool: Pool, node_id: str) -> int:
+    """A node (re)starting under `node_id`: whatever tenant leases an earlier process with
+    that id held are expired and their epochs bumped, so this process never writes under an
+    epoch an earlier life used (and a stray process still running with the id is fenced out)."""
+    async with pool.connection() as conn:
+        cur = await conn.execute(
+            "UPDATE tenant_leases SET epoch = epoch + 1, expires_at = '-infinity' WHERE holder = %s", (node_id,)
+        )
+        return cur.rowcount
+
+
 async def heartbeat(pool: Pool, node_id: str, ttl_s: float) -> bool:
     """Extend this node's lease; False if it had already expired (its claims may be gone:
     stop every lane and register again)."""

@@ -21,7 +21,16 @@ from dataclasses import dataclass
 
 from gateway.cluster.db import Pool, open_pool
 from gateway.cluster.fencing import LeaseLost
-from gateway.cluster.leases import Lease, acquire_lease, heartbeat, leave, register_node, release_lease, renew_lease
+from gateway.cluster.leases import (
+    Lease,
+    acquire_lease,
+    heartbeat,
+    leave,
+    register_node,
+    release_lease,
+    renew_lease,
+    retire_leases,
+)
 from gateway.cluster.migrations import migrate
 from gateway.config import ClusterConfig
 
@@ -112,6 +121,7 @@ class ClusterNode:
         if applied:
             log.info("cluster schema migrated (applied %s)", ", ".join(map(str, applied)))
         await register_node(self._pool, self.node_id, self.ttl)
+        await retire_leases(self._pool, self.node_id)  # a new life never reuses an old life's epoch
         log.info("node %s joined the cluster (lease ttl %g s)", self.node_id, self.ttl, extra={"node": self.node_id})
         self._beat = asyncio.create_task(self._heartbeats(), name="cluster-heartbeat")
 

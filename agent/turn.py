@@ -335,6 +335,13 @@ class Agent:
             replay = self._answer_after(history, inputs[-1].uid)
             if replay is not None:
                 return TurnResult(replay, "reply", session_id, replayed=True)
+        earlier = ""
+        if fresh and len(fresh) < len(inputs):
+            # the first inputs were answered in the session by a turn that crashed before its
+            # answer was recorded (so it was never sent), and new ones were collected with
+            # them: that stored answer goes out ahead of the new one, not dropped
+            answered = [i for i in inputs if i.uid in known]
+            earlier = self._answer_after(history, answered[-1].uid) or ""
         new_msgs = []
         for item in fresh:
             content = f"[{item.user_name}]: {item.text}" if place.shared and item.user_name else item.text
@@ -361,8 +368,9 @@ class Agent:
             text = await self._tool_loop(ctx, history)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
-            return TurnResult(err.user_message, "error", ctx.session_id)
+            return TurnResult(_joined(earlier, err.user_message), "error", ctx.session_id)
         if ctx.interrupted:
+            text = _joined(earlier, text)
             return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True)
         if profile.provider is not None and ctx.provider_access.write:
             user_text = "\n".join(i.text for i in inputs)
@@ -370,7 +378,7 @@ class Agent:
                 await profile.provider.sync_turn(user_text, text, visibility=ctx.provider_access.mark)
             except Exception:  # a provider must never break a turn
                 log.exception("memory provider sync_turn failed")
-        return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations)
+        return TurnResult(_joined(earlier, text), "reply", ctx.session_id, tool_iterations=ctx.tool_iterations)
 
     def provider_access(self, lane: Lane) -> ProviderAccess:
         """What `lane` may do with its tenant's memory provider (mode and audience)."""
@@ -570,3 +578,8 @@ class Agent:
                 raise
             await comp.after_response(ctx, result.usage)
             return result
+
+
+def _joined(earlier: str, text: str) -> str:
+    """An answer stored earlier but never sent, ahead of this turn's answer."""
+    return f"{earlier}\n\n{text}" if earlier and text else earlier or text

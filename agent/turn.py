@@ -133,7 +133,7 @@ class Agent:
         """Skills follow the lane's memory mode: written in `full`, only read in `read`, none in `off`."""
         if lane.personal_memory == "off" or not self.cfg.skills.enabled:
             return None
-        return SkillStore(profile.path, read_only=lane.personal_memory != "full")
+        return SkillStore(profile.path, read_only=lane.personal_memory != "full", guard=profile.guard)
 
     def toolbox(
         self,

@@ -335,22 +335,16 @@ class Agent:
             replay = self._answer_after(history, inputs[-1].uid)
             if replay is not None:
                 return TurnResult(replay, "reply", session_id, replayed=True)
-        earlier = ""
+        earlier, resume = "", False
         if fresh and len(fresh) < len(inputs):
-            # the first inputs were answered in the session by a turn that crashed before its
-            # answer was recorded (so it was never sent), and new ones were collected with
-            # them: that stored answer goes out ahead of the new one, not dropped
-            answered = [i for i in inputs if i.uid in known]
-            earlier = self._answer_after(history, answered[-1].uid) or ""
-        new_msgs = []
-        for item in fresh:
-            content = f"[{item.user_name}]: {item.text}" if place.shared and item.user_name else item.text
-            msg = StoredMessage(session_id=session_id, role="user", content=content, uid=item.uid, meta=dict(item.meta))
-            self.tokens.count_message(msg)
-            new_msgs.append(msg)
-        if new_msgs:
-            await store.append_many(new_msgs)
-            history.extend(new_msgs)
+            # the first inputs were taken by a turn that crashed before its answer was
+            # recorded (so nothing was sent), and new ones were collected with them: that
+            # turn's stored answer goes out ahead of the new one; if it crashed before
+            # answering (mid tool loop), it is finished first, then the new ones are answered
+            last_known = [i for i in inputs if i.uid in known][-1].uid
+            stored = self._answer_after(history, last_known)
+            earlier = stored or ""
+            resume = stored is None and not self._followed_by_user(history, last_known)
         ctx = TurnContext(
             profile=profile,
             lane=lane,
@@ -363,6 +357,25 @@ class Agent:
             chat=chat,
             provider_access=self.provider_access(lane),
         )
+        if resume:
+            try:
+                earlier = await self._tool_loop(ctx, history)
+            except LLMError as err:
+                log.warning("turn failed: llm %s", err.kind)
+                return TurnResult(err.user_message, "error", ctx.session_id)
+            if ctx.interrupted:
+                return TurnResult(
+                    earlier, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True
+                )
+        new_msgs = []
+        for item in fresh:
+            content = f"[{item.user_name}]: {item.text}" if place.shared and item.user_name else item.text
+            msg = StoredMessage(session_id=session_id, role="user", content=content, uid=item.uid, meta=dict(item.meta))
+            self.tokens.count_message(msg)
+            new_msgs.append(msg)
+        if new_msgs:
+            await store.append_many(new_msgs)
+            history.extend(new_msgs)
         ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
         try:
             text = await self._tool_loop(ctx, history)

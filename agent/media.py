@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,19 @@ def safe_name(name: str, fallback: str) -> str:
     return cleaned or fallback
 
 
-def save_media(profile_path: Path, data: bytes, name: str, key: str | None = None, fallback: str = "file") -> str:
+def save_media(
+    profile_path: Path,
+    data: bytes,
+    name: str,
+    key: str | None = None,
+    fallback: str = "file",
+    guard: Callable[[], None] | None = None,
+) -> str:
     """Store `data` under the profile's media/ as `<key>-<name>` and return its
     profile-relative path; the same key and name rewrite the same file (blocking: run it
-    off the event loop)."""
+    off the event loop). `guard` may raise to refuse the write (cluster mode: lease lost)."""
+    if guard is not None:
+        guard()
     folder = Path(profile_path) / MEDIA_DIR
     folder.mkdir(mode=0o700, exist_ok=True)
     rel = f"{MEDIA_DIR}/{safe_name(key or new_uid(), 'file')}-{safe_name(name, fallback)}"

@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,12 @@ def _parse(name: str, text: str) -> tuple[SkillInfo, str]:
 class SkillStore:
     """The skills directory of one profile."""
 
-    def __init__(self, profile_dir: Path, *, read_only: bool = False) -> None:
+    def __init__(self, profile_dir: Path, *, read_only: bool = False, guard: Callable[[], None] | None = None) -> None:
+        """`guard` is called right before a file is written and may raise to refuse it
+        (cluster mode: the tenant lease is no longer held)."""
         self.skills_dir = Path(profile_dir) / "skills"
         self.read_only = read_only
+        self.guard = guard
         self._lock = asyncio.Lock()
 
     # -- reads ---------------------------------------------------------------------------
@@ -123,6 +127,10 @@ class SkillStore:
         return {"success": True, "name": info.name, "description": info.description, "content": body}
 
     # -- writes --------------------------------------------------------------------------
+    def _allow_write(self) -> None:
+        if self.guard is not None:
+            self.guard()
+
     def _check(self, name: object, description: object = None, content: object = None) -> Result | None:
         if self.read_only:
             return _fail("Skills are read-only here; nothing was saved.")
@@ -159,6 +167,7 @@ class SkillStore:
                 return _fail(f"There are already {MAX_SKILLS} skills; delete or merge some first.")
             if not self._dir_ok(self.skills_dir):
                 return _fail("The skills directory is not usable (symlink); nothing was saved.")
+            self._allow_write()
             (self.skills_dir / name).mkdir(mode=0o700, parents=True)
             atomic_write(self.skills_dir / name / SKILL_FILE, _render(info, content))
             return {"success": True, "message": f"Skill {name!r} created."}
@@ -181,6 +190,7 @@ class SkillStore:
             # does): a shared skill updated in a private chat may now hold private details
             visibility = "shared" if shared_only else "private"
             new = SkillInfo(name, description.strip() if description else info.description, visibility)
+            self._allow_write()
             atomic_write(self.skills_dir / name / SKILL_FILE, _render(new, content if content else body))
             return {"success": True, "message": f"Skill {name!r} updated."}
 
@@ -194,6 +204,7 @@ class SkillStore:
         def remove() -> Result:
             if self._visible(name, shared_only) is None:
                 return _fail(f"No skill named {name!r}.")
+            self._allow_write()
             shutil.rmtree(self.skills_dir / name)
             return {"success": True, "message": f"Skill {name!r} deleted."}
 

@@ -133,7 +133,7 @@ class Agent:
         """Skills follow the lane's memory mode: written in `full`, only read in `read`, none in `off`."""
         if lane.personal_memory == "off" or not self.cfg.skills.enabled:
             return None
-        return SkillStore(profile.path, read_only=lane.personal_memory != "full")
+        return SkillStore(profile.path, read_only=lane.personal_memory != "full", guard=profile.guard)
 
     def toolbox(
         self,
@@ -335,15 +335,16 @@ class Agent:
             replay = self._answer_after(history, inputs[-1].uid)
             if replay is not None:
                 return TurnResult(replay, "reply", session_id, replayed=True)
-        new_msgs = []
-        for item in fresh:
-            content = f"[{item.user_name}]: {item.text}" if place.shared and item.user_name else item.text
-            msg = StoredMessage(session_id=session_id, role="user", content=content, uid=item.uid, meta=dict(item.meta))
-            self.tokens.count_message(msg)
-            new_msgs.append(msg)
-        if new_msgs:
-            await store.append_many(new_msgs)
-            history.extend(new_msgs)
+        earlier, resume = "", False
+        if fresh and len(fresh) < len(inputs):
+            # the first inputs were taken by a turn that crashed before its answer was
+            # recorded (so nothing was sent), and new ones were collected with them: that
+            # turn's stored answer goes out ahead of the new one; if it crashed before
+            # answering (mid tool loop), it is finished first, then the new ones are answered
+            last_known = [i for i in inputs if i.uid in known][-1].uid
+            stored = self._answer_after(history, last_known)
+            earlier = stored or ""
+            resume = stored is None and not self._followed_by_user(history, last_known)
         ctx = TurnContext(
             profile=profile,
             lane=lane,
@@ -356,13 +357,33 @@ class Agent:
             chat=chat,
             provider_access=self.provider_access(lane),
         )
+        if resume:
+            try:
+                earlier = await self._tool_loop(ctx, history)
+            except LLMError as err:
+                log.warning("turn failed: llm %s", err.kind)
+                return TurnResult(err.user_message, "error", ctx.session_id)
+            if ctx.interrupted:
+                return TurnResult(
+                    earlier, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True
+                )
+        new_msgs = []
+        for item in fresh:
+            content = f"[{item.user_name}]: {item.text}" if place.shared and item.user_name else item.text
+            msg = StoredMessage(session_id=session_id, role="user", content=content, uid=item.uid, meta=dict(item.meta))
+            self.tokens.count_message(msg)
+            new_msgs.append(msg)
+        if new_msgs:
+            await store.append_many(new_msgs)
+            history.extend(new_msgs)
         ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
         try:
             text = await self._tool_loop(ctx, history)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
-            return TurnResult(err.user_message, "error", ctx.session_id)
+            return TurnResult(_joined(earlier, err.user_message), "error", ctx.session_id)
         if ctx.interrupted:
+            text = _joined(earlier, text)
             return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True)
         if profile.provider is not None and ctx.provider_access.write:
             user_text = "\n".join(i.text for i in inputs)
@@ -370,7 +391,7 @@ class Agent:
                 await profile.provider.sync_turn(user_text, text, visibility=ctx.provider_access.mark)
             except Exception:  # a provider must never break a turn
                 log.exception("memory provider sync_turn failed")
-        return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations)
+        return TurnResult(_joined(earlier, text), "reply", ctx.session_id, tool_iterations=ctx.tool_iterations)
 
     def provider_access(self, lane: Lane) -> ProviderAccess:
         """What `lane` may do with its tenant's memory provider (mode and audience)."""
@@ -570,3 +591,8 @@ class Agent:
                 raise
             await comp.after_response(ctx, result.usage)
             return result
+
+
+def _joined(earlier: str, text: str) -> str:
+    """An answer stored earlier but never sent, ahead of this turn's answer."""
+    return f"{earlier}\n\n{text}" if earlier and text else earlier or text

@@ -699,7 +699,9 @@ class GatewayApp:
                     return _Answer(await run_command(spec.name, ctx), "reply", "replied")
                 # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
                 prepared = [
-                    await self.media.prepare(j.msg, self.adapters.get(j.msg.platform), profile.path, input_uid(j.msg))
+                    await self.media.prepare(
+                        j.msg, self.adapters.get(j.msg.platform), profile.path, input_uid(j.msg), profile.guard
+                    )
                     for j in jobs
                 ]
                 inputs = [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,14 +107,16 @@ class MediaIntake:
             return None
         return Transcriber(t.base_url, t.model, api_key=t.api_key(), timeout_s=t.timeout_s)
 
-    async def prepare(self, msg: InboundMessage, adapter: Any, profile_path: Path, uid: str) -> Prepared:
+    async def prepare(
+        self, msg: InboundMessage, adapter: Any, profile_path: Path, uid: str, guard: Callable[[], None] | None = None
+    ) -> Prepared:
         """`uid` (the stored message's) names the files, so a message replayed after a
         crash rewrites its files instead of storing them twice."""
         quote = reply_context(msg)
         body = msg.text.strip()
         if not msg.attachments:
             return Prepared("\n".join(p for p in (quote, msg.text) if p))
-        work = _Work(profile_path, uid, Prepared(""), said=[body] if body else [])
+        work = _Work(profile_path, uid, Prepared(""), said=[body] if body else [], guard=guard)
         content = bool(body)
         for n, att in enumerate(msg.attachments):
             got = await self._one(att, n, adapter, work)
@@ -129,7 +132,7 @@ class MediaIntake:
         label = att.name or att.type
         if kind == "image" and not self.cfg.llm.vision:
             work.notes.append(f"[The person sent an image ({label}); image reading is off, so you cannot see it.]")
-            if await asyncio.to_thread(_first_time, work.profile_path):
+            if await asyncio.to_thread(_first_time, work.profile_path, work.guard):
                 work.out.notices.append(VISION_OFF_NOTICE)
             return True
         if kind == "other":
@@ -145,7 +148,7 @@ class MediaIntake:
         if kind == "image":
             return await self._image(att, label, data, key, work)
         name = file_name(att, kind)
-        rel = await asyncio.to_thread(save_media, work.profile_path, data, name, key, att.type)
+        rel = await asyncio.to_thread(save_media, work.profile_path, data, name, key, att.type, work.guard)
         work.out.meta.setdefault("files", []).append({"path": rel, "name": label, "kind": kind, "bytes": len(data)})
         if kind == "audio":
             return await self._audio(att, name, label, data, work)
@@ -186,7 +189,7 @@ class MediaIntake:
             return True
         fallback = "photo." + mime.split("/", 1)[1].replace("jpeg", "jpg")
         name = att.name if att.name and "." in att.name else fallback
-        rel = await asyncio.to_thread(save_media, work.profile_path, data, name, key, "image")
+        rel = await asyncio.to_thread(save_media, work.profile_path, data, name, key, "image", work.guard)
         work.out.meta.setdefault("images", []).append({"path": rel, "name": label, "mime": mime})
         work.notes.append(f"[image: {label}]")
         return True
@@ -247,13 +250,16 @@ class _Work:
     said: list[str] = field(default_factory=list)  # what the person said (text, transcripts)
     notes: list[str] = field(default_factory=list)  # short bracketed notes about attachments
     blocks: list[str] = field(default_factory=list)  # extracted document text
+    guard: Callable[[], None] | None = None  # may raise to refuse a write (cluster mode: lease lost)
 
     def file_key(self, n: int) -> str:
         return f"{self.uid}-{n}"
 
 
-def _first_time(profile_path: Path) -> bool:
+def _first_time(profile_path: Path, guard: Callable[[], None] | None = None) -> bool:
     """True once per profile: the vision-off notice has not been shown to this tenant yet."""
+    if guard is not None:
+        guard()
     folder = Path(profile_path) / MEDIA_DIR
     folder.mkdir(mode=0o700, exist_ok=True)
     try:

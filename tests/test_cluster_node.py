@@ -474,6 +474,40 @@ async def test_a_collected_answer_stored_but_never_recorded_is_sent_by_the_next_
         assert len(fake_llm.requests) == 3  # zero, the tool call, the answer: none asked again
 
 
+async def test_a_stored_collected_answer_is_sent_when_the_next_claim_collects_it_with_a_new_message(
+    tg, fake_llm, node_config
+):
+    """The storm's lost replies: a node answered several collected messages in the profile
+    and died before recording it, while a new message arrived. The next claim collects the
+    answered messages with the new one: the stored answer is sent with the new answer, not
+    dropped by finishing the answered messages with the new message's reply."""
+    async with started(node_config("n1", limits={"coalesce_burst_ms": 300, "rate_limit_per_minute": 1000})) as one:
+        app = one.app
+        outbox = app.shared_outbox
+        assert outbox is not None
+        real_record = outbox.record
+        refused: list[int] = []
+
+        async def record_once_refused(drafts, *, finish=(), source=None):
+            if len(finish) > 1 and not refused:
+                refused.append(len(finish))
+                last = finish[-1][0]
+                later = last.model_copy(update={"message_id": last.message_id + "0", "text": "four"})
+                await app.handle_inbound(later)  # arrives while the collected turn is in flight
+                raise FencedOut("the node died here")
+            return await real_record(drafts, finish=finish, source=source)
+
+        outbox.record = record_once_refused  # type: ignore[method-assign]
+        fake_llm.responder = memory_saving_responder
+        for text in ("zero", "remember one", "two", "three"):
+            assert await post(tg, tg.push_private(1616, text), one) == 200
+        await settled([one])
+        assert refused == [3]
+        sent = "\n".join(texts(tg, 1616))
+        assert "ok: zero" in sent and "done:" in sent and "four" in sent, sent
+        assert len(fake_llm.requests) == 4  # zero, the tool call, its answer, four: none asked again
+
+
 async def test_a_node_restarted_under_the_same_id_writes_under_a_new_epoch(tg, fake_llm, node_config):
     epochs = []
     for text in ("first life", "second life"):

@@ -395,3 +395,79 @@ async def test_replayed_backlog_is_never_refused_as_busy(config_for, fake_llm):
         assert adapter.texts() == [f"ok: queued {i}" for i in range(6)]
     finally:
         await app.stop()
+
+
+async def test_a_collected_answer_stored_before_a_crash_is_sent_after_restart_with_a_later_message(
+    config_for, fake_llm
+):
+    """Single node: a turn answered several collected messages in the profile, and the
+    process died before recording that answer, while a later message was already accepted.
+    The replay collects them all: the stored answer is sent with the later message's."""
+    cfg = config_for(limits={"coalesce_burst_ms": 300, "rate_limit_per_minute": 1000})
+    fake_llm.responder = memory_saving_responder
+    adapter = RecordingAdapter()
+    app = await started(cfg, adapter)
+    real_record = app.outbox.record
+    died = asyncio.Event()
+
+    async def record_then_die(drafts, *, finish=(), source=None):
+        if len(finish) > 1 and not died.is_set():
+            await adapter.sink(dm("erin", "four", message_id="erin-4"))  # accepted meanwhile
+            died.set()
+            await asyncio.sleep(3600)  # the process is gone before the answer is recorded
+        return await real_record(drafts, finish=finish, source=source)
+
+    app.outbox.record = record_then_die  # type: ignore[method-assign]
+    try:
+        await say(app, adapter, dm("erin", "zero", message_id="erin-0"))
+        for i, text in enumerate(("remember one", "two", "three"), start=1):
+            await adapter.sink(dm("erin", text, message_id=f"erin-{i}"))
+        await asyncio.wait_for(died.wait(), 20)
+    finally:
+        await app.stop(drain_timeout=0.2)
+    assert adapter.texts() == ["ok: zero"]
+    asked = len(fake_llm.requests)
+    adapter2 = RecordingAdapter()
+    app2 = await started(cfg, adapter2)
+    try:
+        assert await app2.drain(20)
+    finally:
+        await app2.stop()
+    sent = "\n".join(adapter2.texts())
+    assert "done:" in sent and "ok: four" in sent, sent
+    assert len(fake_llm.requests) == asked + 1  # only "four" was asked: the stored answer was reused
+
+
+async def test_a_collected_turn_cut_short_after_a_tool_call_is_finished_after_restart_before_a_later_message(
+    config_for, fake_llm
+):
+    """The crash came after the tool result, before the answer: the replay finishes that
+    turn first (its answer is sent), then answers the message that arrived meanwhile."""
+    cfg = config_for(limits={"coalesce_burst_ms": 300, "rate_limit_per_minute": 1000})
+    adapter = RecordingAdapter()
+    app = await started(cfg, adapter)
+    died = asyncio.Event()
+
+    async def die_after_the_tool(request):
+        if request["messages"][-1].get("role") == "tool" and not died.is_set():
+            await adapter.sink(dm("fred", "four", message_id="fred-4"))  # accepted meanwhile
+            died.set()
+            await asyncio.sleep(3600)  # the process is gone before the answer
+        return memory_saving_responder(request)
+
+    fake_llm.responder = die_after_the_tool
+    try:
+        await say(app, adapter, dm("fred", "zero", message_id="fred-0"))
+        for i, text in enumerate(("remember one", "two", "three"), start=1):
+            await adapter.sink(dm("fred", text, message_id=f"fred-{i}"))
+        await asyncio.wait_for(died.wait(), 20)
+    finally:
+        await app.stop(drain_timeout=0.2)
+    adapter2 = RecordingAdapter()
+    app2 = await started(cfg, adapter2)
+    try:
+        assert await app2.drain(20)
+    finally:
+        await app2.stop()
+    sent = "\n".join(adapter2.texts())
+    assert "done:" in sent and "ok: four" in sent, sent

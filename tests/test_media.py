@@ -235,3 +235,18 @@ async def test_a_message_prepared_again_after_a_crash_rewrites_its_files_instead
     second = await intake.prepare(msg, adapter, tmp_path, "in-abc")
     assert first.meta == second.meta
     assert len([p for p in (tmp_path / "media").iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_a_media_write_under_a_lost_lease_is_refused_and_nothing_is_written(tmp_path: Path):
+    from agent.media import MEDIA_DIR, save_media
+
+    class LeaseGone(Exception):
+        pass
+
+    def lost_lease() -> None:
+        raise LeaseGone("tenant lease lost")
+
+    with pytest.raises(LeaseGone):
+        save_media(tmp_path, b"\x89PNG data", "photo.png", "k1", guard=lost_lease)
+    assert not (tmp_path / MEDIA_DIR).exists()
+    assert save_media(tmp_path, b"\x89PNG data", "photo.png", "k1", guard=lambda: None).startswith(MEDIA_DIR)

@@ -203,3 +203,25 @@ async def test_skill_updated_in_a_private_chat_never_reaches_a_group(store: Skil
     await manage(store, shared=True, action="create", name="team", description="Team", content="a")
     await manage(store, shared=True, action="update", name="team", content="b")
     assert [s.name for s in await store.index(shared_only=True)] == ["team"]
+
+
+class LeaseGone(Exception):
+    """What a cluster profile's guard raises once the tenant lease is lost."""
+
+
+def lost_lease() -> None:
+    raise LeaseGone("tenant lease lost")
+
+
+async def test_a_skill_write_under_a_lost_lease_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    held = SkillStore(tmp_path)
+    assert (await manage(held, action="create", name="brew", description="Tea.", content="Boil."))["success"]
+    fenced = SkillStore(tmp_path, guard=lost_lease)
+    for args in (
+        {"action": "create", "name": "new", "description": "New.", "content": "Do it."},
+        {"action": "update", "name": "brew", "content": "Changed."},
+        {"action": "delete", "name": "brew"},
+    ):
+        assert not (await manage(fenced, **args))["success"], args
+    assert not (tmp_path / "skills" / "new").exists()
+    assert (await manage(held, action="view", name="brew"))["content"] == "Boil."

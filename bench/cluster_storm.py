@@ -387,6 +387,7 @@ class ClusterResult:
     dc_lost: int = 0
     dc_dup_window_kill: int = 0
     dc_dup_other: int = 0
+    dc_nonce_replays: int = 0  # resends the fake answered with the first message (the window closed)
     dc_order_violations: int = 0
     shard_sessions: int = 0
     shard_preempted: int = 0  # a shard connection taken over while another node held it open
@@ -1077,7 +1078,7 @@ class ClusterStorm:
                     )
                     + "\n"
                 )
-        r.inputs = len(self.pushed)
+        r.inputs = sum(1 for p in self.pushed.values() if p[0] == "tg")  # Discord's are counted apart
         answers = self._answers()
         r.answers = len(answers)
         by_node: dict[str, int] = defaultdict(int)
@@ -1157,6 +1158,7 @@ class ClusterStorm:
         r.dc_missed = r.dc_sent - r.dc_recorded
         answers = self._dc_answers()
         r.dc_answers = len(answers)
+        r.dc_nonce_replays = self.dc.nonce_replays
         by_node: dict[str, int] = defaultdict(int)
         copies: dict[str, list[Copy]] = defaultdict(list)
         for token, copy in answers:
@@ -1272,7 +1274,7 @@ def summary(r: ClusterResult) -> list[str]:
     return [
         f"{r.nodes} nodes, {r.messages} messages from {r.people} people, lease_ttl_s {r.lease_ttl_s}: "
         f"{r.kills} SIGKILLs, {r.pauses} pauses, {r.pg_restarts} PostgreSQL restarts, {r.seconds} s",
-        f"inputs {r.inputs} (ingress retries {r.ingress_retries}, ingress failed {r.ingress_failed}), "
+        f"telegram inputs {r.inputs} (ingress retries {r.ingress_retries}, ingress failed {r.ingress_failed}), "
         f"answers {r.answers} by node {r.answers_by_node}",
         f"lost {r.lost}; duplicated: window kill {r.dup_window_kill}, window pause {r.dup_window_pause}, "
         f"window PostgreSQL {r.dup_window_pg}, other {r.dup_other}; order violations {r.order_violations}; "
@@ -1285,7 +1287,8 @@ def summary(r: ClusterResult) -> list[str]:
         f"{r.paused_message_by or '-'}); PostgreSQL outage s {r.pg_outage_s}",
         f"discord ({r.shards} shards): sent {r.dc_sent}, recorded {r.dc_recorded}, missed while no node held the "
         f"shard {r.dc_missed}; answers {r.dc_answers} by node {r.dc_answers_by_node}; lost {r.dc_lost}; duplicated: "
-        f"window kill {r.dc_dup_window_kill}, other {r.dc_dup_other}; order violations {r.dc_order_violations}",
+        f"window kill {r.dc_dup_window_kill}, other {r.dc_dup_other} (resends deduplicated by nonce "
+        f"{r.dc_nonce_replays}); order violations {r.dc_order_violations}",
         f"discord shards: {r.shard_sessions} connections, taken over while held {r.shard_preempted} (from a frozen "
         f"holder {r.shard_preempted_paused}); shards of killed nodes taken over by another {r.shard_takeovers} "
         f"(unproven {r.takeovers_unproven}, shard 0 with a DM answered after {r.dm_takeovers_answered})",

@@ -146,6 +146,7 @@ class FakeDiscord:
         self.resume_count = 0
         self.connection_count = 0
         self.shard_sessions: list[dict[str, Any]] = []
+        self.nonce_replays = 0  # creates answered with the message an earlier one made (enforce_nonce)
         self._labels: dict[int, str | None] = {}  # id(websocket) -> the client's label
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -1235,6 +1236,7 @@ class FakeDiscord:
         if nonce is not None and body.get("enforce_nonce"):
             seen = self._nonces.get(str(nonce))
             if seen is not None and time.monotonic() - seen[0] < 300 and seen[1] in self.messages:
+                self.nonce_replays += 1
                 return self._json(self.messages[seen[1]], headers=self._ok_headers())  # Discord's dedupe
         msg = self._bot_message(channel_id, body, reference=reference, via="channel")
         if nonce is not None and body.get("enforce_nonce"):

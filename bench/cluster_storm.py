@@ -31,6 +31,17 @@ The audit (after everything is answered and the nodes stopped):
 fenced out) and that message answered once. `--pg-restart`: mid-run, the local
 PostgreSQL is restarted (`pg_ctlcluster ... restart`); nodes must wait and lose nothing.
 Every run uses a fresh schema (dropped at the end).
+
+Discord (`--discord-share`, default 0.2 of the messages; `--shards`, default 3): the nodes
+also run the fake Discord with `platforms.discord.shard_count` shards, which the ingress
+election spreads over them; people write DMs (shard 0) and mention the bot in guilds chosen
+to cover every shard. Discord does not redeliver gateway events, so a message sent while
+no node holds its shard is "missed" (counted apart, as bench/killstorm.py does); every
+message a node recorded (in the PostgreSQL inbox) must be answered, by REST from whichever
+node ran the turn. Audited besides (from the fake's view, `FakeDiscord.shard_sessions`):
+no shard connection taken over while another node still held it open (`shard_preempted`),
+and every shard a SIGKILLed node held taken over by another node, with a message of that
+shard sent after the takeover answered (`takeovers_unproven` counts those without).
 """
 
 from __future__ import annotations
@@ -65,10 +76,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.storm_audit import TOKEN_RE, order_violations, profile_problems, responder, spread  # noqa: E402
+from tests.fakes.discord_api import FakeDiscord  # noqa: E402
 from tests.fakes.llm import FakeLLM  # noqa: E402
 from tests.fakes.telegram_api import FakeTelegram, Pushed  # noqa: E402
 
 TG_TOKEN = "123456:AAEclusterstormFAKEtoken_-storm"
+DC_TOKEN = "fake-discord-cluster-storm-token.abc123"
 SECRET = "cluster-storm-webhook-secret"
 BOT = "hermes_cluster_bot"
 BIN = Path(sys.executable).parent / "hermes-gateway"
@@ -364,6 +377,24 @@ class ClusterResult:
     paused_message_by: list[str] = field(default_factory=list)  # who sent those copies
     pg_outage_s: list[float] = field(default_factory=list)
     window_ms: list[float] = field(default_factory=list)
+    # Discord (zero when the storm runs without it)
+    shards: int = 0
+    dc_sent: int = 0  # messages people sent on Discord
+    dc_recorded: int = 0  # ... that a node took in (in the PostgreSQL inbox)
+    dc_missed: int = 0  # ... sent while no node held their shard (Discord does not redeliver)
+    dc_answers: int = 0
+    dc_answers_by_node: dict[str, int] = field(default_factory=dict)
+    dc_lost: int = 0
+    dc_dup_window_kill: int = 0
+    dc_dup_other: int = 0
+    dc_nonce_replays: int = 0  # resends the fake answered with the first message (the window closed)
+    dc_order_violations: int = 0
+    shard_sessions: int = 0
+    shard_preempted: int = 0  # a shard connection taken over while another node held it open
+    shard_preempted_paused: int = 0  # ... whose holder was frozen by SIGSTOP (counted apart)
+    shard_takeovers: int = 0  # shards of a SIGKILLed node later held by another node
+    takeovers_unproven: int = 0  # ... with no message of that shard answered after the takeover
+    dm_takeovers_answered: int = 0  # takeovers of shard 0 followed by an answered DM
     restart_s: list[float] = field(default_factory=list)  # spawn -> webhook answering
     nodes_crashed: list[str] = field(default_factory=list)  # exits the harness did not cause
     seconds: float = 0.0
@@ -383,6 +414,10 @@ class ClusterResult:
             and (self.pauses == 0 or self.paused_turns_fenced > 0)
             and (self.pauses == 0 or self.paused_message_answers == 1)
             and self.paused_node not in self.paused_message_by
+            and self.dc_lost == 0
+            and self.dc_dup_other == 0
+            and self.shard_preempted == 0
+            and self.takeovers_unproven == 0
         )
 
 
@@ -424,9 +459,22 @@ def node_config(
     obs_port: int,
     lease_ttl_s: float,
     label: str | None = None,
+    dc: FakeDiscord | None = None,
+    shards: int = 1,
 ) -> None:
     """One node's config: everything shared but its id, its ports and its label at the fake
-    Telegram (`label`, default the node id: whom the fake records as the sender)."""
+    Telegram and the fake Discord (`label`, default the node id: whom the fakes record as
+    the sender). With `dc`, Discord too, in `shards` shards."""
+    platforms: dict[str, Any] = {}
+    if dc is not None:
+        platforms["discord"] = {
+            "enabled": True,
+            "token_env": "HERMES_STORM_DC",
+            "api_base": dc.api_base_for(label or name),
+            "gateway_url": dc.gateway_url_for(label or name),
+            "sync_slash_commands": False,
+            "shard_count": shards,
+        }
     path.write_text(
         json.dumps(
             {
@@ -456,7 +504,8 @@ def node_config(
                             "path": "/telegram",
                             "secret_token_env": "HERMES_STORM_SECRET",
                         },
-                    }
+                    },
+                    **platforms,
                 },
             }
         )
@@ -483,6 +532,8 @@ class ClusterStorm:
         model_latency_s: float = 0.15,
         group_share: float = 0.1,
         settle_s: float = 60.0,
+        discord_share: float = 0.0,
+        shards: int = 3,
         say: Callable[[str], None] = print,
     ) -> None:
         self.workdir, self.dsn, self.n_nodes = workdir, dsn, nodes
@@ -491,10 +542,21 @@ class ClusterStorm:
         self.pause, self.pg_restart, self.lease_ttl_s = pause, pg_restart, lease_ttl_s
         self.lb_workers, self.settle_s, self.say = lb_workers, settle_s, say
         self.model_latency_s, self.group_share = model_latency_s, group_share
+        self.discord_share, self.shards = discord_share, shards
+        self.dc: FakeDiscord | None = None
+        # Discord token -> (message id or None when no session took it, shard, monotonic push time)
+        self.dc_pushed: dict[str, tuple[str | None, int, float]] = {}
+        self.dc_recorded: set[str] = set()  # Discord message ids seen in the PostgreSQL inbox
         self.queues: list[asyncio.Queue] = []
         self._workers: list[asyncio.Task] = []
         self.rng = random.Random(seed)
-        self.result = ClusterResult(nodes=nodes, messages=messages, people=people, lease_ttl_s=lease_ttl_s)
+        self.result = ClusterResult(
+            nodes=nodes,
+            messages=messages,
+            people=people,
+            lease_ttl_s=lease_ttl_s,
+            shards=shards if discord_share else 0,
+        )
         self.nodes: list[Node] = []
         self.lives: list[Life] = []
         # token -> (platform, chat key, sender, index in that person's chat)
@@ -523,6 +585,7 @@ class ClusterStorm:
         return dict(
             os.environ,
             HERMES_STORM_TG=TG_TOKEN,
+            HERMES_STORM_DC=DC_TOKEN,
             HERMES_STORM_SECRET=SECRET,
             HERMES_STORM_PG=self.dsn,
             HERMES_STORM_LLM_KEY=node.name,
@@ -540,6 +603,8 @@ class ClusterStorm:
             obs_port=node.obs_port,
             lease_ttl_s=self.lease_ttl_s,
             label=label,
+            dc=self.dc if self.discord_share else None,
+            shards=self.shards,
         )
 
     async def _spawn(self, node: Node) -> None:
@@ -655,6 +720,47 @@ class ClusterStorm:
         self.users = [7000 + i for i in range(self.people)]
         self.group_members = {g: self.users[i::n_groups][:4] for i, g in enumerate(self.groups)}
 
+    def _discord_people(self, dc: FakeDiscord) -> None:
+        """Discord users, and one guild channel per shard (guild ids picked to cover them all)."""
+        self.dc_users = [dc.add_user(f"p{i}") for i in range(max(2, self.people // 4))]
+        self.dc_channels: dict[int, str] = {}  # shard -> a guild channel on it
+        deadline = time.monotonic() + 5
+        while len(self.dc_channels) < self.shards and time.monotonic() < deadline:
+            gid = dc.add_guild(f"g{len(dc.guilds)}")
+            shard = (int(gid) >> 22) % self.shards
+            self.dc_channels.setdefault(shard, dc.channel_named(gid, "general"))
+            time.sleep(0.003)  # the next guild's snowflake in another millisecond
+        self.dc_members = {
+            c: self.dc_users[i :: len(self.dc_channels)][:4] for i, c in enumerate(self.dc_channels.values())
+        }
+
+    def _next_discord(self, n: int, counters: dict[tuple[str, str], int]) -> None:
+        """One Discord message, straight onto the fake's gateway (no load balancer: Discord
+        pushes to whoever holds the shard, or to nobody)."""
+        assert self.dc is not None
+        if self.rng.random() < 0.5:
+            user = self.rng.choice(self.dc_users)
+            channel, key = None, f"dc:{user}"
+        else:
+            channel = self.rng.choice(list(self.dc_channels.values()))
+            user = self.rng.choice(self.dc_members[channel])
+            key = f"dc:{channel}"
+        idx = counters[(key, user)]
+        counters[(key, user)] += 1
+        token = f"dk{n}x{idx}"
+        text = f"{'please remember' if self.rng.random() < 0.1 else 'hello'} {token}"
+        shard = (int(self.dc.channels[channel]["guild_id"]) >> 22) % self.shards if channel else 0
+        try:
+            msg = (
+                self.dc.push_guild_message(channel, user, text, mention_bot=True)
+                if channel
+                else self.dc.push_dm(user, text)
+            )
+        except RuntimeError:  # that shard never had a session: nobody hears it
+            msg = None
+        self.dc_pushed[token] = (msg["id"] if msg else None, shard, time.monotonic())
+        self.pushed[token] = ("dc", key, user, idx)
+
     def _next_message(self, n: int, counters: dict[tuple[str, str], int], *, word: str = "hello"):
         if self.rng.random() >= self.group_share:
             user = self.rng.choice(self.users)
@@ -681,6 +787,9 @@ class ClusterStorm:
         counters: dict[tuple[str, str], int] = defaultdict(int)
         for n in range(1, self.messages + 1):
             await asyncio.sleep(self.interval)
+            if self.discord_share and self.rng.random() < self.discord_share:
+                self._next_discord(n, counters)
+                continue
             token, pushed, key = self._next_message(n, counters)
             self.send(token, pushed, key)
             if n % 250 == 0:
@@ -799,8 +908,14 @@ class ClusterStorm:
         """The fakes, the nodes (migrated, started, answering) and the load balancer; on exit
         the nodes are stopped (SIGTERM) and their last lives closed."""
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        async with FakeLLM() as llm, FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg:
-            self.llm, self.tg = llm, tg
+        async with (
+            FakeLLM() as llm,
+            FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg,
+            FakeDiscord(token=DC_TOKEN) as dc,
+        ):
+            self.llm, self.tg, self.dc = llm, tg, dc
+            if self.discord_share:  # before the nodes connect: their READY lists the guilds
+                self._discord_people(dc)
             llm.responder = responder(
                 random.Random(self.seed + 1), max_latency_s=self.model_latency_s, slow={SLOW_WORD: 1.0}
             )
@@ -893,13 +1008,33 @@ class ClusterStorm:
                 out.append((token, Copy(m.get("_via"), m.get("_at", 0.0))))
         return out
 
+    def _dc_answers(self) -> list[tuple[str, Copy]]:
+        """Discord answers in send order, each with the process life whose REST call made it."""
+        out = []
+        for m in self.dc.sent_messages() if self.dc is not None else []:
+            for token in TOKEN_RE.findall(m.get("content", "")):
+                out.append((token, Copy(m.get("sender"), m.get("at", 0.0))))
+        return out
+
+    def _dc_took(self) -> set[str]:
+        """Discord tokens some node took in: their message is in the PostgreSQL inbox (read
+        now and remembered: done rows may be pruned later) or was answered."""
+        ids = {mid: tok for tok, (mid, _, _) in self.dc_pushed.items() if mid is not None}
+        if ids:
+            import psycopg
+
+            with contextlib.suppress(psycopg.Error), psycopg.connect(self.dsn, connect_timeout=5) as conn:
+                rows = conn.execute("SELECT message_id FROM inbox WHERE platform = 'discord'").fetchall()
+                self.dc_recorded |= {str(mid) for (mid,) in rows}
+        return {ids[mid] for mid in self.dc_recorded if mid in ids} | {t for t, _ in self._dc_answers()}
+
     async def _settle(self) -> None:
         """Until every acknowledged message is answered (no progress for settle_s: stop)."""
         last, since = -1, time.monotonic()
         while time.monotonic() - since < self.settle_s:
             await asyncio.sleep(0.5)
-            answered = {t for t, _ in self._answers()}
-            if self.acked <= answered:
+            answered = {t for t, _ in self._answers()} | {t for t, _ in self._dc_answers()}
+            if (self.acked | self._dc_took()) <= answered:
                 await asyncio.sleep(1.0)  # a late duplicate would show up now
                 return
             if len(answered) != last:
@@ -943,7 +1078,7 @@ class ClusterStorm:
                     )
                     + "\n"
                 )
-        r.inputs = len(self.pushed)
+        r.inputs = sum(1 for p in self.pushed.values() if p[0] == "tg")  # Discord's are counted apart
         answers = self._answers()
         r.answers = len(answers)
         by_node: dict[str, int] = defaultdict(int)
@@ -975,6 +1110,8 @@ class ClusterStorm:
         r.details += details[:20]
         r.journal_mismatches, r.integrity_failures, details = profile_problems(data)
         r.details += details[:20]
+        if self.discord_share:
+            self._audit_discord()
         # the audit log
         audit = [
             rec
@@ -1006,6 +1143,85 @@ class ClusterStorm:
                 r.details += [
                     f"after SIGCONT {life.node}#{life.index} logged: {json.dumps(rec)[:300]}" for rec in fenced[:3]
                 ]
+
+    def _audit_discord(self) -> None:
+        """Discord: lost/missed, duplicates, order, and the shards from the fake's view."""
+        assert self.dc is not None
+        r = self.result
+        with open(self.workdir / "logs" / "discord.jsonl", "w", encoding="utf-8") as f:  # the evidence
+            for m in self.dc.sent_messages():
+                f.write(json.dumps({k: m.get(k) for k in ("sender", "at", "channel_id", "content", "id")}) + "\n")
+            for sess in self.dc.shard_sessions:
+                f.write(json.dumps({k: v for k, v in sess.items() if k != "_ws"}) + "\n")
+        took = self._dc_took()
+        r.dc_sent, r.dc_recorded = len(self.dc_pushed), len(took)
+        r.dc_missed = r.dc_sent - r.dc_recorded
+        answers = self._dc_answers()
+        r.dc_answers = len(answers)
+        r.dc_nonce_replays = self.dc.nonce_replays
+        by_node: dict[str, int] = defaultdict(int)
+        copies: dict[str, list[Copy]] = defaultdict(list)
+        for token, copy in answers:
+            copies[token].append(copy)
+            by_node[copy.node] += 1
+        r.dc_answers_by_node = dict(sorted(by_node.items()))
+        lost = took - set(copies)
+        r.dc_lost = len(lost)
+        r.details += [f"discord lost: {t} {self.pushed.get(t)} {self.dc_pushed.get(t)}" for t in sorted(lost)[:20]]
+        r.details += self._pg_evidence(sorted(lost)[:5])
+        dups = classify_duplicates(copies, self.kills_mono, self.stops_mono, self.pg_outages_mono)
+        r.dc_dup_window_kill = dups.window_kill
+        r.dc_dup_other = dups.window_pause + dups.window_pg + dups.other  # the nonce should close every window
+        r.details += [f"discord {d}" for d in dups.details[:20]]
+        bad, details = order_violations((t for t, _ in answers), self.pushed)
+        r.dc_order_violations = bad
+        r.order_violations += bad
+        r.details += details[:20]
+        # the shards, as the fake saw their connections
+        sessions = [s for s in self.dc.shard_sessions if s["start"] is not None]
+        r.shard_sessions = len(sessions)
+        for sess in sessions:
+            if "preempted_by" not in sess:
+                continue
+            life = str(sess["via"])
+            frozen = any(sess["start"] <= t <= sess["end"] for t in self.stops_mono.get(life, []))
+            if frozen:
+                r.shard_preempted_paused += 1
+            else:
+                r.shard_preempted += 1
+                r.details.append(
+                    f"shard {sess['shard']} held by {life} was taken over by {sess['preempted_by']} while open"
+                )
+        answered_at = {t: c.at for t, c in reversed(answers)}  # first answer
+        for sess in sessions:
+            kill = self.kills_mono.get(str(sess["via"]))
+            if kill is None or sess["end"] is None or abs(sess["end"] - kill) > 2.0:
+                continue  # not ended by its node's SIGKILL
+            after = [x for x in sessions if x["shard"] == sess["shard"] and x["start"] > sess["end"]]
+            if not after:
+                continue  # the run ended first
+            nxt = min(after, key=lambda x: x["start"])
+            if str(nxt["via"]).rsplit("-", 1)[0] == str(sess["via"]).rsplit("-", 1)[0]:
+                continue  # its own next life took it back: not a takeover by another node
+            r.shard_takeovers += 1
+            end = nxt["end"] if nxt["end"] is not None else float("inf")
+            proof = [
+                t
+                for t, (mid, shard, at) in self.dc_pushed.items()
+                if mid is not None and shard == sess["shard"] and nxt["start"] < at < end and t in answered_at
+            ]
+            if not proof:
+                pushed_then = sum(
+                    1 for _, shard, at in self.dc_pushed.values() if shard == sess["shard"] and nxt["start"] < at < end
+                )
+                if pushed_then:  # messages went to the new holder and none was answered
+                    r.takeovers_unproven += 1
+                    r.details.append(
+                        f"shard {sess['shard']} of killed {sess['via']} taken over by {nxt['via']}: none of the "
+                        f"{pushed_then} messages sent to it since was answered"
+                    )
+            elif sess["shard"] == 0 and any(self.pushed[t][1] == f"dc:{self.pushed[t][2]}" for t in proof):
+                r.dm_takeovers_answered += 1
 
     def _pg_evidence(self, tokens: list[str]) -> list[str]:
         """What PostgreSQL holds about some lost messages: their inbox rows, lanes, outbox rows."""
@@ -1058,7 +1274,7 @@ def summary(r: ClusterResult) -> list[str]:
     return [
         f"{r.nodes} nodes, {r.messages} messages from {r.people} people, lease_ttl_s {r.lease_ttl_s}: "
         f"{r.kills} SIGKILLs, {r.pauses} pauses, {r.pg_restarts} PostgreSQL restarts, {r.seconds} s",
-        f"inputs {r.inputs} (ingress retries {r.ingress_retries}, ingress failed {r.ingress_failed}), "
+        f"telegram inputs {r.inputs} (ingress retries {r.ingress_retries}, ingress failed {r.ingress_failed}), "
         f"answers {r.answers} by node {r.answers_by_node}",
         f"lost {r.lost}; duplicated: window kill {r.dup_window_kill}, window pause {r.dup_window_pause}, "
         f"window PostgreSQL {r.dup_window_pg}, other {r.dup_other}; order violations {r.order_violations}; "
@@ -1069,6 +1285,13 @@ def summary(r: ClusterResult) -> list[str]:
         f"fenced metric {r.paused_fenced_metric}, "
         f"answers to the held message {r.paused_message_answers} (paused {r.paused_node or '-'}, answered by "
         f"{r.paused_message_by or '-'}); PostgreSQL outage s {r.pg_outage_s}",
+        f"discord ({r.shards} shards): sent {r.dc_sent}, recorded {r.dc_recorded}, missed while no node held the "
+        f"shard {r.dc_missed}; answers {r.dc_answers} by node {r.dc_answers_by_node}; lost {r.dc_lost}; duplicated: "
+        f"window kill {r.dc_dup_window_kill}, other {r.dc_dup_other} (resends deduplicated by nonce "
+        f"{r.dc_nonce_replays}); order violations {r.dc_order_violations}",
+        f"discord shards: {r.shard_sessions} connections, taken over while held {r.shard_preempted} (from a frozen "
+        f"holder {r.shard_preempted_paused}); shards of killed nodes taken over by another {r.shard_takeovers} "
+        f"(unproven {r.takeovers_unproven}, shard 0 with a DM answered after {r.dm_takeovers_answered})",
         f"send window (accepted -> SIGKILL) ms: {spread(r.window_ms)}; restart (spawn -> webhook up) s: "
         f"{spread(r.restart_s)}; nodes that exited on their own: {r.nodes_crashed or 'none'}",
     ]
@@ -1100,6 +1323,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pause", action="store_true", help="SIGSTOP a busy node past its lease, then SIGCONT")
     ap.add_argument("--pg-restart", action="store_true", help="restart the local PostgreSQL mid-run")
     ap.add_argument("--lease-ttl", type=float, default=3.0)
+    ap.add_argument("--discord-share", type=float, default=0.2, help="share of the messages sent on Discord (0: none)")
+    ap.add_argument("--shards", type=int, default=3, help="platforms.discord.shard_count")
     ap.add_argument("--keep", type=Path, help="run in this directory and keep it (logs, data)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--write", type=Path, help="record the result in this markdown file (BENCHMARKS.md)")
@@ -1121,6 +1346,8 @@ def main(argv: list[str] | None = None) -> int:
         "pause": args.pause,
         "pg_restart": args.pg_restart,
         "lease_ttl_s": args.lease_ttl,
+        "discord_share": args.discord_share,
+        "shards": args.shards,
     }
     t0, load0 = time.time(), os.getloadavg()[0]
     if args.keep:

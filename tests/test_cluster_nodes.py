@@ -1,7 +1,7 @@
 """Cluster mode with real processes: three `hermes-gateway run` nodes over one shared data
 dir and one PostgreSQL schema (fresh per test, dropped afterwards), the fake Telegram Bot
-API delivering webhooks round-robin through the harness's load balancer, a fake model with
-random latency. Small versions of `python -m bench.cluster_storm` (2,000 messages from 200
+API delivering webhooks round-robin through the harness's load balancer, the fake Discord
+(its shards spread over the nodes by the ingress election), a fake model with random latency. Small versions of `python -m bench.cluster_storm` (2,000 messages from 200
 people, figures in BENCHMARKS.md).
 
 The first tests check the harness's own audit on made-up evidence, so that a broken audit
@@ -36,8 +36,10 @@ from bench.cluster_storm import (
     pg_cluster,
     pg_reachable,
     profile_intervals,
+    summary,
 )
 from bench.storm_audit import order_violations
+from tests.fakes.discord_api import FakeDiscord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,6 +158,34 @@ def test_order_is_per_person_and_chat():
     assert bad == 1 and "('tg:1', '1') answered [1, 0]" in details[0]
 
 
+async def _identify(fake: FakeDiscord, label: str, shard: int):
+    import aiohttp
+
+    session = aiohttp.ClientSession()
+    ws = await session.ws_connect(fake.gateway_url_for(label))
+    await ws.receive_json()  # HELLO
+    await ws.send_json({"op": 2, "d": {"token": fake.token, "intents": 0, "properties": {}, "shard": [shard, 2]}})
+    assert (await ws.receive_json())["t"] == "READY"
+    return session, ws
+
+
+async def test_the_fake_discord_records_a_shard_taken_over_while_another_node_held_it():
+    async with FakeDiscord() as fake:
+        s1, ws1 = await _identify(fake, "n1-1", 1)
+        s2, ws2 = await _identify(fake, "n2-1", 1)  # n1-1 still connected: two receivers at once
+        await ws1.close()
+        await s1.close()
+        await ws2.close()
+        await s2.close()
+        s3, ws3 = await _identify(fake, "n3-1", 1)  # after n2-1 closed: a clean hand-over
+        await ws3.close()
+        await s3.close()
+    first, second, third = fake.shard_sessions
+    assert (first["via"], first["shard"], first.get("preempted_by")) == ("n1-1", 1, "n2-1")
+    assert second["via"] == "n2-1" and "preempted_by" not in second and second["end"] is not None
+    assert third["via"] == "n3-1" and "preempted_by" not in third
+
+
 # --- the scenarios, with real processes ------------------------------------------------------
 
 
@@ -189,7 +219,17 @@ def _quiet(_: str) -> None:
 @needs_cluster
 async def test_three_nodes_under_sigkills_answer_every_message_once_in_order(tmp_path):
     r = await cluster_storm(
-        tmp_path, messages=200, people=20, seed=5, interval=0.04, kill_every=(2.0, 3.0), lease_ttl_s=3.0, say=_quiet
+        tmp_path,
+        messages=200,
+        people=20,
+        seed=5,
+        interval=0.04,
+        kill_every=(2.0, 3.0),
+        down_for=(3.0, 4.0),  # past the lease: a killed node's Discord shard goes to another node
+        lease_ttl_s=3.0,
+        discord_share=0.2,
+        shards=3,
+        say=_quiet,
     )
     assert r.kills >= 2, r
     assert r.lost == 0 and r.ingress_failed == 0, r.details
@@ -200,6 +240,13 @@ async def test_three_nodes_under_sigkills_answer_every_message_once_in_order(tmp
     assert r.overlaps == 0, r.details
     assert not r.nodes_crashed, r.nodes_crashed
     assert len([n for n, count in r.answers_by_node.items() if count]) >= 2  # the work was spread
+    # Discord: what a node took in is answered once (the nonce closes the send window), each
+    # shard on one node at a time, a killed node's shards taken over and heard again
+    assert r.dc_recorded > 0 and r.dc_lost == 0, r.details
+    assert r.dc_dup_other == 0 and r.dc_order_violations == 0, r.details
+    assert r.shard_sessions >= 3 and r.shard_preempted == 0, r.details
+    assert r.shard_takeovers >= 1 and r.takeovers_unproven == 0, (summary(r), r.details)
+    assert len([n for n, count in r.dc_answers_by_node.items() if count]) >= 2
 
 
 @needs_cluster

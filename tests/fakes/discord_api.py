@@ -26,11 +26,19 @@ Guild events go to shard `(guild_id >> 22) % shard_count`, DMs to shard 0, as on
 (READY and GUILD_CREATE list only the shard's guilds); an invalid shard is closed with 4010.
 `fake.connected_shards` lists the shards that are connected. The single-connection helpers
 (`connected`, `drop_connection`, `send_reconnect`, `session_seq`) act on shard 0.
+
+Several clients (cluster nodes) can be told apart: `fake.api_base_for(label)` and
+`fake.gateway_url_for(label)` serve the same API under `/n/<label>/`; each sent message
+records its client's `sender` label and the monotonic time `at`, and `fake.shard_sessions`
+lists every shard connection (`shard`, `via` label, `start` when READY/RESUMED went out,
+`end` when it closed, None while open; `preempted_by` when a connection of another label
+took the shard over while it was still open: two clients receiving one shard at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import re
 import secrets
@@ -54,6 +62,7 @@ OP_INVALID_SESSION, OP_HELLO, OP_HEARTBEAT_ACK = 9, 10, 11
 
 CH_TEXT, CH_DM, CH_GROUP_DM, CH_PUBLIC_THREAD, CH_PRIVATE_THREAD = 0, 1, 3, 11, 12
 
+_SENDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_discord_sender", default=None)
 _MENTION_USER = re.compile(r"<@!?(\d+)>")
 _MENTION_ROLE = re.compile(r"<@&(\d+)>")
 
@@ -136,6 +145,9 @@ class FakeDiscord:
         self.identify_count = 0
         self.resume_count = 0
         self.connection_count = 0
+        self.shard_sessions: list[dict[str, Any]] = []
+        self.nonce_replays = 0  # creates answered with the message an earlier one made (enforce_nonce)
+        self._labels: dict[int, str | None] = {}  # id(websocket) -> the client's label
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -146,6 +158,8 @@ class FakeDiscord:
         app = web.Application()
         app.router.add_get("/gateway", self._gateway_ws)
         app.router.add_route("*", "/api/{tail:.*}", self._rest)
+        app.router.add_get("/n/{label}/gateway", self._gateway_ws)
+        app.router.add_route("*", "/n/{label}/api/{tail:.*}", self._rest)
         app.router.add_get("/attachments/{channel}/{aid}/{name}", self._serve_attachment)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -221,6 +235,14 @@ class FakeDiscord:
     @property
     def gateway_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/gateway"
+
+    def api_base_for(self, label: str) -> str:
+        """The REST root for one client: its messages are recorded with `sender` = label."""
+        return f"{self.base_url}/n/{label}/api/v10"
+
+    def gateway_url_for(self, label: str) -> str:
+        """The gateway for one client: its shard connections are recorded with `via` = label."""
+        return f"ws://127.0.0.1:{self.port}/n/{label}/gateway"
 
     @property
     def connected(self) -> bool:
@@ -767,6 +789,7 @@ class FakeDiscord:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         self.connection_count += 1
+        self._labels[id(ws)] = request.match_info.get("label")
         await self._send(
             ws, {"op": OP_HELLO, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None}
         )
@@ -789,12 +812,28 @@ class FakeDiscord:
         for sh in self._shards.values():
             if sh.ws is ws:
                 sh.ready = False
+        self._session_ended(ws)
+        self._labels.pop(id(ws), None)
         return ws
+
+    def _session_started(self, shard_id: int, ws: web.WebSocketResponse) -> None:
+        self.shard_sessions.append(
+            {"shard": shard_id, "via": self._labels.get(id(ws)), "start": time.monotonic(), "end": None, "_ws": ws}
+        )
+
+    def _session_ended(self, ws: web.WebSocketResponse, preempted_by: str | None = None) -> None:
+        for rec in self.shard_sessions:
+            if rec["_ws"] is ws and rec["end"] is None:
+                rec["end"] = time.monotonic()
+                if preempted_by is not None and preempted_by != rec["via"]:
+                    rec["preempted_by"] = preempted_by
 
     async def _take_over(self, shard: _Shard, ws: web.WebSocketResponse) -> None:
         """`ws` is now the shard's connection; an older one is closed."""
-        old, shard.ws, shard.ready = shard.ws, ws, False
+        old, was_ready, shard.ws, shard.ready = shard.ws, shard.ready, ws, False
         if old is not None and old is not ws and not old.closed:
+            if was_ready:
+                self._session_ended(old, preempted_by=self._labels.get(id(ws)))
             await old.close(code=4000)
 
     async def _on_identify(self, ws: web.WebSocketResponse, d: dict[str, Any]) -> None:
@@ -840,6 +879,7 @@ class FakeDiscord:
             session.events.append((session.seq, event, data))
             batch.append({"op": OP_DISPATCH, "t": event, "s": session.seq, "d": data})
         shard.ready = True
+        self._session_started(shard_id, ws)
         await self._send_many(ws, batch)
 
     async def _on_resume(self, ws: web.WebSocketResponse, d: dict[str, Any]) -> None:
@@ -869,6 +909,7 @@ class FakeDiscord:
         session.events.append((session.seq, "RESUMED", {"_trace": ["fake-discord"]}))
         batch.append({"op": OP_DISPATCH, "t": "RESUMED", "s": session.seq, "d": {"_trace": ["fake-discord"]}})
         shard.ready = True
+        self._session_started(next(i for i, sh in self._shards.items() if sh is shard), ws)
         await self._send_many(ws, batch)
 
     # ------------------------------------------------------------------ REST
@@ -893,8 +934,10 @@ class FakeDiscord:
             "authorized": auth == f"Bot {self.token}",
             "auth_header_present": auth is not None,
             "time": time.monotonic(),
+            "label": request.match_info.get("label"),
         }
         self.calls.append(call)
+        _SENDER.set(call["label"])  # this request's task: _bot_message records it
         resp = await self._route(request.method, path, body, call, dict(request.query))
         call["status"] = resp.status
         return resp
@@ -1139,6 +1182,8 @@ class FakeDiscord:
                 "allowed_mentions": body.get("allowed_mentions"),
                 "pings": pings,
                 "via": via,
+                "sender": _SENDER.get(),
+                "at": time.monotonic(),
                 "interaction_id": interaction["id"] if interaction else None,
                 "body": body,
             }
@@ -1191,6 +1236,7 @@ class FakeDiscord:
         if nonce is not None and body.get("enforce_nonce"):
             seen = self._nonces.get(str(nonce))
             if seen is not None and time.monotonic() - seen[0] < 300 and seen[1] in self.messages:
+                self.nonce_replays += 1
                 return self._json(self.messages[seen[1]], headers=self._ok_headers())  # Discord's dedupe
         msg = self._bot_message(channel_id, body, reference=reference, via="channel")
         if nonce is not None and body.get("enforce_nonce"):

@@ -151,8 +151,12 @@ class ReminderScheduler:
         while True:
             try:
                 await self.tick()
-                row = await (await self._db().execute("SELECT MIN(due_at) FROM reminder_due")).fetchone()
-                wait = MAX_SLEEP_S if row is None or row[0] is None else row[0] - self.clock()
+                # one hop that finishes the statement: a cursor left on its row keeps a read
+                # transaction open, and the inbox's next write on this connection then fails
+                # with "database is locked" once the outbox's marks connection has committed
+                rows = list(await self._db().execute_fetchall("SELECT MIN(due_at) FROM reminder_due"))
+                due = rows[0][0] if rows else None
+                wait = MAX_SLEEP_S if due is None else due - self.clock()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -167,9 +171,9 @@ class ReminderScheduler:
     async def tick(self) -> int:
         """Hand over every due occurrence; returns how many were newly recorded."""
         now = self.clock()
-        rows = await (
-            await self._db().execute("SELECT tenant_id FROM reminder_due WHERE due_at <= ? ORDER BY due_at", (now,))
-        ).fetchall()
+        rows = await self._db().execute_fetchall(
+            "SELECT tenant_id FROM reminder_due WHERE due_at <= ? ORDER BY due_at", (now,)
+        )
         handed = 0
         for (tenant_id,) in rows:
             store = ReminderStore(tenant_dir(self._data_dir, tenant_id))

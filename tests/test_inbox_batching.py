@@ -9,6 +9,8 @@ from pathlib import Path
 
 from adapters.base import InboundMessage
 from gateway.inbox import Inbox
+from gateway.outbox import Draft, Outbox
+from gateway.reminders import ReminderScheduler
 
 
 def message(chat: int, n: int) -> InboundMessage:
@@ -66,4 +68,35 @@ async def test_a_failed_batch_fails_every_caller_in_it_and_the_next_batch_works(
         await inbox.db.execute("DROP TRIGGER no_more")
         assert await asyncio.gather(*(inbox.record(message(1, i)) for i in range(5))) == [True] * 5
     finally:
+        await inbox.close()
+
+
+async def test_reminder_index_reads_never_make_the_inbox_report_database_locked(tmp_path: Path) -> None:
+    """The scheduler reads its index on the inbox's connection while the outbox's marks
+    connection commits and other writes queue on the inbox's: no read may keep a snapshot
+    open between two hops (the inbox's next write then failed with "database is locked")."""
+    inbox = Inbox(tmp_path / "gateway.db")
+    await inbox.open()
+    outbox = Outbox(inbox)
+    await outbox.open()
+    handed: list[InboundMessage] = []
+
+    async def submit(msg: InboundMessage) -> bool:
+        handed.append(msg)
+        return True
+
+    scheduler = ReminderScheduler(lambda: inbox.db, tmp_path, submit)
+    await scheduler.open()
+    try:
+        for n in range(40):
+            for t in range(5):  # due index entries (of tenants with no reminders left), so the read has rows
+                await scheduler.note(f"tenant{t}", 1.0, False)
+            (chunk,) = await outbox.record([Draft("telegram", "c1", None, f"answer {n}")])
+            # queued in this order: the index read, a mark on the other connection, inbox writes
+            await asyncio.gather(
+                scheduler.tick(), outbox.mark_sent(chunk, f"s{n}"), *(inbox.put(f"k{i}", str(n)) for i in range(20))
+            )
+        assert await inbox.get("k19") == "39" and handed == []
+    finally:
+        await outbox.close()
         await inbox.close()

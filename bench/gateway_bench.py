@@ -288,7 +288,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
         {
             "data_dir": str(data_dir),
             "llm": {"base_url": base_url, "model": "bench-model", "max_retries": 0, "timeout_s": 60},
-            "storage": {"fsync": args.fsync},
+            "storage": {"fsync": args.fsync, "io_threads": args.io_threads},
             "tenancy": {"max_open_profiles": args.max_open},
             "limits": {"rate_limit_per_minute": 1_000_000},
         }
@@ -381,52 +381,54 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
     rss_before = rss_kib()
     fds_before = open_fds()
     await app.start()
-    sampler.start()
-    work = schedule(args.tenants, args.messages, args.order)
-    pool = getattr(app, "storage_pool", None)
-    calls0 = getattr(pool, "calls", 0)
-    storage_cpu0 = getattr(pool, "cpu_s", 0.0)
-    cpu0 = time.process_time()
-    t_start = time.perf_counter()
-    load = await drive(work, args.concurrency)
-    drained = await app.drain(120)
-    elapsed = time.perf_counter() - t_start
-    cpu = time.process_time() - cpu0
-    storage_calls = getattr(pool, "calls", 0) - calls0
-    storage_cpu = getattr(pool, "cpu_s", 0.0) - storage_cpu0
-    peak_rss = peak_rss_kib()
-    open_after_load = pm.open_count
-    churn_load = dict(churn)
+    try:  # a failing turn must not leave the app (and its non-daemon threads) running
+        sampler.start()
+        work = schedule(args.tenants, args.messages, args.order)
+        pool = getattr(app, "storage_pool", None)
+        calls0 = getattr(pool, "calls", 0)
+        storage_cpu0 = getattr(pool, "cpu_s", 0.0)
+        cpu0 = time.process_time()
+        t_start = time.perf_counter()
+        load = await drive(work, args.concurrency)
+        drained = await app.drain(120)
+        elapsed = time.perf_counter() - t_start
+        cpu = time.process_time() - cpu0
+        storage_calls = getattr(pool, "calls", 0) - calls0
+        storage_cpu = getattr(pool, "cpu_s", 0.0) - storage_cpu0
+        peak_rss = peak_rss_kib()
+        open_after_load = pm.open_count
+        churn_load = dict(churn)
 
-    # Unloaded probes, one conversation at a time. Warm: the most recently used tenants,
-    # whose profiles are open. Cold (only when tenants > max_open): the least recently used
-    # tenants, whose profiles were closed by the LRU, so each turn reopens one (and closes one).
-    probes: dict[str, dict[str, float]] = {}
-    if args.probe > 0:
-        n_warm = min(args.tenants, args.max_open, 32)
-        warm = list(range(args.tenants - n_warm, args.tenants))
-        plans = {"warm": [(warm[k % n_warm], args.messages + k // n_warm) for k in range(args.probe)]}
-        if args.tenants > args.max_open:
-            n_cold = min(args.probe, args.tenants - args.max_open)
-            plans["cold"] = [(t, args.messages) for t in range(n_cold)]
-        for name, plan in plans.items():
-            before = dict(churn)
-            calls_before = getattr(pool, "calls", 0)
-            run = await drive(plan, 1)
-            await app.drain(60)
-            over = run.overheads()
-            probes[name] = {
-                "turns": len(over),
-                "overhead_p50_ms": ms(pct(over, 50)),
-                "overhead_p99_ms": ms(pct(over, 99)),
-                "llm_p50_ms": ms(pct([llm.times.get(k, 0.0) for k in run.turns], 50)),
-                "profile_opens": churn["opens"] - before["opens"],
-                "storage_calls_per_turn": round((getattr(pool, "calls", 0) - calls_before) / max(len(over), 1), 2),
-            }
+        # Unloaded probes, one conversation at a time. Warm: the most recently used tenants,
+        # whose profiles are open. Cold (only when tenants > max_open): the least recently used
+        # tenants, whose profiles were closed by the LRU, so each turn reopens one (and closes one).
+        probes: dict[str, dict[str, float]] = {}
+        if args.probe > 0:
+            n_warm = min(args.tenants, args.max_open, 32)
+            warm = list(range(args.tenants - n_warm, args.tenants))
+            plans = {"warm": [(warm[k % n_warm], args.messages + k // n_warm) for k in range(args.probe)]}
+            if args.tenants > args.max_open:
+                n_cold = min(args.probe, args.tenants - args.max_open)
+                plans["cold"] = [(t, args.messages) for t in range(n_cold)]
+            for name, plan in plans.items():
+                before = dict(churn)
+                calls_before = getattr(pool, "calls", 0)
+                run = await drive(plan, 1)
+                await app.drain(60)
+                over = run.overheads()
+                probes[name] = {
+                    "turns": len(over),
+                    "overhead_p50_ms": ms(pct(over, 50)),
+                    "overhead_p99_ms": ms(pct(over, 99)),
+                    "llm_p50_ms": ms(pct([llm.times.get(k, 0.0) for k in run.turns], 50)),
+                    "profile_opens": churn["opens"] - before["opens"],
+                    "storage_calls_per_turn": round((getattr(pool, "calls", 0) - calls_before) / max(len(over), 1), 2),
+                }
 
-    await sampler.stop()
-    await app.stop()
-    await llm.aclose()
+    finally:
+        await sampler.stop()
+        await app.stop()
+        await llm.aclose()
     if orig_close is not None:
         profiles_mod.Profile.close = orig_close  # type: ignore[method-assign]
 
@@ -711,6 +713,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=200,
         help="turns of the unloaded (concurrency 1) overhead probe after the load; 0 = skip",
     )
+    p.add_argument("--io-threads", type=int, default=4, help="storage.io_threads (default: shipped 4)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw storage ceiling")
     p.add_argument(
         "--data-dir",
@@ -730,7 +733,7 @@ def report(res: dict[str, Any]) -> str:
     a, g, r, m = res["args"], res["gateway"], res.get("raw"), res["machine"]
     lines = [
         f"hermes-gateway bench: {a['tenants']} tenants x {a['messages']} messages, fsync={a['fsync']}, "
-        f"concurrency={a['concurrency']}, max_open_profiles={a['max_open']}, order={a['order']}",
+        f"concurrency={a['concurrency']}, max_open_profiles={a['max_open']}, order={a['order']}, io_threads={a.get('io_threads', 4)}",
         f"machine: {m['nproc']} cpu ({m['cpu']}), {m['memory']}, Python {m['python']}, SQLite {m['sqlite']}, "
         f"disk {res.get('disk', '?')}, load avg at start {m['loadavg_start'][0]:.2f}, code {m['git']}",
         "",

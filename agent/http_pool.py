@@ -1,81 +1,58 @@
-"""An HTTP transport that spreads requests over a few small httpx connection pools.
+"""The LLM client's HTTP transport: httpx's API over aiohttp's connection pool.
 
-Why: httpcore's pool checks every idle connection (a `getpeername` and a `poll` each) every
+Why: httpcore's pool checks every idle connection (a `getpeername` and a `poll` each) each
 time a request starts or ends, and with many requests in flight it hands one idle
-connection to several waiting requests, which then retry the whole check. One big pool
-makes that cost grow with the number of connections; several small ones keep it bounded.
-Same totals as httpx's defaults (100 connections, 20 kept alive), same TLS and
-`SSL_CERT_*` handling; each request goes to the pool with the fewest requests in flight.
+connection to several waiting requests, which then retry the whole check; at 64 turns in
+flight that bookkeeping was the largest cost on the event loop (BENCHMARKS.md, issue 13).
+`httpx-aiohttp` (a maintained transport) keeps httpx's requests, responses, streaming and
+exceptions and lets aiohttp's pool and C parser carry the bytes: measured, the gateway's
+CPU per turn fell by about a third. Same limits as httpx's defaults (100 connections, 20 kept
+alive) and the same TLS and `SSL_CERT_*` handling (`httpx.create_ssl_context`). When
+`HTTP(S)_PROXY`/`ALL_PROXY` (and not `NO_PROXY`) applies to the endpoint, the transport is
+left to httpx, which honours them.
 """
 
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
+import aiohttp
 import httpx
-
-SHARDS = 4
-MAX_CONNECTIONS = 100  # httpx's default, over all shards
-MAX_KEEPALIVE = 20  # httpx's default, over all shards
+from httpx_aiohttp import AiohttpTransport
 
 
-class _Released(httpx.AsyncByteStream):
-    """A response body that frees its shard's slot once it is closed."""
-
-    def __init__(self, stream: httpx.AsyncByteStream, release: Callable[[], None]) -> None:
-        self._stream = stream
-        self._release: Callable[[], None] | None = release
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._stream:
-            yield chunk
-
-    async def aclose(self) -> None:
-        try:
-            await self._stream.aclose()
-        finally:
-            release, self._release = self._release, None
-            if release is not None:
-                release()
-
-
-class ShardedTransport(httpx.AsyncBaseTransport):
-    """`shards` httpx transports; a request goes to the least busy one."""
-
-    def __init__(self, shards: int = SHARDS, *, trust_env: bool = True) -> None:
-        limits = httpx.Limits(
-            max_connections=MAX_CONNECTIONS // shards, max_keepalive_connections=max(1, MAX_KEEPALIVE // shards)
-        )
-        self._pools = [httpx.AsyncHTTPTransport(limits=limits, trust_env=trust_env) for _ in range(shards)]
-        self.in_flight = [0] * shards  # requests sent and not yet closed, per shard
-
+class _Transport(AiohttpTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        i = min(range(len(self._pools)), key=self.in_flight.__getitem__)
-        self.in_flight[i] += 1
-
-        def release() -> None:
-            self.in_flight[i] -= 1
-
+        if request.url.userinfo:
+            # httpx already turned `user:pass@` into the Authorization header; aiohttp refuses
+            # a URL that carries them as well
+            request.url = request.url.copy_with(username=None, password=None)
         try:
-            resp = await self._pools[i].handle_async_request(request)
-        except BaseException:
-            release()
+            return await super().handle_async_request(request)
+        except httpx.ConnectTimeout as exc:
+            # httpx-aiohttp files every aiohttp connection error under ConnectTimeout; a
+            # connection that was made and then dropped or refused is not a timeout
+            cause = exc.__cause__
+            if isinstance(cause, aiohttp.ServerDisconnectedError):
+                raise httpx.RemoteProtocolError(str(cause) or "server disconnected", request=request) from cause
+            if isinstance(cause, aiohttp.ClientConnectorError):
+                raise httpx.ConnectError(str(cause), request=request) from cause
+            if isinstance(cause, aiohttp.ClientOSError):
+                raise httpx.ReadError(str(cause), request=request) from cause
             raise
-        assert isinstance(resp.stream, httpx.AsyncByteStream)
-        return httpx.Response(
-            resp.status_code, headers=resp.headers, stream=_Released(resp.stream, release), extensions=resp.extensions
-        )
 
-    async def aclose(self) -> None:
-        for pool in self._pools:
-            await pool.aclose()
+
+def llm_transport(base_url: str) -> httpx.AsyncBaseTransport | None:
+    """The transport for an LLM endpoint: aiohttp's pool, or None (httpx's own, which
+    mounts the proxy) when a proxy from the environment applies to `base_url`."""
+    if env_proxy_applies(base_url):
+        return None
+    return _Transport(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20), trust_env=True)
 
 
 def env_proxy_applies(url: str) -> bool:
-    """True when HTTP(S)_PROXY / ALL_PROXY (and not NO_PROXY) route `url` through a proxy;
-    then the caller leaves the transport to httpx, which honours them."""
+    """True when HTTP(S)_PROXY / ALL_PROXY (and not NO_PROXY) route `url` through a proxy."""
     parts = urlsplit(url)
     proxies = urllib.request.getproxies_environment()
     if not (proxies.get(parts.scheme) or proxies.get("all")):

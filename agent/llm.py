@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agent.http_pool import ShardedTransport, env_proxy_applies
+from agent.http_pool import llm_transport
 
 if TYPE_CHECKING:
     from gateway.config import LLMConfig
@@ -275,13 +275,12 @@ class LLMClient:
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
-        own_transport = transport is None and not env_proxy_applies(self.base_url)
         self._http = httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 10.0)),
-            # small pools instead of one big one (see agent/http_pool.py); httpx's own when a
-            # proxy from the environment applies
-            transport=ShardedTransport() if own_transport else transport,
+            # aiohttp's pool under httpx's API (agent/http_pool.py); httpx's own when a proxy
+            # from the environment applies
+            transport=transport if transport is not None else llm_transport(self.base_url),
             follow_redirects=False,
             trust_env=transport is None,
         )

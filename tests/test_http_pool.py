@@ -1,4 +1,5 @@
-"""The LLM client's sharded connection pools, against the FakeLLM server on 127.0.0.1."""
+"""The LLM client's transport (aiohttp's pool under httpx's API), against the FakeLLM
+server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import asyncio
 import threading
 
 import pytest
+from httpx_aiohttp import AiohttpTransport
 
-from agent.http_pool import ShardedTransport, env_proxy_applies
+from agent.http_pool import env_proxy_applies
 from agent.llm import LLMClient, LLMError
 from tests.fakes.llm import FakeLLM, disconnect, reply
 
@@ -20,48 +22,40 @@ async def llm():
         yield server
 
 
-def shards_of(client: LLMClient) -> ShardedTransport:
-    transport = client._http._transport
-    assert isinstance(transport, ShardedTransport)
-    return transport
-
-
-async def test_concurrent_calls_spread_over_the_pools_and_every_slot_is_freed(llm: FakeLLM) -> None:
+async def test_concurrent_calls_each_get_their_own_answer_and_connections_are_reused(llm: FakeLLM) -> None:
     gate = threading.Event()
-    arrived: list[int] = []
+    arrived: list[str] = []
 
     async def held(request: dict) -> object:
-        arrived.append(1)
+        arrived.append(request["messages"][-1]["content"])
         while not gate.is_set():  # the server's own loop: wait for the test to let go
             await asyncio.sleep(0.005)
-        return reply(f"answer {len(arrived)}")
+        return reply(f"answer to {request['messages'][-1]['content']}")
 
     llm.responder = held
     client = LLMClient(llm.base_url, "fake-model", max_retries=0)
     try:
-        pools = shards_of(client)
-        calls = [asyncio.create_task(client.chat(USER)) for _ in range(8)]
-        while len(arrived) < 8:
+        calls = [asyncio.create_task(client.chat([{"role": "user", "content": f"q{i}"}])) for i in range(8)]
+        while len(arrived) < 8:  # all eight in flight at once: eight connections
             await asyncio.sleep(0.005)
-        assert pools.in_flight == [2, 2, 2, 2]
         gate.set()
         results = await asyncio.wait_for(asyncio.gather(*calls), 30)
-        assert all(r.content and r.content.startswith("answer") for r in results)
-        assert pools.in_flight == [0, 0, 0, 0]
+        assert [r.content for r in results] == [f"answer to q{i}" for i in range(8)]
+        for i in range(16):  # one at a time: the pool's kept-alive connections carry them
+            assert (await client.chat([{"role": "user", "content": f"r{i}"}])).content == f"answer to r{i}"
+        assert len(set(llm.peers)) == 8
     finally:
         gate.set()
         await client.aclose()
 
 
-async def test_a_dropped_connection_frees_its_slot(llm: FakeLLM) -> None:
+async def test_a_dropped_connection_fails_that_call_and_the_next_one_works(llm: FakeLLM) -> None:
     llm.script(disconnect(), reply("after"))
     client = LLMClient(llm.base_url, "fake-model", max_retries=0)
     try:
         with pytest.raises(LLMError):
             await client.chat(USER)
-        assert shards_of(client).in_flight == [0, 0, 0, 0]
         assert (await client.chat(USER, on_text=lambda _t: None)).content == "after"
-        assert shards_of(client).in_flight == [0, 0, 0, 0]
     finally:
         await client.aclose()
 
@@ -86,6 +80,6 @@ def test_a_proxy_from_the_environment_leaves_the_transport_to_httpx(monkeypatch:
     assert not env_proxy_applies("https://api.example.invalid/v1")
     monkeypatch.delenv("NO_PROXY")
     client = LLMClient("https://api.example.invalid/v1", "m")
-    assert not isinstance(client._http._transport, ShardedTransport)  # httpx mounts the proxy itself
+    assert not isinstance(client._http._transport, AiohttpTransport)  # httpx mounts the proxy itself
     monkeypatch.delenv("HTTPS_PROXY")
-    assert isinstance(LLMClient("https://api.example.invalid/v1", "m")._http._transport, ShardedTransport)
+    assert isinstance(LLMClient("https://api.example.invalid/v1", "m")._http._transport, AiohttpTransport)

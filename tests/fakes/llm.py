@@ -562,6 +562,7 @@ class FakeLLM:
         self.responder: ResponseLike = None
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[CIMultiDict[str]] = []
+        self.peers: list[Any] = []  # (host, port) of the client connection of each request
         self.statuses: list[int] = []
         self.violations: list[str] = []
         self.responder_errors: list[BaseException] = []
@@ -612,6 +613,7 @@ class FakeLLM:
         """Forget recorded requests, scripted responses and the responder."""
         self.requests.clear()
         self.request_headers.clear()
+        self.peers.clear()
         self.statuses.clear()
         self.violations.clear()
         self.responder_errors.clear()
@@ -734,6 +736,7 @@ class FakeLLM:
             body = None
         self.requests.append(body if isinstance(body, dict) else {"_raw": raw.decode("utf-8", "replace")})
         self.request_headers.append(CIMultiDict(request.headers))
+        self.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
         try:
             response = await self._answer(request, body)
         except Exception as exc:

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """`make bench`: the gateway benchmark at 1,000 tenants x 5 and 10,000 tenants x 2 messages,
 each run `--runs` times (default 3, alternating, each in a fresh process so peak RSS and
-thread counts are its own), medians with the min-max spread; `--write FILE` puts the table
-into FILE (BENCHMARKS.md) between the `bench:gateway-suite` markers.
+thread counts are its own), each followed by `turn_floor.py` on the same work and LRU size
+(the bare minimum a turn costs in one CPython process), medians with the min-max spread;
+`--write FILE` puts the table into FILE (BENCHMARKS.md) between the `bench:gateway-suite`
+markers.
 
     python bench/run_suite.py --runs 3 --write BENCHMARKS.md
 """
@@ -36,7 +38,12 @@ def run_once(tenants: int, messages: int, extra: list[str]) -> dict[str, Any]:
         *extra,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+    res: dict[str, Any] = json.loads(out.stdout)
+    floor = [sys.executable, str(HERE / "turn_floor.py"), "--tenants", str(tenants), "--messages", str(messages)]
+    max_open = res["args"].get("max_open", 256)
+    out = subprocess.run([*floor, "--max-open", str(max_open), "--json"], capture_output=True, text=True, check=True)
+    res["floor"] = json.loads(out.stdout)
+    return res
 
 
 def figures(res: dict[str, Any]) -> dict[str, float]:
@@ -54,6 +61,8 @@ def figures(res: dict[str, Any]) -> dict[str, float]:
         "threads": g["peak_threads"],
         "rss_mib": g["peak_rss_kib"] / 1024,
         "fds": g["peak_fds"],
+        "floor_turns_s": res.get("floor", {}).get("turns_per_s", float("nan")),
+        "floor_cpu_ms": res.get("floor", {}).get("cpu_ms_per_turn", float("nan")),
     }
 
 
@@ -77,6 +86,8 @@ def table(results: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
         ("threads at peak", "threads", "{:.0f}"),
         ("peak RSS", "rss_mib", "{:.0f} MiB"),
         ("peak fds", "fds", "{:.0f}"),
+        ("floor turns/s", "floor_turns_s", "{:.0f}"),
+        ("floor CPU / turn", "floor_cpu_ms", "{:.2f} ms"),
     ]
     lines = [
         "| tenants × msgs | runs | " + " | ".join(c[0] for c in cols) + " |",
@@ -123,7 +134,8 @@ def main() -> int:
         f"{(time.time() - t0) / 60:.1f} min; load average {load0:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (the machine is shared: wall-clock figures are noisy, "
         "CPU / turn is the steadier one). Median of the runs, min–max in brackets; `fsync: batch`, "
-        "64 in flight, `max_open_profiles: 256`, zero-latency model in another process."
+        "64 in flight, `max_open_profiles: 256`, zero-latency model in another process. *Floor*: "
+        "`bench/turn_floor.py` right after each run, same tenants, order, concurrency and LRU size."
     )
     body = head + "\n\n" + table(results)
     issues = problems(results)

@@ -6,9 +6,11 @@ import hashlib
 import logging
 import shutil
 import socket
+import tracemalloc
 
 import pytest
 import tiktoken_ext.openai_public as openai_public
+from tiktoken.load import load_tiktoken_bpe
 
 import agent.tokens
 from agent.messages import StoredMessage
@@ -54,7 +56,7 @@ def test_shipped_encoding_is_the_one_tiktoken_defines(monkeypatch: pytest.Monkey
     def local_file(url: str, expected_hash: str | None = None) -> dict[bytes, int]:
         seen.append(url)
         assert hashlib.sha256(path.read_bytes()).hexdigest() == expected_hash
-        return load_encoding()._mergeable_ranks  # the ranks we built from the shipped file
+        return load_tiktoken_bpe(str(path))  # the ranks, read from the shipped file
 
     monkeypatch.setattr(openai_public, "load_tiktoken_bpe", local_file)
     theirs = openai_public.cl100k_base()
@@ -65,6 +67,20 @@ def test_shipped_encoding_is_the_one_tiktoken_defines(monkeypatch: pytest.Monkey
     assert theirs["name"] == ours.name == "cl100k_base"
     assert ours.n_vocab == 100277
     assert ours.encode("hello world<|endoftext|>", allowed_special="all") == [15339, 1917, 100257]
+
+
+def test_the_loaded_encoding_keeps_no_python_copy_of_its_ranks() -> None:
+    """The ranks live in tiktoken's Rust core; a second copy as a Python dict cost ~13 MiB."""
+    load_encoding.cache_clear()
+    tracemalloc.start()
+    try:
+        enc = load_encoding()
+        kept, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 2 * 2**20, f"{kept / 2**20:.1f} MiB of Python objects kept by the loaded encoding"
+    text = "Grüße, 世界! How are you? <not special>"
+    assert enc.decode(enc.encode_ordinary(text)) == text and enc.n_vocab == 100277
 
 
 def test_a_tampered_encoding_file_falls_back_to_chars(

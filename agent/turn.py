@@ -471,7 +471,7 @@ class Agent:
             if not assistant.tool_calls:
                 text = (result.content or "").strip() or "(no answer)"
                 assistant.content = text
-                await store.append(assistant)
+                await store.append(assistant, idle=True)  # the turn's last write
                 history.append(assistant)
                 return text
             ctx.tool_iterations += 1
@@ -507,7 +507,7 @@ class Agent:
             meta={"interrupted": True},
         )
         self.tokens.count_message(msg)
-        await ctx.profile.sessions.append(msg)
+        await ctx.profile.sessions.append(msg, idle=True)  # the turn's last write
         history.append(msg)
         return text
 

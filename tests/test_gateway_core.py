@@ -471,3 +471,27 @@ async def test_a_collected_turn_cut_short_after_a_tool_call_is_finished_after_re
         await app2.stop()
     sent = "\n".join(adapter2.texts())
     assert "done:" in sent and "ok: four" in sent, sent
+
+
+async def test_a_warm_turn_costs_two_storage_calls_and_its_last_gives_back_the_page_cache(config_for, fake_llm):
+    """Issue 13: one call stores the person's message, one the answer (with usage and
+    compression state); the answer's call also frees the connection's page cache, so idle
+    open profiles hold little memory."""
+    fake_llm.script(reply("first"), reply("second"))
+    adapter = RecordingAdapter()
+    app = GatewayApp(config_for(), [adapter])
+    await app.start()
+    try:
+        assert await say(app, adapter, dm("ada", "hello")) == ["first"]  # opens the profile
+        store = app.profiles._open["testchat-ada"].sessions
+        assert store._db is not None
+        statements: list[str] = []
+        store._db.set_trace_callback(statements.append)
+        calls = app.storage_pool.calls
+        assert await say(app, adapter, dm("ada", "and again")) == ["second"]
+        assert app.storage_pool.calls - calls == 2
+        writes = [s for s in statements if s.startswith(("INSERT", "PRAGMA shrink_memory"))]
+        assert writes[-1] == "PRAGMA shrink_memory"  # after the answer's insert, in the same call
+        assert sum(s.startswith("INSERT INTO messages") or "INTO messages(" in s for s in writes) >= 2
+    finally:
+        await app.stop()

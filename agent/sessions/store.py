@@ -254,7 +254,12 @@ class SessionStore:
         return self._db
 
     async def _call(
-        self, fn: Callable[[_Call], T], *, then: Callable[[T], None] | None = None, soft_first: bool = True
+        self,
+        fn: Callable[[_Call], T],
+        *,
+        then: Callable[[T], None] | None = None,
+        soft_first: bool = True,
+        idle: bool = False,
     ) -> T:
         """Run `fn` as one pool job under this store's lock, shielded so a cancelled caller
         can't split journal and db. Pending soft writes go first (`soft_first`) or inside
@@ -276,6 +281,8 @@ class SessionStore:
                         call.flush_soft()
                     result = fn(call)
                     call.flush_soft()
+                    if idle:
+                        call.db.execute("PRAGMA shrink_memory")
                     return result
 
                 try:
@@ -502,15 +509,18 @@ class SessionStore:
 
     # ------------------------------------------------------------------ messages
 
-    async def append(self, msg: StoredMessage) -> StoredMessage:
+    async def append(self, msg: StoredMessage, *, idle: bool = False) -> StoredMessage:
         """Store one message (journal first). Re-appending a known uid is a no-op."""
-        return (await self.append_many([msg]))[0]
+        return (await self.append_many([msg], idle=idle))[0]
 
-    async def append_many(self, msgs: list[StoredMessage]) -> list[StoredMessage]:
+    async def append_many(self, msgs: list[StoredMessage], *, idle: bool = False) -> list[StoredMessage]:
         """Store messages in one transaction, in list order. Returns them as stored.
 
         Pending usage counters and compression state commit in the same transaction.
         Lone surrogates in strings are replaced with U+FFFD (UTF-8 cannot carry them).
+        `idle`: the caller stores nothing more for a while (a turn's answer), so the same
+        call gives back the connection's page cache (the next call reads its pages again
+        from the OS): 256 open profiles then hold ~25 MiB less.
         """
         if not msgs:
             return []
@@ -542,7 +552,7 @@ class SessionStore:
                 elif m.active and not m.compacted:
                     live.history.append(m)
 
-        await self._call(job, then=then, soft_first=False)
+        await self._call(job, then=then, soft_first=False, idle=idle)
         return cleaned
 
     async def compact(

@@ -36,8 +36,8 @@ class _Transport(AiohttpTransport):
             cause = exc.__cause__
             if isinstance(cause, aiohttp.ServerDisconnectedError):
                 raise httpx.RemoteProtocolError(str(cause) or "server disconnected", request=request) from cause
-            if isinstance(cause, aiohttp.ClientConnectorError):
-                raise httpx.ConnectError(str(cause), request=request) from cause
+            if isinstance(cause, aiohttp.ClientConnectorError):  # its str() adds "ssl:default" noise
+                raise httpx.ConnectError(str(cause.os_error), request=request) from cause
             if isinstance(cause, aiohttp.ClientOSError):
                 raise httpx.ReadError(str(cause), request=request) from cause
             raise

@@ -4,13 +4,14 @@ server on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 import pytest
 from httpx_aiohttp import AiohttpTransport
 
 from agent.http_pool import env_proxy_applies
-from agent.llm import LLMClient, LLMError
+from agent.llm import LLMClient, LLMError, LLMUnavailable
 from tests.fakes.llm import FakeLLM, disconnect, reply
 
 USER = [{"role": "user", "content": "hello there"}]
@@ -83,3 +84,18 @@ def test_a_proxy_from_the_environment_leaves_the_transport_to_httpx(monkeypatch:
     assert not isinstance(client._http._transport, AiohttpTransport)  # httpx mounts the proxy itself
     monkeypatch.delenv("HTTPS_PROXY")
     assert isinstance(LLMClient("https://api.example.invalid/v1", "m")._http._transport, AiohttpTransport)
+
+
+async def test_a_refused_connection_is_reported_as_unreachable_not_as_a_timeout() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = LLMClient(f"http://127.0.0.1:{port}/v1", "fake-model", max_retries=0)
+    try:
+        with pytest.raises(LLMUnavailable) as info:
+            await client.chat(USER)
+    finally:
+        await client.aclose()
+    text = str(info.value)
+    assert "cannot reach" in text and "ConnectError" in text
+    assert "timed out" not in text and "ssl:default" not in text

@@ -287,6 +287,16 @@ class Copy:
         return (self.via or "?").rsplit("-", 1)[0]
 
 
+def copies_by_token(answers: list[tuple[str, Copy]]) -> tuple[dict[str, list[Copy]], dict[str, int]]:
+    """Every copy of each answer (by its message token), and how many copies each node sent."""
+    copies: dict[str, list[Copy]] = defaultdict(list)
+    by_node: dict[str, int] = defaultdict(int)
+    for token, copy in answers:
+        copies[token].append(copy)
+        by_node[copy.node] += 1
+    return copies, by_node
+
+
 @dataclass
 class DupCounts:
     window_kill: int = 0
@@ -1081,11 +1091,7 @@ class ClusterStorm:
         r.inputs = sum(1 for p in self.pushed.values() if p[0] == "tg")  # Discord's are counted apart
         answers = self._answers()
         r.answers = len(answers)
-        by_node: dict[str, int] = defaultdict(int)
-        copies: dict[str, list[Copy]] = defaultdict(list)
-        for token, copy in answers:
-            copies[token].append(copy)
-            by_node[copy.node] += 1
+        copies, by_node = copies_by_token(answers)
         r.answers_by_node = dict(sorted(by_node.items()))
         lost = self.acked - set(copies)
         r.lost = len(lost)
@@ -1159,11 +1165,7 @@ class ClusterStorm:
         answers = self._dc_answers()
         r.dc_answers = len(answers)
         r.dc_nonce_replays = self.dc.nonce_replays
-        by_node: dict[str, int] = defaultdict(int)
-        copies: dict[str, list[Copy]] = defaultdict(list)
-        for token, copy in answers:
-            copies[token].append(copy)
-            by_node[copy.node] += 1
+        copies, by_node = copies_by_token(answers)
         r.dc_answers_by_node = dict(sorted(by_node.items()))
         lost = took - set(copies)
         r.dc_lost = len(lost)

@@ -495,6 +495,13 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
 # --------------------------------------------------------------------------- raw ceiling
 
 
+def fsync_and_close(fds: list[int]) -> None:
+    """Fsync then close descriptors duplicated for the batch syncer."""
+    for fd in fds:
+        os.fsync(fd)
+        os.close(fd)
+
+
 class RawTenant:
     """One tenant's storage done raw: an O_APPEND journal fd and a sqlite3 connection."""
 
@@ -560,9 +567,7 @@ async def run_raw(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 if rt.dirty:
                     rt.dirty = False
                     fds.append(os.dup(rt.fd))
-        for fd in fds:
-            os.fsync(fd)
-            os.close(fd)
+        fsync_and_close(fds)
 
     async def batch_syncer() -> None:
         while not stop.is_set():

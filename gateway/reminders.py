@@ -151,9 +151,9 @@ class ReminderScheduler:
         while True:
             try:
                 await self.tick()
-                # one hop that finishes the statement: a cursor left on its row keeps a read
-                # transaction open, and the inbox's next write on this connection then fails
-                # with "database is locked" once the outbox's marks connection has committed
+                # one hop that finishes the statement: a SELECT left open between two hops holds
+                # a read snapshot, and an inbox write queued between them then fails with
+                # "database is locked" once the outbox's marks connection has committed
                 rows = list(await self._db().execute_fetchall("SELECT MIN(due_at) FROM reminder_due"))
                 due = rows[0][0] if rows else None
                 wait = MAX_SLEEP_S if due is None else due - self.clock()

@@ -448,22 +448,31 @@ async def test_a_message_with_nul_characters_is_recorded_without_them_and_answer
         assert texts(tg, 1212) == ["ok: ab typed \\u0000"]
 
 
+def refuse_the_first_collected_record(app: GatewayApp, before: Any = None) -> list[int]:
+    """Make the node's outbox refuse, as if the node had died there, the first record that
+    finishes several collected messages (`before(finish)` runs first). Returns the list the
+    refused record's message count is put in."""
+    outbox = app.shared_outbox
+    assert outbox is not None
+    real_record = outbox.record
+    refused: list[int] = []
+
+    async def record_once_refused(drafts, *, finish=(), source=None):
+        if len(finish) > 1 and not refused:
+            refused.append(len(finish))
+            if before is not None:
+                await before(finish)
+            raise FencedOut("the node died here")
+        return await real_record(drafts, finish=finish, source=source)
+
+    outbox.record = record_once_refused  # type: ignore[method-assign]
+    return refused
+
+
 async def test_a_collected_answer_stored_but_never_recorded_is_sent_by_the_next_claim(tg, fake_llm, node_config):
     """As above, for one turn that answered several collected messages."""
     async with started(node_config("n1", limits={"coalesce_burst_ms": 300, "rate_limit_per_minute": 1000})) as one:
-        app = one.app
-        outbox = app.shared_outbox
-        assert outbox is not None
-        real_record = outbox.record
-        refused: list[int] = []
-
-        async def record_once_refused(drafts, *, finish=(), source=None):
-            if len(finish) > 1 and not refused:
-                refused.append(len(finish))
-                raise FencedOut("the node died here")
-            return await real_record(drafts, finish=finish, source=source)
-
-        outbox.record = record_once_refused  # type: ignore[method-assign]
+        refused = refuse_the_first_collected_record(one.app)
         fake_llm.responder = memory_saving_responder  # the collected turn saves a memory first
         for text in ("zero", "remember one", "two", "three"):
             assert await post(tg, tg.push_private(1313, text), one) == 200
@@ -483,21 +492,12 @@ async def test_a_stored_collected_answer_is_sent_when_the_next_claim_collects_it
     dropped by finishing the answered messages with the new message's reply."""
     async with started(node_config("n1", limits={"coalesce_burst_ms": 300, "rate_limit_per_minute": 1000})) as one:
         app = one.app
-        outbox = app.shared_outbox
-        assert outbox is not None
-        real_record = outbox.record
-        refused: list[int] = []
 
-        async def record_once_refused(drafts, *, finish=(), source=None):
-            if len(finish) > 1 and not refused:
-                refused.append(len(finish))
-                last = finish[-1][0]
-                later = last.model_copy(update={"message_id": last.message_id + "0", "text": "four"})
-                await app.handle_inbound(later)  # arrives while the collected turn is in flight
-                raise FencedOut("the node died here")
-            return await real_record(drafts, finish=finish, source=source)
+        async def a_later_message_arrives(finish) -> None:  # while the collected turn is in flight
+            last = finish[-1][0]
+            await app.handle_inbound(last.model_copy(update={"message_id": last.message_id + "0", "text": "four"}))
 
-        outbox.record = record_once_refused  # type: ignore[method-assign]
+        refused = refuse_the_first_collected_record(app, before=a_later_message_arrives)
         fake_llm.responder = memory_saving_responder
         for text in ("zero", "remember one", "two", "three"):
             assert await post(tg, tg.push_private(1616, text), one) == 200

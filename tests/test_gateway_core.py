@@ -397,6 +397,29 @@ async def test_replayed_backlog_is_never_refused_as_busy(config_for, fake_llm):
         await app.stop()
 
 
+async def collect_three_and_die(app: GatewayApp, adapter: RecordingAdapter, user: str, died: asyncio.Event) -> None:
+    """`user` gets "zero" answered, then sends three messages collected into one turn; the
+    test's fault hook sets `died` where the process would die, and the app is stopped."""
+    try:
+        await say(app, adapter, dm(user, "zero", message_id=f"{user}-0"))
+        for i, text in enumerate(("remember one", "two", "three"), start=1):
+            await adapter.sink(dm(user, text, message_id=f"{user}-{i}"))
+        await asyncio.wait_for(died.wait(), 20)
+    finally:
+        await app.stop(drain_timeout=0.2)
+
+
+async def restart_and_drain(cfg) -> str:
+    """Start the gateway again on `cfg`, let it replay and drain; what it sent, one per line."""
+    adapter = RecordingAdapter()
+    app = await started(cfg, adapter)
+    try:
+        assert await app.drain(20)
+    finally:
+        await app.stop()
+    return "\n".join(adapter.texts())
+
+
 async def test_a_collected_answer_stored_before_a_crash_is_sent_after_restart_with_a_later_message(
     config_for, fake_llm
 ):
@@ -418,22 +441,10 @@ async def test_a_collected_answer_stored_before_a_crash_is_sent_after_restart_wi
         return await real_record(drafts, finish=finish, source=source)
 
     app.outbox.record = record_then_die  # type: ignore[method-assign]
-    try:
-        await say(app, adapter, dm("erin", "zero", message_id="erin-0"))
-        for i, text in enumerate(("remember one", "two", "three"), start=1):
-            await adapter.sink(dm("erin", text, message_id=f"erin-{i}"))
-        await asyncio.wait_for(died.wait(), 20)
-    finally:
-        await app.stop(drain_timeout=0.2)
+    await collect_three_and_die(app, adapter, "erin", died)
     assert adapter.texts() == ["ok: zero"]
     asked = len(fake_llm.requests)
-    adapter2 = RecordingAdapter()
-    app2 = await started(cfg, adapter2)
-    try:
-        assert await app2.drain(20)
-    finally:
-        await app2.stop()
-    sent = "\n".join(adapter2.texts())
+    sent = await restart_and_drain(cfg)
     assert "done:" in sent and "ok: four" in sent, sent
     assert len(fake_llm.requests) == asked + 1  # only "four" was asked: the stored answer was reused
 
@@ -456,20 +467,8 @@ async def test_a_collected_turn_cut_short_after_a_tool_call_is_finished_after_re
         return memory_saving_responder(request)
 
     fake_llm.responder = die_after_the_tool
-    try:
-        await say(app, adapter, dm("fred", "zero", message_id="fred-0"))
-        for i, text in enumerate(("remember one", "two", "three"), start=1):
-            await adapter.sink(dm("fred", text, message_id=f"fred-{i}"))
-        await asyncio.wait_for(died.wait(), 20)
-    finally:
-        await app.stop(drain_timeout=0.2)
-    adapter2 = RecordingAdapter()
-    app2 = await started(cfg, adapter2)
-    try:
-        assert await app2.drain(20)
-    finally:
-        await app2.stop()
-    sent = "\n".join(adapter2.texts())
+    await collect_three_and_die(app, adapter, "fred", died)
+    sent = await restart_and_drain(cfg)
     assert "done:" in sent and "ok: four" in sent, sent
 
 

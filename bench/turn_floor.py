@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.gateway_bench import FakeLLMProcess, RawTenant, git_state, schedule, tenant_user  # noqa: E402
+from bench.gateway_bench import FakeLLMProcess, RawTenant, fsync_and_close, git_state, schedule, tenant_user  # noqa: E402
 
 
 class FloorTenant(RawTenant):
@@ -70,18 +70,15 @@ async def run(args: argparse.Namespace, root: Path, base_url: str) -> dict[str, 
             rt = FloorTenant(root, t)
             reopened += t in seen
             seen.add(t)
-            while len(open_) >= args.max_open:
-                _, old = open_.popitem(last=False)
+            # the least recently used tenants not in a turn (as the gateway's LRU skips busy profiles)
+            idle = [k for k in open_ if not locks[k].locked()]
+            for k in idle[: max(0, len(open_) - args.max_open + 1)]:
+                old = open_.pop(k)
                 if old.dirty:
                     os.fsync(old.fd)
                 old.close()
         open_[t] = rt
         return rt
-
-    def fsync_all(fds: list[int]) -> None:
-        for fd in fds:
-            os.fsync(fd)
-            os.close(fd)
 
     async def syncer() -> None:
         while not stop.is_set():
@@ -89,7 +86,7 @@ async def run(args: argparse.Namespace, root: Path, base_url: str) -> dict[str, 
             fds = [os.dup(rt.fd) for rt in open_.values() if rt.dirty]
             for rt in open_.values():
                 rt.dirty = False
-            await asyncio.to_thread(fsync_all, fds)
+            await asyncio.to_thread(fsync_and_close, fds)
 
     n = 0
     async with aiohttp.ClientSession() as http:

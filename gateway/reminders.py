@@ -1,8 +1,9 @@
 """Delivering reminders: an index of next-due times per tenant in gateway.db, and a
 scheduler that reads only the due tenants' `reminders.json` (never every profile).
 
-A due occurrence becomes a synthetic inbound message (`message_id` `reminder:<id>:<due>`)
-recorded in the inbox like any platform message: the inbox's dedupe makes it happen once
+A due occurrence becomes a synthetic inbound message (`message_id`
+`reminder:<owner>:<id>:<due>`, the owner a digest of the tenant and the reminder's creation,
+so two people's reminders for one minute in one chat never share an id), recorded in the inbox like any platform message: the inbox's dedupe makes it happen once
 even if the scheduler runs again after a crash, and its replay delivers it after a restart.
 The lane worker then records the reminder as an assistant message in the lane's session
 and sends it (`deliver_text`); recording and sending follow the same path as every reply.
@@ -44,17 +45,20 @@ def is_reminder(msg: InboundMessage) -> bool:
     return msg.message_id.startswith(PREFIX)
 
 
-def occurrence(reminder: Reminder) -> InboundMessage:
-    """The synthetic inbound message of a reminder's current occurrence, in its chat's lane."""
+def occurrence(reminder: Reminder, tenant_id: str) -> InboundMessage:
+    """The synthetic inbound message of a reminder's current occurrence (kept by `tenant_id`),
+    in the lane it was set in."""
     chat = reminder.chat
+    owner = hashlib.sha256(f"{tenant_id}\0{reminder.id}\0{reminder.created_at!r}".encode()).hexdigest()[:16]
     return InboundMessage(
         platform=chat.platform,
         chat_id=chat.chat_id,
         chat_type=chat.chat_type,
         thread_id=chat.thread_id,
+        private_thread=chat.private_thread,
         user_id=chat.user_id,
         user_name=chat.user_name,
-        message_id=f"{PREFIX}{reminder.id}:{reminder.due:.3f}",
+        message_id=f"{PREFIX}{owner}:{reminder.id}:{reminder.due:.3f}",
         text=reminder.text,
         timestamp=reminder.due,
         mentions_bot=True,
@@ -180,7 +184,7 @@ class ReminderScheduler:
             for reminder in await store.all():
                 if reminder.due > now:
                     break
-                if await self._submit(occurrence(reminder)):
+                if await self._submit(occurrence(reminder, tenant_id)):
                     handed += 1
                 await store.advance(reminder.id, reminder.due, now)
             await self.note(tenant_id, await store.next_due(), False)

@@ -8,6 +8,7 @@ import time
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
+from adapters.base import InboundMessage
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool, next_occurrence
 from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
@@ -172,3 +173,96 @@ async def test_times_are_read_in_the_persons_time_zone(tmp_path):
         await tool.handle({"action": "create", "text": "x", "at": "2026-03-28 09:00", "timezone": "Mars/Olympus"})
     )
     assert bad["success"] is False and "unknown time zone" in bad["error"]
+
+
+def private_thread(user: str, text: str) -> InboundMessage:
+    """A message in the Discord-style private thread `pt1` of channel `chan`."""
+    base = group("chan", user, text, thread_id="pt1")
+    return base.model_copy(update={"private_thread": True})
+
+
+async def test_a_reminder_set_in_a_private_thread_is_delivered_and_kept_in_that_thread_only(config_for, fake_llm):
+    cfg = config_for()
+    await set_reminder(cfg, fake_llm, lambda t: private_thread("mia", t), text="secret plan", in_minutes=15)
+    app, adapter = await run_later(cfg, 16 * 60)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert [(m.chat_id, m.thread_id, m.text) for m in adapter.sent] == [
+        ("chan", "pt1", "⏰ Reminder for mia: secret plan")
+    ]
+    kept = [m.content for m in await stored(cfg, "testchat-chat-pt1") if m.meta.get("reminder")]
+    assert kept == ["⏰ Reminder for mia: secret plan"]
+    # the parent channel's shared profile (read by every public thread of it) holds nothing of it
+    parent = tenant_dir(cfg.data_dir, "testchat-chat-chan")
+    assert not parent.exists() or all(
+        "secret plan" not in (m.content or "") for m in await stored(cfg, "testchat-chat-chan")
+    )
+
+
+async def test_a_thread_reminder_is_neither_listed_nor_cancelled_from_its_parent_channel(config_for, fake_llm):
+    cfg = config_for(tenancy={"thread_sessions_per_user": True})
+    in_thread = lambda t: group("g5", "kai", t, thread_id="t1")  # noqa: E731
+    await set_reminder(cfg, fake_llm, in_thread, text="thread chore", in_minutes=60)
+    fake_llm.script(tool_call("reminders", {"action": "list"}), reply("Here they are."))
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        assert await say(app, adapter, group("g5", "kai", "/reminders")) == [
+            'No reminders set here. Ask me, e.g. "remind me tomorrow at 9 to call Sam".'
+        ]
+        assert await say(app, adapter, group("g5", "kai", "/reminders cancel 1")) == ["There's no reminder #1 here."]
+        await say(app, adapter, group("g5", "kai", "what reminders do I have?"))
+        (listing,) = await say(app, adapter, in_thread("/reminders"))
+    finally:
+        await app.stop()
+    assert tool_results(fake_llm)[-1] == {"success": True, "count": 0, "reminders": []}
+    assert "thread chore" in listing
+    assert [r.text for r in await ReminderStore(tenant_dir(cfg.data_dir, "testchat-kai")).all()] == ["thread chore"]
+
+
+async def test_two_members_reminders_for_the_same_minute_in_one_group_are_both_delivered(config_for, fake_llm):
+    cfg = config_for()
+    at = datetime.fromtimestamp(time.time() + 7200, ZoneInfo("UTC")).strftime("%Y-%m-%d %H:%M")
+    for who, text in (("ann", "ann's call"), ("bob", "bob's call")):
+        await set_reminder(cfg, fake_llm, lambda t, w=who: group("g7", w, t), text=text, at=at, timezone="UTC")
+    app, adapter = await run_later(cfg, 7200 + 30)  # due at most a minute and a half before
+    try:
+        await until(lambda: len(adapter.sent) >= 2)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert sorted(adapter.texts("g7")) == ["⏰ Reminder for ann: ann's call", "⏰ Reminder for bob: bob's call"]
+
+
+async def test_an_iso_time_with_an_offset_is_accepted_and_said_back_in_local_time(tmp_path):
+    store = ReminderStore(tmp_path)
+
+    async def index(due, lower_only):
+        pass
+
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=ZoneInfo("UTC")).timestamp()
+    chat = ReminderChat("telegram", "111", "dm", None, "111", "lea")
+    tool = ReminderTool(store, chat, 10, index, group=False, clock=lambda: now)
+    made = json.loads(await tool.handle({"action": "create", "text": "tea", "at": "2026-12-01T19:37:44+00:00"}))
+    assert made["success"] is True and "19:37 (UTC)" in made["created"]
+    (first,) = await store.all()
+    assert first.due == datetime(2026, 12, 1, 19, 37, 44, tzinfo=ZoneInfo("UTC")).timestamp()
+    made = json.loads(await tool.handle({"action": "create", "text": "call", "at": "2026-12-01T21:30:00+05:30"}))
+    assert made["success"] is True and "21:30 (UTC+05:30)" in made["created"]
+    # with the person's zone known, the same instant is said in it
+    made = json.loads(
+        await tool.handle(
+            {"action": "create", "text": "nap", "at": "2026-12-01T19:00:00Z", "timezone": "Europe/Berlin"}
+        )
+    )
+    assert made["success"] is True and "20:00 (Europe/Berlin)" in made["created"]
+    # a repeating one at a fixed offset keeps it
+    made = json.loads(
+        await tool.handle({"action": "create", "text": "walk", "at": "2026-12-01T18:00:00-03:00", "repeat": "daily"})
+    )
+    walk = next(r for r in await store.all() if r.text == "walk")
+    assert next_occurrence(walk.due, walk.tz, "daily", walk.due) - walk.due == 86400

@@ -266,3 +266,78 @@ async def test_an_iso_time_with_an_offset_is_accepted_and_said_back_in_local_tim
     )
     walk = next(r for r in await store.all() if r.text == "walk")
     assert next_occurrence(walk.due, walk.tz, "daily", walk.due) - walk.due == 86400
+
+
+async def test_unlink_stops_the_departed_accounts_reminders_and_tells_the_link_in_its_dm(config_for, fake_llm):
+    from tests.test_linking import link
+
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = GatewayApp(cfg, [tg, dc])
+    await app.start()
+    try:
+        await say(app, tg, dm("111", "hello", platform="telegram"))
+        await link(app, tg, dc)
+        link_tenant = app.links.tenant_for("telegram:111")
+        fake_llm.script(create(text="dc daily pill", in_minutes=30, repeat="daily"), reply("Okay."))
+        await say(app, dc, dm("222", "remind me daily", platform="discord"))
+        fake_llm.script(create(text="tg errand", in_minutes=40), reply("Okay."))
+        await say(app, tg, dm("111", "remind me", platform="telegram"))
+        before = len(tg.sent)
+        assert (await say(app, dc, dm("222", "/unlink", platform="discord")))[0].startswith("Done")
+        assert await app.drain(10)
+        (told,) = tg.texts()[before:]
+        assert "dc daily pill" in told and "will not fire" in told and "tg errand" not in told
+        assert "dc daily pill" not in "".join(dc.texts())
+        assert (await say(app, dc, dm("222", "/reminders", platform="discord")))[0].startswith("No reminders")
+        assert "tg errand" in (await say(app, tg, dm("111", "/reminders", platform="telegram")))[0]
+    finally:
+        await app.stop()
+    kept = await ReminderStore(tenant_dir(cfg.data_dir, link_tenant)).all()
+    assert [r.text for r in kept] == ["tg errand"]
+    later = GatewayApp(cfg, [tg, dc])
+    later.reminders.clock = lambda: time.time() + 41 * 60
+    tg.sent.clear()
+    dc.sent.clear()
+    await later.start()
+    try:
+        await until(lambda: tg.sent)
+        assert await later.drain(10)
+    finally:
+        await later.stop()
+    assert dc.sent == [] and [m.text for m in tg.sent] == ["⏰ Reminder: tg errand"]  # the pill never fires
+    fresh = tenant_dir(cfg.data_dir, "discord-222")
+    assert not fresh.exists() or all("dc daily pill" not in (m.content or "") for m in await stored(cfg, "discord-222"))
+
+
+async def test_a_link_merge_carries_both_profiles_reminders_indexed_and_firing(config_for, fake_llm):
+    from tests.test_linking import link
+
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    await set_reminder(cfg, fake_llm, lambda t: dm("111", t, platform="telegram"), text="tg plants", in_minutes=20)
+    await set_reminder(cfg, fake_llm, lambda t: dm("222", t, platform="discord"), text="dc bins", in_minutes=25)
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = GatewayApp(cfg, [tg, dc])
+    await app.start()
+    try:
+        await link(app, tg, dc)
+        link_tenant = app.links.tenant_for("telegram:111")
+        (listing,) = await say(app, dc, dm("222", "/reminders", platform="discord"))
+        assert "tg plants" in listing and "dc bins" in listing
+    finally:
+        await app.stop()
+    merged = tenant_dir(cfg.data_dir, link_tenant)
+    assert sorted(r.text for r in await ReminderStore(merged).all()) == ["dc bins", "tg plants"]
+    assert not list(merged.glob("reminders.from-*"))
+    tg.sent.clear()
+    dc.sent.clear()
+    later = GatewayApp(cfg, [tg, dc])
+    later.reminders.clock = lambda: time.time() + 26 * 60
+    await later.start()
+    try:
+        await until(lambda: tg.sent and dc.sent)
+        assert await later.drain(10)
+    finally:
+        await later.stop()
+    assert [m.text.split("\n")[0] for m in tg.sent] == ["⏰ Reminder: tg plants"]
+    assert [m.text.split("\n")[0] for m in dc.sent] == ["⏰ Reminder: dc bins"]

@@ -426,12 +426,8 @@ async def cmd_export(ctx: CommandContext) -> str:
     skills = ctx.app.agent.lane_skills(ctx.profile, ctx.lane)
     if skills is not None:
         data["skills"] = [
-            {
-                "name": info.name,
-                "description": info.description,
-                "content": (await skills.view(info.name, shared_only=False)).get("content"),
-            }
-            for info in await skills.index(shared_only=False)
+            {"name": info.name, "description": info.description, "content": body}
+            for info, body in await skills.bodies()
         ]
     out_dir = ctx.profile.path / "exports"
     private_mkdir(out_dir)

@@ -226,6 +226,12 @@ class ReminderStore:
 
     async def remove_where(self, where: Callable[[Reminder], bool]) -> list[Reminder]:
         """Remove every reminder `where` accepts; the removed ones, by due time."""
+        return await asyncio.to_thread(self.remove_where_now, where)
+
+    def remove_where_now(self, where: Callable[[Reminder], bool]) -> list[Reminder]:
+        """`remove_where` for a caller that is not in the event loop (the admin tools)."""
+        if not self.path.exists():
+            return []
 
         def op(data: dict[str, Any]) -> list[Reminder]:
             keep: list[dict[str, Any]] = []
@@ -235,7 +241,13 @@ class ReminderStore:
             data["reminders"] = keep
             return sorted((self._parse(r) for r in gone), key=lambda r: r.due)
 
-        return await asyncio.to_thread(self._change, op)
+        removed: list[Reminder] = self._change(op)
+        return removed
+
+    def next_due_now(self) -> float | None:
+        """`next_due` outside the event loop."""
+        dues = [float(r["due"]) for r in self._read().get("reminders", []) if isinstance(r, dict) and "due" in r]
+        return min(dues) if dues else None
 
     async def advance(self, reminder_id: int, delivered_due: float, now: float) -> None:
         """The occurrence due at `delivered_due` was handed over for delivery: schedule the

@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from agent.fileio import open_private, private_file, private_mkdir, tighten_tree, write_private
+from agent.reminders import ReminderStore
 from gateway.config import Config
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir
@@ -451,11 +452,15 @@ def paired_principals(data_dir: Path, principals: Iterable[str]) -> list[str]:
 
 
 def scrub_gateway_db(
-    data_dir: Path, principals: set[str], chats: set[tuple[str, str]], tenant_id: str | None = None
+    data_dir: Path,
+    principals: set[str],
+    chats: set[tuple[str, str]],
+    tenant_id: str | None = None,
+    dues: dict[str, float | None] | None = None,
 ) -> int:
     """Remove a tenant's traces from gateway.db: kv rows naming its principals, inbox and
     outbox rows of its DM chats (or pending rows from its principals), then VACUUM so no freed page
-    keeps them. The gateway must be stopped."""
+    keeps them; `dues` re-indexes other profiles whose reminders changed. The gateway must be stopped."""
     db = Path(data_dir) / "gateway.db"
     if not db.exists():
         return 0
@@ -474,6 +479,11 @@ def scrub_gateway_db(
                         removed += 1
             if "reminder_due" in tables and tenant_id is not None:  # the reminder index (gateway/reminders.py)
                 removed += conn.execute("DELETE FROM reminder_due WHERE tenant_id=?", (tenant_id,)).rowcount
+            for other, due in (dues or {}).items() if "reminder_due" in tables else ():
+                if due is None:
+                    conn.execute("DELETE FROM reminder_due WHERE tenant_id=?", (other,))
+                else:
+                    conn.execute("UPDATE reminder_due SET due_at=? WHERE tenant_id=?", (due, other))
             if "inbound" in tables:
                 for platform, chat in chats:
                     removed += conn.execute(
@@ -697,6 +707,8 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
                     chats -= dm_chats(other.path)
             for path in dirs:
                 shutil.rmtree(path)
+            # the person owns the reminders they set, even in a shared chat's profile
+            dues = _drop_reminders_of(data_dir, principals)
         finally:
             os.close(lock_fd)
         removed_links, pinned = [], []
@@ -710,8 +722,19 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
             removed_links.append(p)
         if removed_links or (data_dir / "links.json").exists():
             links.save()
-        rows = scrub_gateway_db(data_dir, principals, chats, info.tenant_id)
+        rows = scrub_gateway_db(data_dir, principals, chats, info.tenant_id, dues)
     return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned)
+
+
+def _drop_reminders_of(data_dir: Path, principals: set[str]) -> dict[str, float | None]:
+    """Remove the reminders `principals` set in any other profile (a shared chat's); the
+    next due time of each profile changed, for the scheduler's index."""
+    dues: dict[str, float | None] = {}
+    for other in scan_profiles(data_dir):
+        store = ReminderStore(other.path)
+        if store.remove_where_now(lambda r: any(r.chat.of_account(p) for p in principals)):
+            dues[other.tenant_id] = store.next_due_now()
+    return dues
 
 
 def _lock_profile(path: Path) -> int:

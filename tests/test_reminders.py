@@ -3,6 +3,7 @@ tenant's profile, delivered once into the chat they were set in, after restarts 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from datetime import datetime
@@ -341,3 +342,24 @@ async def test_a_link_merge_carries_both_profiles_reminders_indexed_and_firing(c
         await later.stop()
     assert [m.text.split("\n")[0] for m in tg.sent] == ["⏰ Reminder: tg plants"]
     assert [m.text.split("\n")[0] for m in dc.sent] == ["⏰ Reminder: dc bins"]
+
+
+async def test_deleting_a_person_removes_the_reminders_they_set_in_a_shared_thread(config_for, fake_llm):
+    from gateway.admin import delete_tenant, find_tenant
+
+    cfg = config_for()
+    in_thread = lambda who: lambda t: group("g3", who, t, thread_id="t9")  # noqa: E731
+    await set_reminder(cfg, fake_llm, lambda t: dm("alice", t), text="alice private", in_minutes=50)
+    await set_reminder(cfg, fake_llm, in_thread("alice"), text="alice in thread", in_minutes=30)
+    await set_reminder(cfg, fake_llm, in_thread("bob"), text="bob in thread", in_minutes=40)
+    shared = tenant_dir(cfg.data_dir, "testchat-chat-g3")
+    assert sorted(r.text for r in await ReminderStore(shared).all()) == ["alice in thread", "bob in thread"]
+    await asyncio.to_thread(delete_tenant, cfg, find_tenant(cfg, "testchat:alice"))
+    assert [r.text for r in await ReminderStore(shared).all()] == ["bob in thread"]
+    app, adapter = await run_later(cfg, 45 * 60)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert [m.text.split("\n")[0] for m in adapter.sent] == ["⏰ Reminder for bob: bob in thread"]

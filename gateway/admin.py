@@ -402,7 +402,7 @@ def _write_tar(src_dir: Path, out: Path) -> None:
 # ----- gateway.db traces ------------------------------------------------------------------------
 
 
-def _kv_principals(key: str, value: str) -> set[str]:
+def kv_principals(key: str, value: str) -> set[str]:
     """Every principal a gateway.db kv row is about (a link request names two)."""
     found = {_kv_principal(key, value)} - {None}
     if key.startswith("link-request:"):
@@ -474,7 +474,7 @@ def scrub_gateway_db(
         with conn:
             if "kv" in tables:
                 for key, value in conn.execute("SELECT key, value FROM kv").fetchall():
-                    if _kv_principals(key, value) & principals:
+                    if kv_principals(key, value) & principals:
                         conn.execute("DELETE FROM kv WHERE key=?", (key,))
                         removed += 1
             if "reminder_due" in tables and tenant_id is not None:  # the reminder index (gateway/reminders.py)
@@ -673,6 +673,7 @@ class DeleteReport:
     links_removed: list[str]
     gateway_rows: int
     pinned: list[str]
+    shared_rows: int = 0  # cluster mode: rows removed from PostgreSQL
 
 
 def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
@@ -723,7 +724,12 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
         if removed_links or (data_dir / "links.json").exists():
             links.save()
         rows = scrub_gateway_db(data_dir, principals, chats, info.tenant_id, dues)
-    return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned)
+        shared = 0
+        if cfg.cluster.enabled:  # what the nodes share lives in PostgreSQL
+            from gateway.cluster.erase import erase_tenant_now
+
+            shared = erase_tenant_now(cfg, info.tenant_id, principals, chats)
+    return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned, shared)
 
 
 def _drop_reminders_of(data_dir: Path, principals: set[str]) -> dict[str, float | None]:
@@ -1027,7 +1033,8 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
         f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
         f"{_count(stats['sessions'], 'session', 'sessions')}, {_count(stats['messages'], 'message', 'messages')}, "
         f"memory, provider data, "
-        f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db."
+        f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db"
+        + (" and PostgreSQL." if cfg.cluster.enabled else ".")
     )
     if not args.yes:
         if not sys.stdin.isatty():
@@ -1042,6 +1049,7 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
         f"deleted {report.tenant_id}: {_count(len(report.removed_dirs), 'profile directory', 'profile directories')}, "
         f"{_count(len(report.links_removed), 'link entry', 'link entries')}, "
         f"{_count(report.gateway_rows, 'gateway.db row', 'gateway.db rows')}"
+        + (f", {_count(report.shared_rows, 'PostgreSQL row', 'PostgreSQL rows')}" if cfg.cluster.enabled else "")
     )
     if report.pinned:
         print(

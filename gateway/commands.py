@@ -486,7 +486,7 @@ async def cmd_stop(ctx: CommandContext) -> str:
 
 
 async def cmd_reminders(ctx: CommandContext) -> str:
-    """/reminders lists the reminders set in this chat (in a private chat: all of yours);
+    """/reminders lists the reminders set in this lane (in a private chat: all of yours);
     /reminders cancel N cancels one."""
     from agent.reminders import Reminder, ReminderStore
 

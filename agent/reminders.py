@@ -1,9 +1,10 @@
 """Reminders of one tenant: `reminders.json` in the profile, and the `reminders` tool.
 
 Each reminder remembers the lane it was set in (platform, chat, thread, session key): it is
-listed, cancelled and delivered only there (a private chat sees all of its tenant's), and
-its due time is a UTC timestamp; times the person gives are read in their IANA time zone (zoneinfo), and
-repeating reminders keep their wall-clock time across DST changes. The file is replaced
+listed, cancelled and delivered only there (a private chat sees all of its tenant's). Its
+due time is a UTC timestamp; times the person gives are read in their IANA time zone
+(zoneinfo) or at the offset they carry, and repeating reminders keep their wall-clock time
+across DST changes. The file is replaced
 atomically under an exclusive lock, so the tool and the gateway's scheduler never lose
 each other's writes. Delivery itself is the gateway's job (gateway/reminders.py).
 """

@@ -23,7 +23,7 @@ import aiosqlite
 from adapters.base import InboundMessage
 from agent.messages import StoredMessage
 from agent.reminders import Reminder, ReminderStore
-from tenancy.keys import tenant_dir
+from tenancy.keys import chat_tenant_id, tenant_dir
 
 log = logging.getLogger("hermes.reminders")
 
@@ -55,7 +55,9 @@ def occurrence(reminder: Reminder, tenant_id: str) -> InboundMessage:
         chat_id=chat.chat_id,
         chat_type=chat.chat_type,
         thread_id=chat.thread_id,
-        private_thread=chat.private_thread,
+        # a file from before the flag was kept: the thread's own tenant keeps only private threads
+        private_thread=chat.private_thread
+        or (chat.thread_id is not None and tenant_id == chat_tenant_id(chat.platform, chat.thread_id)),
         user_id=chat.user_id,
         user_name=chat.user_name,
         message_id=f"{PREFIX}{owner}:{reminder.id}:{reminder.due:.3f}",

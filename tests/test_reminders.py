@@ -363,3 +363,23 @@ async def test_deleting_a_person_removes_the_reminders_they_set_in_a_shared_thre
     finally:
         await app.stop()
     assert [m.text.split("\n")[0] for m in adapter.sent] == ["⏰ Reminder for bob: bob in thread"]
+
+
+async def test_a_private_thread_reminder_stored_before_the_flag_was_kept_still_goes_to_the_thread(config_for, fake_llm):
+    cfg = config_for()
+    await set_reminder(cfg, fake_llm, lambda t: private_thread("mia", t), text="old plan", in_minutes=15)
+    store = tenant_dir(cfg.data_dir, "testchat-chat-pt1") / "reminders.json"
+    data = json.loads(store.read_text("utf-8"))
+    for r in data["reminders"]:  # as an older version wrote it
+        r["chat"].pop("private_thread")
+        r["chat"].pop("lane")
+    store.write_text(json.dumps(data), "utf-8")
+    app, adapter = await run_later(cfg, 16 * 60)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    kept = [m.content for m in await stored(cfg, "testchat-chat-pt1") if m.meta.get("reminder")]
+    assert kept == ["⏰ Reminder for mia: old plan"]
+    assert not tenant_dir(cfg.data_dir, "testchat-chat-chan").exists()

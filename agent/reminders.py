@@ -198,12 +198,27 @@ class ReminderStore:
         return items[0].due if items else None
 
     async def add(
-        self, text: str, due: float, chat: ReminderChat, *, tz: str | None, repeat: str | None, cap: int, now: float
+        self,
+        text: str,
+        due: float,
+        chat: ReminderChat,
+        *,
+        tz: str | None,
+        repeat: str | None,
+        cap: int,
+        now: float,
+        private: bool = True,
     ) -> Reminder:
+        """Add one; over `cap` it is refused (`private`: the lane may see every reminder, so
+        the refusal may say how many there are; elsewhere it names no count)."""
+
         def op(data: dict[str, Any]) -> Reminder:
             if len(data["reminders"]) >= cap:
                 raise ReminderError(
                     f"this person already has {cap} reminders, the most allowed; cancel one first (list shows them)"
+                    if private
+                    else "no more reminders can be set for this person right now; they can cancel some "
+                    "in a private chat with me (/reminders there lists them)"
                 )
             reminder = Reminder(
                 id=int(data.get("next_id", 1)), text=text, due=due, chat=chat, tz=tz, repeat=repeat, created_at=now
@@ -347,7 +362,9 @@ class ReminderTool:
         if due <= now:
             raise ReminderError("that time has already passed")
         await self.index(due, True)  # first: a crash before the file is written only wakes the scheduler
-        reminder = await self.store.add(text.strip(), due, self.chat, tz=tz, repeat=repeat, cap=self.cap, now=now)
+        reminder = await self.store.add(
+            text.strip(), due, self.chat, tz=tz, repeat=repeat, cap=self.cap, now=now, private=not self.group
+        )
         await self.index(await self.store.next_due(), False)
         return _ok(created=reminder.describe())
 

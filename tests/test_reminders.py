@@ -383,3 +383,22 @@ async def test_a_private_thread_reminder_stored_before_the_flag_was_kept_still_g
     kept = [m.content for m in await stored(cfg, "testchat-chat-pt1") if m.meta.get("reminder")]
     assert kept == ["⏰ Reminder for mia: old plan"]
     assert not tenant_dir(cfg.data_dir, "testchat-chat-chan").exists()
+
+
+async def test_in_a_group_the_cap_refusal_names_no_count_of_reminders_it_cannot_see(tmp_path):
+    store = ReminderStore(tmp_path)
+
+    async def index(due, lower_only):
+        pass
+
+    private = ReminderTool(store, ReminderChat("t", "dm-1", "dm", None, "1", "lea"), 1, index, group=False)
+    assert json.loads(await private.handle({"action": "create", "text": "dm one", "in_minutes": 5}))["success"]
+    in_group = ReminderTool(
+        store, ReminderChat("t", "g1", "group", None, "1", "lea", lane="g1:1"), 1, index, group=True
+    )
+    refused = json.loads(await in_group.handle({"action": "create", "text": "team", "in_minutes": 5}))
+    assert refused["success"] is False and "private chat" in refused["error"]
+    assert "1 reminders" not in refused["error"] and not any(ch.isdigit() for ch in refused["error"])
+    assert json.loads(await in_group.handle({"action": "list"})) == {"success": True, "count": 0, "reminders": []}
+    refused = json.loads(await private.handle({"action": "create", "text": "dm two", "in_minutes": 5}))
+    assert "1 reminders, the most allowed" in refused["error"]

@@ -758,8 +758,8 @@ class Linking:
             self._ungate([personal])
         self.app.metrics.links.inc(kind="unlink", outcome="ok")
         log.info("unlink: one account left %s", link_tenant)
-        try:
-            stopped = await self._stop_reminders_of(link_tenant, target)
+        try:  # cluster mode has no reminders (and writes a profile only under its lease)
+            stopped = [] if self.cluster else await self._stop_reminders_of(link_tenant, target)
         except Exception:
             log.exception("unlink: could not stop the reminders set from the account that left")
             stopped = []

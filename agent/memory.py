@@ -71,7 +71,7 @@ def parse_entries(raw: str) -> list[str]:
     return list(dict.fromkeys(e.strip() for e in raw.split(ENTRY_DELIMITER) if e.strip()))
 
 
-def _only_lines_added(raw: bytes | None, base: str, max_lines: int = 400) -> bool:
+def _only_lines_added(raw: bytes | None, base: str, max_lines: int = 120) -> bool:
     """The file differs from what the store last wrote (digest `base`) only by lines typed
     into it without an entry delimiter: dropping one run of such lines gives back `base`."""
     lines = decode(raw, strict=False).replace("\r\n", "\n").split("\n")

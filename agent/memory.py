@@ -71,6 +71,23 @@ def parse_entries(raw: str) -> list[str]:
     return list(dict.fromkeys(e.strip() for e in raw.split(ENTRY_DELIMITER) if e.strip()))
 
 
+def _only_lines_added(raw: bytes | None, base: str, max_lines: int = 120) -> bool:
+    """The file differs from what the store last wrote (digest `base`) only by lines typed
+    into it without an entry delimiter: dropping one run of such lines gives back `base`."""
+    lines = decode(raw, strict=False).replace("\r\n", "\n").split("\n")
+    if len(lines) > max_lines:
+        return False
+    bare = ENTRY_DELIMITER.strip()
+    for start in range(len(lines)):
+        for end in range(start + 1, len(lines) + 1):
+            if lines[end - 1].strip() == bare:
+                break  # a run never holds a delimiter line
+            rest = "\n".join(lines[:start] + lines[end:])
+            if digest(ENTRY_DELIMITER.join(parse_entries(rest)).encode("utf-8")) == base:
+                return True
+    return False
+
+
 def _fail(error: str, **extra: Any) -> Result:
     return {"success": False, "error": error, **extra}
 
@@ -243,7 +260,8 @@ class MemoryStore:
                 )
             return new, self._ok(target, new, f"Entry added to {target}.")
 
-        return await self._write(target, mutate)
+        # an add rewrites no entry, so a hand edit is kept alongside it (as upstream Hermes does)
+        return await self._write(target, mutate, keep_edits=True)
 
     async def replace(self, target: str, old_text: str, content: str) -> Result:
         """Replace the single entry containing `old_text` with `content`."""
@@ -415,16 +433,17 @@ class MemoryStore:
             entries=[_preview(_withheld(e)) for e in entries],
         )
 
-    async def _write(self, target: str, mutate: _Mutation, *, force: bool = False) -> Result:
+    async def _write(self, target: str, mutate: _Mutation, *, force: bool = False, keep_edits: bool = False) -> Result:
         async with self._lock:
-            return await asyncio.to_thread(self._locked_write, target, mutate, force)
+            return await asyncio.to_thread(self._locked_write, target, mutate, force, keep_edits)
 
-    def _locked_write(self, target: str, mutate: _Mutation, force: bool = False) -> Result:
+    def _locked_write(self, target: str, mutate: _Mutation, force: bool = False, keep_edits: bool = False) -> Result:
         """Read-modify-write under an exclusive cross-process lock (runs in a thread).
 
         The file must be what this store last wrote: one changed outside the tool (drift)
-        is left exactly as it is, backed up, and becomes the base for the next write; the
-        write is refused unless `force` (an explicit erase by the person)."""
+        is backed up and becomes the base for the next write; the write is refused unless
+        `force` (an explicit erase by the person) or `keep_edits` (an add, which changes no
+        entry: the edited text stays as it is, the new entry goes after it)."""
         self.memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not self._dir_ok():
             return _fail("Memory directory is not usable (symlink); nothing was saved.")
@@ -432,11 +451,11 @@ class MemoryStore:
         try:
             os.fchmod(fd, 0o600)  # a lock file left by something else may be looser
             fcntl.flock(fd, fcntl.LOCK_EX)
-            return self._checked_write(target, mutate, force)
+            return self._checked_write(target, mutate, force, keep_edits)
         finally:
             os.close(fd)  # closing releases the flock
 
-    def _checked_write(self, target: str, mutate: _Mutation, force: bool) -> Result:
+    def _checked_write(self, target: str, mutate: _Mutation, force: bool, keep_edits: bool = False) -> Result:
         path, name = self.path_for(target), _FILES[target]
         raw = read_bytes(path)
         try:
@@ -456,7 +475,7 @@ class MemoryStore:
             kept = backup(path, raw)
             baselines.set(name, seen)  # what is really there is the base from now on
             log.warning("%s changed outside the memory tool; kept a backup at %s", path, kept)
-            if not force:
+            if not force and not (keep_edits and _only_lines_added(raw, base)):
                 return _fail(
                     f"{name} was changed outside the memory tool since my last write (edited by "
                     f"hand?). Nothing was saved and the file was left exactly as it is"

@@ -1,8 +1,10 @@
 """Reminders of one tenant: `reminders.json` in the profile, and the `reminders` tool.
 
-Each reminder remembers the chat it was set in (it is delivered there) and its due time as
-a UTC timestamp; times the person gives are read in their IANA time zone (zoneinfo), and
-repeating reminders keep their wall-clock time across DST changes. The file is replaced
+Each reminder remembers the lane it was set in (platform, chat, thread, session key): it is
+listed, cancelled and delivered only there (a private chat sees all of its tenant's). Its
+due time is a UTC timestamp; times the person gives are read in their IANA time zone
+(zoneinfo) or at the offset they carry, and repeating reminders keep their wall-clock time
+across DST changes. The file is replaced
 atomically under an exclusive lock, so the tool and the gateway's scheduler never lose
 each other's writes. Delivery itself is the gateway's job (gateway/reminders.py).
 """
@@ -13,10 +15,11 @@ import asyncio
 import fcntl
 import json
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -37,7 +40,8 @@ REMINDERS_TOOL: dict[str, Any] = {
         "name": "reminders",
         "description": (
             "Reminders delivered into this chat at a set time. create: give `text` and either `at` "
-            "(local date and time 'YYYY-MM-DD HH:MM' in the person's time zone, with `timezone`) or "
+            "(local date and time 'YYYY-MM-DD HH:MM' in the person's time zone, with `timezone`, or an "
+            "ISO time with an explicit offset) or "
             "`in_minutes`; `repeat` optional. The person's time zone is an IANA name such as "
             "Europe/Berlin: take it from what you know about the person; if you don't know it, ask "
             "them once and save it to the user profile with the memory tool (e.g. 'Time zone: "
@@ -48,7 +52,10 @@ REMINDERS_TOOL: dict[str, Any] = {
             "properties": {
                 "action": {"type": "string", "enum": ["create", "list", "cancel"]},
                 "text": {"type": "string", "description": "What to remind them of (create)."},
-                "at": {"type": "string", "description": "Local 'YYYY-MM-DD HH:MM' (create)."},
+                "at": {
+                    "type": "string",
+                    "description": "Local 'YYYY-MM-DD HH:MM', or ISO with offset (create).",
+                },
                 "in_minutes": {"type": "number", "description": "Delay from now in minutes (create)."},
                 "timezone": {"type": "string", "description": "IANA time zone of the person, e.g. Europe/Berlin."},
                 "repeat": {"type": "string", "enum": ["none", *REPEATS]},
@@ -74,6 +81,18 @@ class ReminderChat:
     thread_id: str | None
     user_id: str
     user_name: str = ""
+    # a Discord private thread is its own shared chat: its occurrence must resolve there
+    private_thread: bool = False
+    lane: str = ""  # session key of the lane it was set in ("" in files from before it was kept)
+
+    def in_lane(self, platform: str, chat_id: str, thread_id: str | None, lane: str) -> bool:
+        """Set in this lane: same chat and thread, and the same session key when it is known."""
+        here = (self.platform, self.chat_id, self.thread_id) == (platform, chat_id, thread_id)
+        return here and (not self.lane or self.lane == lane)
+
+    def of_account(self, principal: str) -> bool:
+        """Set by the account `principal` (`<platform>:<user_id>`)."""
+        return f"{self.platform}:{self.user_id}" == principal
 
 
 @dataclass
@@ -88,8 +107,7 @@ class Reminder:
 
     def local(self, when: float | None = None) -> str:
         """The due time as the person reads it."""
-        zone = ZoneInfo(self.tz) if self.tz else ZoneInfo("UTC")
-        stamp = datetime.fromtimestamp(self.due if when is None else when, zone)
+        stamp = datetime.fromtimestamp(self.due if when is None else when, _tzinfo(self.tz))
         return stamp.strftime("%a %d %b %Y %H:%M") + f" ({self.tz or 'UTC'})"
 
     def describe(self) -> str:
@@ -104,6 +122,29 @@ def zone(name: str) -> ZoneInfo:
         raise ReminderError(f"unknown time zone {name!r}; use an IANA name such as Europe/Berlin") from None
 
 
+_OFFSET_RE = re.compile(r"UTC([+-])(\d\d):(\d\d)")
+
+
+def offset_name(offset: timedelta) -> str:
+    """A fixed UTC offset as a reminder's zone name (`UTC`, `UTC+05:30`)."""
+    if not offset:
+        return "UTC"
+    sign, rest = ("-", -offset) if offset < timedelta(0) else ("+", offset)
+    minutes = int(rest.total_seconds() // 60)
+    return f"UTC{sign}{minutes // 60:02d}:{minutes % 60:02d}"
+
+
+def _tzinfo(name: str | None) -> tzinfo:
+    """The zone of a stored reminder: an IANA name, or a fixed offset from `offset_name`."""
+    if not name:
+        return ZoneInfo("UTC")
+    fixed = _OFFSET_RE.fullmatch(name)
+    if fixed is None:
+        return zone(name)
+    sign = -1 if fixed.group(1) == "-" else 1
+    return timezone(sign * timedelta(hours=int(fixed.group(2)), minutes=int(fixed.group(3))))
+
+
 def next_occurrence(due: float, tz: str | None, repeat: str, after: float) -> float:
     """The first occurrence of a repeating reminder later than `after` (missed ones are
     skipped); days and weeks keep the local wall-clock time."""
@@ -111,7 +152,7 @@ def next_occurrence(due: float, tz: str | None, repeat: str, after: float) -> fl
         steps = int((after - due) // 3600) + 1 if after >= due else 1
         return due + steps * 3600
     days = 1 if repeat == "daily" else 7
-    local = datetime.fromtimestamp(due, zone(tz) if tz else ZoneInfo("UTC"))
+    local = datetime.fromtimestamp(due, _tzinfo(tz))
     while True:
         local = (local.replace(tzinfo=None) + timedelta(days=days)).replace(tzinfo=local.tzinfo)
         if local.timestamp() > after:
@@ -157,12 +198,27 @@ class ReminderStore:
         return items[0].due if items else None
 
     async def add(
-        self, text: str, due: float, chat: ReminderChat, *, tz: str | None, repeat: str | None, cap: int, now: float
+        self,
+        text: str,
+        due: float,
+        chat: ReminderChat,
+        *,
+        tz: str | None,
+        repeat: str | None,
+        cap: int,
+        now: float,
+        private: bool = True,
     ) -> Reminder:
+        """Add one; over `cap` it is refused (`private`: the lane may see every reminder, so
+        the refusal may say how many there are; elsewhere it names no count)."""
+
         def op(data: dict[str, Any]) -> Reminder:
             if len(data["reminders"]) >= cap:
                 raise ReminderError(
                     f"this person already has {cap} reminders, the most allowed; cancel one first (list shows them)"
+                    if private
+                    else "no more reminders can be set for this person right now; they can cancel some "
+                    "in a private chat with me (/reminders there lists them)"
                 )
             reminder = Reminder(
                 id=int(data.get("next_id", 1)), text=text, due=due, chat=chat, tz=tz, repeat=repeat, created_at=now
@@ -173,16 +229,41 @@ class ReminderStore:
 
         return await asyncio.to_thread(self._change, op)
 
-    async def cancel(self, reminder_id: int, *, chat_id: str | None = None) -> Reminder | None:
-        """Remove one (only if set in `chat_id`, when given); the removed reminder or None."""
+    async def cancel(self, reminder_id: int, *, where: Callable[[Reminder], bool] | None = None) -> Reminder | None:
+        """Remove one (only if `where` accepts it, when given); the removed reminder or None."""
 
         def op(data: dict[str, Any]) -> Reminder | None:
             for i, raw in enumerate(data["reminders"]):
-                if raw.get("id") == reminder_id and (chat_id is None or raw["chat"]["chat_id"] == chat_id):
+                if raw.get("id") == reminder_id and (where is None or where(self._parse(raw))):
                     return self._parse(data["reminders"].pop(i))
             return None
 
         return await asyncio.to_thread(self._change, op)
+
+    async def remove_where(self, where: Callable[[Reminder], bool]) -> list[Reminder]:
+        """Remove every reminder `where` accepts; the removed ones, by due time."""
+        return await asyncio.to_thread(self.remove_where_now, where)
+
+    def remove_where_now(self, where: Callable[[Reminder], bool]) -> list[Reminder]:
+        """`remove_where` for a caller that is not in the event loop (the admin tools)."""
+        if not self.path.exists():
+            return []
+
+        def op(data: dict[str, Any]) -> list[Reminder]:
+            keep: list[dict[str, Any]] = []
+            gone: list[dict[str, Any]] = []
+            for raw in data["reminders"]:
+                (gone if where(self._parse(raw)) else keep).append(raw)
+            data["reminders"] = keep
+            return sorted((self._parse(r) for r in gone), key=lambda r: r.due)
+
+        removed: list[Reminder] = self._change(op)
+        return removed
+
+    def next_due_now(self) -> float | None:
+        """`next_due` outside the event loop."""
+        dues = [float(r["due"]) for r in self._read().get("reminders", []) if isinstance(r, dict) and "due" in r]
+        return min(dues) if dues else None
 
     async def advance(self, reminder_id: int, delivered_due: float, now: float) -> None:
         """The occurrence due at `delivered_due` was handed over for delivery: schedule the
@@ -209,8 +290,14 @@ class ReminderTool:
     chat: ReminderChat
     cap: int
     index: IndexHook
-    group: bool  # list and cancel only what was set in this chat (others can read it)
+    group: bool  # list and cancel only what was set in this lane (others can read it)
     clock: Callable[[], float] = time.time
+
+    def _here(self, reminder: Reminder) -> bool:
+        """May this lane see `reminder`: a private chat sees all of its tenant's, any other
+        lane only those set in it."""
+        c = self.chat
+        return not self.group or reminder.chat.in_lane(c.platform, c.chat_id, c.thread_id, c.lane)
 
     async def handle(self, args: dict[str, Any]) -> str:
         action = args.get("action")
@@ -218,13 +305,13 @@ class ReminderTool:
             if action == "create":
                 return await self._create(args)
             if action == "list":
-                mine = [r for r in await self.store.all() if not self.group or r.chat.chat_id == self.chat.chat_id]
+                mine = [r for r in await self.store.all() if self._here(r)]
                 return _ok(count=len(mine), reminders=[r.describe() for r in mine])
             if action == "cancel":
                 rid = args.get("id")
                 if not isinstance(rid, int) or isinstance(rid, bool):
                     raise ReminderError("cancel needs the reminder's numeric id (see list)")
-                removed = await self.store.cancel(rid, chat_id=self.chat.chat_id if self.group else None)
+                removed = await self.store.cancel(rid, where=self._here)
                 if removed is None:
                     raise ReminderError(f"there is no reminder #{rid} here")
                 await self.index(await self.store.next_due(), False)
@@ -249,17 +336,23 @@ class ReminderTool:
             tz = zone(str(tz)).key
         now = self.clock()
         if args.get("at"):
-            if tz is None:
+            instant = _instant(str(args["at"]))
+            if instant is not None:  # an explicit offset names one instant: no zone needed
+                due = instant.timestamp()
+                offset = instant.utcoffset()
+                tz = tz or offset_name(offset if offset is not None else timedelta(0))
+            elif tz is None:
                 raise ReminderError(
                     "a time of day needs the person's time zone: ask them once, save it to "
                     "the user profile with the memory tool, and pass it as timezone"
                 )
-            try:
-                # a wall-clock time in `tz`, given its zone on the next line
-                local = datetime.strptime(str(args["at"]).strip().replace("T", " ")[:16], "%Y-%m-%d %H:%M")  # noqa: DTZ007
-            except ValueError:
-                raise ReminderError("at must be 'YYYY-MM-DD HH:MM' (local time)") from None
-            due = local.replace(tzinfo=zone(tz)).timestamp()
+            else:
+                try:
+                    # a wall-clock time in `tz`, given its zone on the next line
+                    local = datetime.strptime(str(args["at"]).strip().replace("T", " ")[:16], "%Y-%m-%d %H:%M")  # noqa: DTZ007
+                except ValueError:
+                    raise ReminderError("at must be 'YYYY-MM-DD HH:MM' (local time)") from None
+                due = local.replace(tzinfo=zone(tz)).timestamp()
         elif isinstance(args.get("in_minutes"), (int, float)) and not isinstance(args.get("in_minutes"), bool):
             if args["in_minutes"] <= 0 or args["in_minutes"] > 366 * 24 * 60:
                 raise ReminderError("in_minutes must be between 0 and a year")
@@ -269,9 +362,49 @@ class ReminderTool:
         if due <= now:
             raise ReminderError("that time has already passed")
         await self.index(due, True)  # first: a crash before the file is written only wakes the scheduler
-        reminder = await self.store.add(text.strip(), due, self.chat, tz=tz, repeat=repeat, cap=self.cap, now=now)
+        reminder = await self.store.add(
+            text.strip(), due, self.chat, tz=tz, repeat=repeat, cap=self.cap, now=now, private=not self.group
+        )
         await self.index(await self.store.next_due(), False)
         return _ok(created=reminder.describe())
+
+
+def _instant(text: str) -> datetime | None:
+    """An ISO 8601 time with an explicit UTC offset (`...+00:00`, `...Z`), else None."""
+    try:
+        parsed = datetime.fromisoformat(text.strip())
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else None
+
+
+def merge_files(target: Path, sources: list[Path]) -> None:
+    """Carry the reminders of closed profiles `sources` into the closed profile `target`
+    (a /link merge): each keeps its lane and time under a new id; one already carried
+    (same text, time, lane and creation) is not added twice."""
+    store = ReminderStore(target)
+    incoming = []
+    for src in sources:
+        raw = ReminderStore(src)._read().get("reminders", [])
+        incoming += [r for r in raw if isinstance(r, dict)]
+    if not incoming:
+        return
+
+    def op(data: dict[str, Any]) -> None:
+        def same(r: dict[str, Any]) -> tuple:
+            return (r.get("text"), r.get("due"), json.dumps(r.get("chat"), sort_keys=True), r.get("created_at"))
+
+        have = {same(r) for r in data["reminders"]}
+        next_id = max([int(data.get("next_id", 1)), *(int(r.get("id", 0)) + 1 for r in data["reminders"])])
+        for raw in incoming:
+            if same(raw) in have:
+                continue
+            data["reminders"].append({**raw, "id": next_id})
+            have.add(same(raw))
+            next_id += 1
+        data["next_id"] = next_id
+
+    store._change(op)
 
 
 def _ok(**fields: Any) -> str:

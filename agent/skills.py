@@ -8,6 +8,11 @@ An update takes the visibility of where it was written: a shared skill updated i
 chat becomes private (it may now hold private details), as a replaced memory entry does.
 Every write is threat-scanned and size-limited like memory; the `skill_manage` tool returns
 a short JSON result.
+
+A group lane must not learn a private skill's name: creating a skill there under a name a
+private skill has succeeds like any free name, and is kept in `skills/<name>.shared/` (a
+folder name no skill name can have). A private chat sees both (its own first); a group
+lane sees only the shared one. Counts in a group lane count only shared skills.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -33,6 +39,7 @@ MAX_SKILL_CHARS = 8000
 MAX_DESCRIPTION_CHARS = 200
 MAX_SKILLS = 50
 SKILL_ACTIONS = ("list", "view", "create", "update", "delete")
+TWIN_SUFFIX = ".shared"  # the folder of a shared skill whose name a private skill holds
 VISIBILITIES = ("private", "shared")
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,47}")
 
@@ -48,6 +55,13 @@ class SkillInfo:
     name: str
     description: str
     visibility: str
+
+
+def _shown(body: str) -> str:
+    """A procedure as the model or an export may read it."""
+    if (reason := first_threat(body)) is not None:  # edited by hand into something unsafe
+        return f"[skill withheld: {reason}]"
+    return body
 
 
 def _render(info: SkillInfo, body: str) -> str:
@@ -96,35 +110,62 @@ class SkillStore:
         raw = read_bytes(folder / SKILL_FILE)
         return None if raw is None else _parse(name, decode(raw, strict=False))
 
+    def _load_twin(self, name: str) -> tuple[SkillInfo, str] | None:
+        """The shared twin of `name` (only ever a shared skill)."""
+        folder = self.skills_dir / f"{name}{TWIN_SUFFIX}"
+        if not _NAME_RE.fullmatch(name) or not self._dir_ok(self.skills_dir) or not self._dir_ok(folder):
+            return None
+        raw = read_bytes(folder / SKILL_FILE)
+        loaded = None if raw is None else _parse(name, decode(raw, strict=False))
+        return loaded if loaded is not None and loaded[0].visibility == "shared" else None
+
     def _all(self) -> list[tuple[SkillInfo, str]]:
         if not self.skills_dir.is_dir() or not self._dir_ok(self.skills_dir):
             return []
         out = []
         for folder in sorted(self.skills_dir.iterdir()):
-            loaded = self._load(folder.name) if folder.is_dir() else None
+            if not folder.is_dir():
+                continue
+            if folder.name.endswith(TWIN_SUFFIX):
+                loaded = self._load_twin(folder.name[: -len(TWIN_SUFFIX)])
+            else:
+                loaded = self._load(folder.name)
             if loaded is not None:
                 out.append(loaded)
         return out
+
+    def _count(self, shared_only: bool) -> int:
+        return sum(1 for info, _ in self._all() if not shared_only or info.visibility == "shared")
 
     async def index(self, *, shared_only: bool) -> list[SkillInfo]:
         """The skills a lane may see (only shared ones in a group lane)."""
         skills = await asyncio.to_thread(self._all)
         return [info for info, _ in skills if not shared_only or info.visibility == "shared"]
 
-    def _visible(self, name: str, shared_only: bool) -> tuple[SkillInfo, str] | None:
+    async def bodies(self) -> list[tuple[SkillInfo, str]]:
+        """Every skill with its procedure as `view` shows it, twins included (a private
+        chat's export)."""
+        return [(info, _shown(body)) for info, body in await asyncio.to_thread(self._all)]
+
+    def _find(self, name: str, shared_only: bool) -> tuple[Path, SkillInfo, str] | None:
+        """The folder and skill `name` resolves to in a lane: the skill itself when the lane
+        may see it, else its shared twin (a group lane); None when the lane sees neither."""
         loaded = self._load(name)
-        if loaded is None or (shared_only and loaded[0].visibility != "shared"):
-            return None
-        return loaded
+        if loaded is not None and (not shared_only or loaded[0].visibility == "shared"):
+            return self.skills_dir / name, *loaded
+        twin = self._load_twin(name)
+        return (self.skills_dir / f"{name}{TWIN_SUFFIX}", *twin) if twin is not None else None
+
+    def _visible(self, name: str, shared_only: bool) -> tuple[SkillInfo, str] | None:
+        found = self._find(name, shared_only)
+        return None if found is None else (found[1], found[2])
 
     async def view(self, name: str, *, shared_only: bool) -> Result:
         loaded = await asyncio.to_thread(self._visible, name, shared_only)
         if loaded is None:
             return _fail(f"No skill named {name!r}. Use action 'list' to see the skills.")
         info, body = loaded
-        if (reason := first_threat(body)) is not None:  # edited by hand into something unsafe
-            body = f"[skill withheld: {reason}]"
-        return {"success": True, "name": info.name, "description": info.description, "content": body}
+        return {"success": True, "name": info.name, "description": info.description, "content": _shown(body)}
 
     # -- writes --------------------------------------------------------------------------
     def _allow_write(self) -> None:
@@ -160,16 +201,23 @@ class SkillStore:
             return err
         info = SkillInfo(name, description.strip(), visibility)
 
+        shared_only = visibility == "shared"
+
         def write() -> Result:
-            if self._load(name) is not None or (self.skills_dir / name).exists():
+            folder = self.skills_dir / name
+            if self._find(name, shared_only) is not None:
                 return _fail(f"A skill named {name!r} already exists; use 'update' to refine it.")
-            if len(self._all()) >= MAX_SKILLS:
+            if folder.exists():  # a private skill (unseen here) or a stray folder: use the twin
+                folder = self.skills_dir / f"{name}{TWIN_SUFFIX}"
+                if not shared_only or folder.exists():
+                    return _fail(f"A skill named {name!r} already exists; use 'update' to refine it.")
+            if self._count(shared_only) >= MAX_SKILLS:
                 return _fail(f"There are already {MAX_SKILLS} skills; delete or merge some first.")
             if not self._dir_ok(self.skills_dir):
                 return _fail("The skills directory is not usable (symlink); nothing was saved.")
             self._allow_write()
-            (self.skills_dir / name).mkdir(mode=0o700, parents=True)
-            atomic_write(self.skills_dir / name / SKILL_FILE, _render(info, content))
+            folder.mkdir(mode=0o700, parents=True)
+            atomic_write(folder / SKILL_FILE, _render(info, content))
             return {"success": True, "message": f"Skill {name!r} created."}
 
         async with self._lock:
@@ -182,16 +230,19 @@ class SkillStore:
             return _fail("Give 'content' and/or 'description' to update.")
 
         def write() -> Result:
-            loaded = self._visible(name, shared_only)
-            if loaded is None:
+            found = self._find(name, shared_only)
+            if found is None:
                 return _fail(f"No skill named {name!r}. Use action 'list' to see the skills.")
-            info, body = loaded
+            folder, info, body = found
             # the text written takes the visibility of the place it was written in (as memory
             # does): a shared skill updated in a private chat may now hold private details
             visibility = "shared" if shared_only else "private"
             new = SkillInfo(name, description.strip() if description else info.description, visibility)
             self._allow_write()
-            atomic_write(self.skills_dir / name / SKILL_FILE, _render(new, content if content else body))
+            if not shared_only and folder.name != name:  # a twin turning private takes the name's folder
+                os.replace(folder, self.skills_dir / name)
+                folder = self.skills_dir / name
+            atomic_write(folder / SKILL_FILE, _render(new, content if content else body))
             return {"success": True, "message": f"Skill {name!r} updated."}
 
         async with self._lock:
@@ -202,10 +253,11 @@ class SkillStore:
             return err
 
         def remove() -> Result:
-            if self._visible(name, shared_only) is None:
+            found = self._find(name, shared_only)
+            if found is None:
                 return _fail(f"No skill named {name!r}.")
             self._allow_write()
-            shutil.rmtree(self.skills_dir / name)
+            shutil.rmtree(found[0])
             return {"success": True, "message": f"Skill {name!r} deleted."}
 
         async with self._lock:

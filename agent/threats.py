@@ -110,6 +110,13 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
             "prompt injection: asks to reveal the system prompt or context",
         ),
         (
+            # upstream Hermes' context_exfil: handing over the conversation or the whole context
+            # ("the full context of the project" is a project's context, not this one)
+            r"\b(?:include|output|print|share)\s+(?:\w+\s+){0,8}?(?:conversation|chat\s+history"
+            r"|previous\s+messages|(?:full|entire)\s+context(?!\s+of\b))\b",
+            "secret exfiltration: asks to hand over the conversation or context",
+        ),
+        (
             r"\byou\s*(?:have|'ve)\s+been\s+(?:updated|upgraded|reprogrammed|reconfigured|patched|modified)\s+"
             r"(?:to|with|so)\b|\byou\s+were\s+(?:updated|upgraded|reprogrammed|reconfigured)\s+(?:to|with|so)\b",
             "prompt injection: fake update ('you have been updated to ...')",
@@ -120,8 +127,9 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
             "prompt injection: asks to translate and execute",
         ),
         (
-            r"<!--[^>]{0,500}?(?:ignore|disregard|override|system|instruction|prompt|assistant|secret"
-            r"|password|do\s+not|don't|execute|send|you\s+(?:are|must|should))",
+            # whole words only: a word that merely contains one ("ecosystem") is no marker
+            r"<!--[^>]{0,500}?(?<![a-z])(?:ignore|disregard|override|system|instructions?|prompts?|assistant"
+            r"|secrets?|passwords?|do\s+not|don't|execute|send|you\s+(?:are|must|should))(?![a-z])",
             "prompt injection: instructions hidden in an HTML comment",
         ),
         (

@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from agent.fileio import open_private, private_file, private_mkdir, tighten_tree, write_private
+from agent.reminders import ReminderStore
 from gateway.config import Config
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir
@@ -401,7 +402,7 @@ def _write_tar(src_dir: Path, out: Path) -> None:
 # ----- gateway.db traces ------------------------------------------------------------------------
 
 
-def _kv_principals(key: str, value: str) -> set[str]:
+def kv_principals(key: str, value: str) -> set[str]:
     """Every principal a gateway.db kv row is about (a link request names two)."""
     found = {_kv_principal(key, value)} - {None}
     if key.startswith("link-request:"):
@@ -451,11 +452,15 @@ def paired_principals(data_dir: Path, principals: Iterable[str]) -> list[str]:
 
 
 def scrub_gateway_db(
-    data_dir: Path, principals: set[str], chats: set[tuple[str, str]], tenant_id: str | None = None
+    data_dir: Path,
+    principals: set[str],
+    chats: set[tuple[str, str]],
+    tenant_id: str | None = None,
+    dues: dict[str, float | None] | None = None,
 ) -> int:
     """Remove a tenant's traces from gateway.db: kv rows naming its principals, inbox and
     outbox rows of its DM chats (or pending rows from its principals), then VACUUM so no freed page
-    keeps them. The gateway must be stopped."""
+    keeps them; `dues` re-indexes other profiles whose reminders changed. The gateway must be stopped."""
     db = Path(data_dir) / "gateway.db"
     if not db.exists():
         return 0
@@ -469,11 +474,16 @@ def scrub_gateway_db(
         with conn:
             if "kv" in tables:
                 for key, value in conn.execute("SELECT key, value FROM kv").fetchall():
-                    if _kv_principals(key, value) & principals:
+                    if kv_principals(key, value) & principals:
                         conn.execute("DELETE FROM kv WHERE key=?", (key,))
                         removed += 1
             if "reminder_due" in tables and tenant_id is not None:  # the reminder index (gateway/reminders.py)
                 removed += conn.execute("DELETE FROM reminder_due WHERE tenant_id=?", (tenant_id,)).rowcount
+            for other, due in (dues or {}).items() if "reminder_due" in tables else ():
+                if due is None:
+                    conn.execute("DELETE FROM reminder_due WHERE tenant_id=?", (other,))
+                else:
+                    conn.execute("UPDATE reminder_due SET due_at=? WHERE tenant_id=?", (due, other))
             if "inbound" in tables:
                 for platform, chat in chats:
                     removed += conn.execute(
@@ -663,6 +673,7 @@ class DeleteReport:
     links_removed: list[str]
     gateway_rows: int
     pinned: list[str]
+    shared_rows: int = 0  # cluster mode: rows removed from PostgreSQL
 
 
 def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
@@ -697,6 +708,8 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
                     chats -= dm_chats(other.path)
             for path in dirs:
                 shutil.rmtree(path)
+            # the person owns the reminders they set, even in a shared chat's profile
+            dues = _drop_reminders_of(data_dir, principals)
         finally:
             os.close(lock_fd)
         removed_links, pinned = [], []
@@ -710,8 +723,24 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
             removed_links.append(p)
         if removed_links or (data_dir / "links.json").exists():
             links.save()
-        rows = scrub_gateway_db(data_dir, principals, chats, info.tenant_id)
-    return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned)
+        rows = scrub_gateway_db(data_dir, principals, chats, info.tenant_id, dues)
+        shared = 0
+        if cfg.cluster.enabled:  # what the nodes share lives in PostgreSQL
+            from gateway.cluster.erase import erase_tenant_now
+
+            shared = erase_tenant_now(cfg, info.tenant_id, principals, chats)
+    return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned, shared)
+
+
+def _drop_reminders_of(data_dir: Path, principals: set[str]) -> dict[str, float | None]:
+    """Remove the reminders `principals` set in any other profile (a shared chat's); the
+    next due time of each profile changed, for the scheduler's index."""
+    dues: dict[str, float | None] = {}
+    for other in scan_profiles(data_dir):
+        store = ReminderStore(other.path)
+        if store.remove_where_now(lambda r: any(r.chat.of_account(p) for p in principals)):
+            dues[other.tenant_id] = store.next_due_now()
+    return dues
 
 
 def _lock_profile(path: Path) -> int:
@@ -1004,7 +1033,8 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
         f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
         f"{_count(stats['sessions'], 'session', 'sessions')}, {_count(stats['messages'], 'message', 'messages')}, "
         f"memory, provider data, "
-        f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db."
+        f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db"
+        + (" and PostgreSQL." if cfg.cluster.enabled else ".")
     )
     if not args.yes:
         if not sys.stdin.isatty():
@@ -1019,6 +1049,7 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
         f"deleted {report.tenant_id}: {_count(len(report.removed_dirs), 'profile directory', 'profile directories')}, "
         f"{_count(len(report.links_removed), 'link entry', 'link entries')}, "
         f"{_count(report.gateway_rows, 'gateway.db row', 'gateway.db rows')}"
+        + (f", {_count(report.shared_rows, 'PostgreSQL row', 'PostgreSQL rows')}" if cfg.cluster.enabled else "")
     )
     if report.pinned:
         print(

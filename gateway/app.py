@@ -742,6 +742,8 @@ class GatewayApp:
                             last.msg.thread_id,
                             last.msg.user_id,
                             last.msg.user_name,
+                            private_thread=last.msg.private_thread,
+                            lane=lane.session_key,
                         ),
                     )
                 finally:

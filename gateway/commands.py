@@ -426,12 +426,8 @@ async def cmd_export(ctx: CommandContext) -> str:
     skills = ctx.app.agent.lane_skills(ctx.profile, ctx.lane)
     if skills is not None:
         data["skills"] = [
-            {
-                "name": info.name,
-                "description": info.description,
-                "content": (await skills.view(info.name, shared_only=False)).get("content"),
-            }
-            for info in await skills.index(shared_only=False)
+            {"name": info.name, "description": info.description, "content": body}
+            for info, body in await skills.bodies()
         ]
     out_dir = ctx.profile.path / "exports"
     private_mkdir(out_dir)
@@ -490,24 +486,28 @@ async def cmd_stop(ctx: CommandContext) -> str:
 
 
 async def cmd_reminders(ctx: CommandContext) -> str:
-    """/reminders lists the reminders set in this chat (in a private chat: all of yours);
+    """/reminders lists the reminders set in this lane (in a private chat: all of yours);
     /reminders cancel N cancels one."""
-    from agent.reminders import ReminderStore
+    from agent.reminders import Reminder, ReminderStore
 
     store = ReminderStore(ctx.profile.path)
-    here_only = ctx.msg.chat_type != "dm"  # a group sees only what was set in the group
+    msg = ctx.msg
+
+    def here(reminder: Reminder) -> bool:  # any other lane sees only what was set in it
+        return ctx.lane.private or reminder.chat.in_lane(msg.platform, msg.chat_id, msg.thread_id, ctx.lane.session_key)
+
     words = ctx.args.split()
     if words and words[0].lower() == "cancel":
         if len(words) != 2 or not words[1].lstrip("#").isdigit():
             return "Usage: /reminders cancel N (the number from /reminders)."
-        removed = await store.cancel(int(words[1].lstrip("#")), chat_id=ctx.msg.chat_id if here_only else None)
+        removed = await store.cancel(int(words[1].lstrip("#")), where=here)
         if removed is None:
             return f"There's no reminder #{words[1].lstrip('#')} here."
         await ctx.app.reminders.note(ctx.profile.tenant_id, await store.next_due(), False)
         return f"Cancelled: {removed.describe()}"
     if words:
         return "Usage: /reminders, or /reminders cancel N."
-    mine = [r for r in await store.all() if not here_only or r.chat.chat_id == ctx.msg.chat_id]
+    mine = [r for r in await store.all() if here(r)]
     if not mine:
         return 'No reminders set here. Ask me, e.g. "remind me tomorrow at 9 to call Sam".'
     return "\n".join(["Your reminders:", *(r.describe() for r in mine), "Cancel one with /reminders cancel N."])

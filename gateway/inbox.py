@@ -2,7 +2,10 @@
 recorded before it is acknowledged, answered at most once, and replayed after a crash.
 
 The message text is kept only while the message is pending and erased once it has been
-answered, so this shared database holds no tenant's conversation.
+answered, so this shared database holds no tenant's conversation. Erased for real: the
+connections run with `secure_delete` (freed bytes are zeroed), and within
+`ERASE_CHECKPOINT_S` of an erase a `wal_checkpoint(TRUNCATE)` empties the `-wal` file, which
+would otherwise keep the old page images (and so the text) until SQLite reused them.
 
 `record` and `finish` are write-combined: calls made while a batch is being written are
 queued and go together as one statement (one transaction) when it is done; each caller
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +29,8 @@ from adapters.base import InboundMessage
 from agent.fileio import private_file, private_mkdir
 
 T = TypeVar("T")
+log = logging.getLogger("hermes.inbox")
+ERASE_CHECKPOINT_S = 30.0  # an erased text leaves gateway.db-wal at most this long after
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inbound (
@@ -91,6 +97,9 @@ class Inbox:
         self._db: aiosqlite.Connection | None = None
         self._records: WriteCombiner[InboundMessage, bool] = WriteCombiner(self._record_batch)
         self._finishes: WriteCombiner[tuple[InboundMessage, str], None] = WriteCombiner(self._finish_batch)
+        self.erase_checkpoint_s = ERASE_CHECKPOINT_S  # tests shorten it
+        self._erased = False  # text was erased since the last checkpoint
+        self._checkpointer: asyncio.Task | None = None
 
     async def open(self) -> None:
         private_mkdir(self.path.parent)
@@ -100,12 +109,52 @@ class Inbox:
         await self._db.execute("PRAGMA journal_mode=WAL")
         await self._db.execute(f"PRAGMA synchronous={'FULL' if self.fsync == 'always' else 'NORMAL'}")
         await self._db.execute("PRAGMA busy_timeout=5000")
+        await self._db.execute("PRAGMA secure_delete=ON")
         await self._db.executescript(_SCHEMA)
+        self._checkpointer = asyncio.create_task(self._checkpoints(), name="gateway.db erase")
 
     async def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.cancel()
+            try:
+                await self._checkpointer
+            except asyncio.CancelledError:
+                pass
+            self._checkpointer = None
         if self._db is not None:
+            try:
+                await self.checkpoint()
+            except sqlite3.Error:
+                log.warning(
+                    "gateway.db: could not checkpoint on close; erased text stays in its -wal file until the next start"
+                )
             await self._db.close()
             self._db = None
+
+    def erased(self) -> None:
+        """Text was erased (an answered message, a sent chunk): checkpoint soon."""
+        self._erased = True
+
+    async def checkpoint(self) -> bool:
+        """Copy the WAL into the database and truncate it (so no erased text stays in it);
+        False when a reader kept it from finishing (tried again later)."""
+        rows = list(await self.db.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)"))
+        done = not rows or rows[0][0] == 0
+        if not done:
+            self._erased = True
+        return done
+
+    async def _checkpoints(self) -> None:
+        while True:
+            await asyncio.sleep(self.erase_checkpoint_s)
+            if not self._erased:
+                continue
+            self._erased = False
+            try:
+                await self.checkpoint()
+            except sqlite3.Error as err:
+                self._erased = True
+                log.warning("gateway.db: checkpoint after an erase failed (%s); trying again", err)
 
     @property
     def db(self) -> aiosqlite.Connection:
@@ -160,6 +209,7 @@ class Inbox:
             "WHERE inbound.platform=v.p AND inbound.chat_id=v.c AND inbound.message_id=v.m",
             params,
         )
+        self._erased = True
         return [None] * len(items)
 
     @staticmethod
@@ -185,6 +235,7 @@ class Inbox:
                     con.execute("ROLLBACK")
                 raise
 
+        self._erased = True  # such a transaction may finish messages (finish_sync)
         return await self.db._execute(run, self.db._conn)  # aiosqlite's own thread hop
 
     async def pending(self) -> list[InboundMessage]:

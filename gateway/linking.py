@@ -67,8 +67,12 @@ from adapters.base import InboundMessage
 from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
 from agent.memory_files import BASELINE_FILE, Baselines, digest
+from agent.reminders import FILE as REMINDERS_FILE
+from agent.reminders import Reminder, ReminderStore
+from agent.reminders import merge_files as merge_reminders
 from agent.sessions import SessionStore
 from agent.visibility import VISIBILITY_FILE, Marks, entry_key
+from gateway.admin import dm_chats
 from gateway.kv import KeyValue, SqliteKV
 from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
 from tenancy.profiles import SCHEMA_VERSION, write_manifest
@@ -261,6 +265,7 @@ class Linking:
                     await asyncio.to_thread(
                         _retire, tenant_dir(self.app.cfg.data_dir, source), info.get("target", target.name)
                     )
+                await self._reindex_reminders(info.get("target", ""), info.get("sources", []))
                 log.info("link: finished a merge a crash interrupted (%s)", target.name)
                 everyone = ", ".join(self.app.links.principals_of(info["name"]))
                 text = f"Linked: {everyone} are now one person for me, with one memory and all conversations kept."
@@ -601,6 +606,7 @@ class Linking:
                 await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source), plan.target)
             except Exception:
                 log.exception("link: could not remove a merged profile (`profiles delete` of the link removes it)")
+        await self._reindex_reminders(plan.target, plan.sources)
         self.app.metrics.links.inc(kind="merge", outcome="ok")
         log.info("link: merged %d profile(s) into %s", len(plan.sources), plan.target)
         everyone = ", ".join(links.principals_of(plan.name))
@@ -610,6 +616,56 @@ class Linking:
                 f"Linked: {everyone} are now one person for me, with one memory and all "
                 "conversations kept. Send /unlink from an account to separate it again.",
             )
+
+    async def _reindex_reminders(self, target: str, sources: list[str]) -> None:
+        """After a merge: the scheduler's index names the merged profile's next reminder,
+        and no longer the profiles merged into it."""
+        if not target or not self.app.cfg.reminders_on:
+            return
+        try:
+            store = ReminderStore(tenant_dir(self.app.cfg.data_dir, target))
+            await self.app.reminders.note(target, await store.next_due(), False)
+            for source in sources:
+                await self.app.reminders.note(source, None, False)
+        except Exception:
+            log.exception("link: could not index the merged profile's reminders (they fire after the next change)")
+
+    async def _stop_reminders_of(self, link_tenant: str, departed: str) -> list[Reminder]:
+        """/unlink: the link's reminders set from the account that left stop (their chat is
+        not the link's any more); the stopped ones."""
+        store = ReminderStore(tenant_dir(self.app.cfg.data_dir, link_tenant))
+        stopped = await store.remove_where(lambda r: r.chat.of_account(departed))
+        if stopped and self.app.cfg.reminders_on:
+            await self.app.reminders.note(link_tenant, await store.next_due(), False)
+        return stopped
+
+    async def _tell_stopped(self, link_tenant: str, stayed: list[str], msg: InboundMessage, text: str) -> None:
+        """Tell the accounts that stayed, in their private chats with the bot (the link's DM
+        lanes on their platforms, not the chat /unlink was sent from)."""
+        path = tenant_dir(self.app.cfg.data_dir, link_tenant)
+        users: dict[str, list[str]] = {}
+        for p in stayed:
+            platform, _, uid = p.partition(":")
+            users.setdefault(platform, []).append(uid)
+        told = 0
+        for platform, chat in sorted(await asyncio.to_thread(dm_chats, path)):
+            if platform not in users or (platform, chat) == (msg.platform, msg.chat_id):
+                continue
+            uids = users[platform]
+            user = chat if chat in uids or len(uids) != 1 else uids[0]
+            await self._tell(
+                InboundMessage(
+                    platform=platform,
+                    chat_id=chat,
+                    chat_type="dm",
+                    user_id=user,
+                    message_id=f"unlink-{secrets.token_hex(4)}",
+                ),
+                text,
+            )
+            told += 1
+        if not told:
+            log.warning("unlink: no private chat of the remaining accounts is known; the stopped reminders went untold")
 
     async def _tell(self, msg: InboundMessage, text: str) -> None:
         try:
@@ -702,7 +758,20 @@ class Linking:
             self._ungate([personal])
         self.app.metrics.links.inc(kind="unlink", outcome="ok")
         log.info("unlink: one account left %s", link_tenant)
+        try:  # cluster mode has no reminders (and writes a profile only under its lease)
+            stopped = [] if self.cluster else await self._stop_reminders_of(link_tenant, target)
+        except Exception:
+            log.exception("unlink: could not stop the reminders set from the account that left")
+            stopped = []
+        note = ""
+        if stopped:
+            note = (
+                f"\n\n{len(stopped)} reminder(s) set from {target} while linked will not fire any more "
+                "(they were delivered into its chats):\n" + "\n".join(r.describe() for r in stopped)
+            )
         if target == principal:
+            if note:
+                await self._tell_stopped(link_tenant, others, msg, f"{target} left this identity.{note}")
             return (
                 f"Done: this account is separate again from now on, with a fresh memory. Everything from the "
                 f"linked time stays with {', '.join(others)}."
@@ -710,7 +779,7 @@ class Linking:
         return (
             f"Done: {target} is no longer part of this identity. From now on it starts over with a fresh "
             "memory; it can no longer see this identity's memory or conversations. What it said while "
-            "linked stays here."
+            f"linked stays here.{note}"
         )
 
 
@@ -831,6 +900,7 @@ def merge_profiles(target: Path, sources: list[Path], limits: dict[str, int], pr
                 _merge_db(src, target)
                 _merge_files(src, target)
         merge_memory(target, sources, limits)
+        merge_reminders(target, sources)
         manifest = json.loads((target / "tenant.json").read_text(encoding="utf-8"))
         have = manifest.setdefault("principals", [])
         for src in sources:
@@ -907,6 +977,8 @@ def _merge_files(src: Path, target: Path) -> None:
         "state.db-journal",
         RETIRED_MARKER,
         PENDING_MARKER,
+        REMINDERS_FILE,  # merged entry by entry (agent/reminders.py)
+        f".{REMINDERS_FILE}.lock",
     }
     for root, dirs, files in os.walk(src):
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]

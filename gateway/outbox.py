@@ -112,6 +112,7 @@ class Outbox:
         # (and thread), so they never queue behind the inbox's statements
         self._marks = await aiosqlite.connect(self.inbox.path, isolation_level=None)
         await self._marks.execute("PRAGMA busy_timeout=5000")
+        await self._marks.execute("PRAGMA secure_delete=ON")  # a sent chunk's text is zeroed, not freed
         await self._marks.execute(f"PRAGMA synchronous={'FULL' if self.inbox.fsync == 'always' else 'NORMAL'}")
 
     async def close(self) -> None:
@@ -167,10 +168,12 @@ class Outbox:
         await self._mark_db.execute(
             "UPDATE outbox SET status='sent', sent_id=?, text=NULL WHERE id=?", (sent_id, chunk_id)
         )
+        self.inbox.erased()
 
     async def give_up(self, chunk_id: int, status: str) -> None:
         """`refused` (the chat is gone for the bot) or `expired` (older than max_age_s)."""
         await self._mark_db.execute("UPDATE outbox SET status=?, text=NULL WHERE id=?", (status, chunk_id))
+        self.inbox.erased()
 
     async def next_for(self, platform: str, chat_id: str) -> Chunk | None:
         """The chat's oldest unsent chunk."""

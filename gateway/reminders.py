@@ -1,8 +1,9 @@
 """Delivering reminders: an index of next-due times per tenant in gateway.db, and a
 scheduler that reads only the due tenants' `reminders.json` (never every profile).
 
-A due occurrence becomes a synthetic inbound message (`message_id` `reminder:<id>:<due>`)
-recorded in the inbox like any platform message: the inbox's dedupe makes it happen once
+A due occurrence becomes a synthetic inbound message (`message_id`
+`reminder:<owner>:<id>:<due>`, the owner a digest of the tenant and the reminder's creation,
+so two people's reminders for one minute in one chat never share an id), recorded in the inbox like any platform message: the inbox's dedupe makes it happen once
 even if the scheduler runs again after a crash, and its replay delivers it after a restart.
 The lane worker then records the reminder as an assistant message in the lane's session
 and sends it (`deliver_text`); recording and sending follow the same path as every reply.
@@ -22,7 +23,7 @@ import aiosqlite
 from adapters.base import InboundMessage
 from agent.messages import StoredMessage
 from agent.reminders import Reminder, ReminderStore
-from tenancy.keys import tenant_dir
+from tenancy.keys import chat_tenant_id, tenant_dir
 
 log = logging.getLogger("hermes.reminders")
 
@@ -44,17 +45,22 @@ def is_reminder(msg: InboundMessage) -> bool:
     return msg.message_id.startswith(PREFIX)
 
 
-def occurrence(reminder: Reminder) -> InboundMessage:
-    """The synthetic inbound message of a reminder's current occurrence, in its chat's lane."""
+def occurrence(reminder: Reminder, tenant_id: str) -> InboundMessage:
+    """The synthetic inbound message of a reminder's current occurrence (kept by `tenant_id`),
+    in the lane it was set in."""
     chat = reminder.chat
+    owner = hashlib.sha256(f"{tenant_id}\0{reminder.id}\0{reminder.created_at!r}".encode()).hexdigest()[:16]
     return InboundMessage(
         platform=chat.platform,
         chat_id=chat.chat_id,
         chat_type=chat.chat_type,
         thread_id=chat.thread_id,
+        # a file from before the flag was kept: the thread's own tenant keeps only private threads
+        private_thread=chat.private_thread
+        or (chat.thread_id is not None and tenant_id == chat_tenant_id(chat.platform, chat.thread_id)),
         user_id=chat.user_id,
         user_name=chat.user_name,
-        message_id=f"{PREFIX}{reminder.id}:{reminder.due:.3f}",
+        message_id=f"{PREFIX}{owner}:{reminder.id}:{reminder.due:.3f}",
         text=reminder.text,
         timestamp=reminder.due,
         mentions_bot=True,
@@ -180,7 +186,7 @@ class ReminderScheduler:
             for reminder in await store.all():
                 if reminder.due > now:
                     break
-                if await self._submit(occurrence(reminder)):
+                if await self._submit(occurrence(reminder, tenant_id)):
                     handed += 1
                 await store.advance(reminder.id, reminder.due, now)
             await self.note(tenant_id, await store.next_due(), False)

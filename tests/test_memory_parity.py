@@ -75,6 +75,24 @@ async def test_drift_is_detected_by_a_store_opened_after_a_restart(profile: Path
     assert await fresh.entries("user") == ["Likes tea", "Likes green tea best", "Lives in Lyon"]
 
 
+async def test_an_add_keeps_a_line_typed_into_the_file_without_a_delimiter(store: MemoryStore, profile: Path) -> None:
+    await store.add("memory", "Project uses Python 3.11")
+    await store.add("memory", "Deploys on Fridays")
+    path = mem_file(profile)
+    with path.open("a", encoding="utf-8") as fh:  # a mild hand edit: one more line, no delimiter
+        fh.write("\nand on Mondays before noon")
+    r = await tool(store, action="add", target="memory", content="Uses pytest")
+    assert r["success"] is True
+    assert await store.entries("memory") == [
+        "Project uses Python 3.11",
+        "Deploys on Fridays\nand on Mondays before noon",
+        "Uses pytest",
+    ]
+    # a rewriting action after that works against what is really there
+    r = await tool(store, action="replace", target="memory", old_text="Python 3.11", content="Project uses Python 3.12")
+    assert r["success"] is True
+
+
 async def test_a_hand_written_file_the_store_never_wrote_is_its_base(store: MemoryStore, profile: Path) -> None:
     mem_file(profile).parent.mkdir(parents=True)
     mem_file(profile).write_text("Written before the gateway existed", encoding="utf-8")

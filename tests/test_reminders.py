@@ -3,11 +3,13 @@ tenant's profile, delivered once into the chat they were set in, after restarts 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
+from adapters.base import InboundMessage
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool, next_occurrence
 from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
@@ -172,3 +174,231 @@ async def test_times_are_read_in_the_persons_time_zone(tmp_path):
         await tool.handle({"action": "create", "text": "x", "at": "2026-03-28 09:00", "timezone": "Mars/Olympus"})
     )
     assert bad["success"] is False and "unknown time zone" in bad["error"]
+
+
+def private_thread(user: str, text: str) -> InboundMessage:
+    """A message in the Discord-style private thread `pt1` of channel `chan`."""
+    base = group("chan", user, text, thread_id="pt1")
+    return base.model_copy(update={"private_thread": True})
+
+
+async def test_a_reminder_set_in_a_private_thread_is_delivered_and_kept_in_that_thread_only(config_for, fake_llm):
+    cfg = config_for()
+    await set_reminder(cfg, fake_llm, lambda t: private_thread("mia", t), text="secret plan", in_minutes=15)
+    app, adapter = await run_later(cfg, 16 * 60)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert [(m.chat_id, m.thread_id, m.text) for m in adapter.sent] == [
+        ("chan", "pt1", "⏰ Reminder for mia: secret plan")
+    ]
+    kept = [m.content for m in await stored(cfg, "testchat-chat-pt1") if m.meta.get("reminder")]
+    assert kept == ["⏰ Reminder for mia: secret plan"]
+    # the parent channel's shared profile (read by every public thread of it) holds nothing of it
+    parent = tenant_dir(cfg.data_dir, "testchat-chat-chan")
+    assert not parent.exists() or all(
+        "secret plan" not in (m.content or "") for m in await stored(cfg, "testchat-chat-chan")
+    )
+
+
+async def test_a_thread_reminder_is_neither_listed_nor_cancelled_from_its_parent_channel(config_for, fake_llm):
+    cfg = config_for(tenancy={"thread_sessions_per_user": True})
+    in_thread = lambda t: group("g5", "kai", t, thread_id="t1")  # noqa: E731
+    await set_reminder(cfg, fake_llm, in_thread, text="thread chore", in_minutes=60)
+    fake_llm.script(tool_call("reminders", {"action": "list"}), reply("Here they are."))
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        assert await say(app, adapter, group("g5", "kai", "/reminders")) == [
+            'No reminders set here. Ask me, e.g. "remind me tomorrow at 9 to call Sam".'
+        ]
+        assert await say(app, adapter, group("g5", "kai", "/reminders cancel 1")) == ["There's no reminder #1 here."]
+        await say(app, adapter, group("g5", "kai", "what reminders do I have?"))
+        (listing,) = await say(app, adapter, in_thread("/reminders"))
+    finally:
+        await app.stop()
+    assert tool_results(fake_llm)[-1] == {"success": True, "count": 0, "reminders": []}
+    assert "thread chore" in listing
+    assert [r.text for r in await ReminderStore(tenant_dir(cfg.data_dir, "testchat-kai")).all()] == ["thread chore"]
+
+
+async def test_two_members_reminders_for_the_same_minute_in_one_group_are_both_delivered(config_for, fake_llm):
+    cfg = config_for()
+    at = datetime.fromtimestamp(time.time() + 7200, ZoneInfo("UTC")).strftime("%Y-%m-%d %H:%M")
+    for who, text in (("ann", "ann's call"), ("bob", "bob's call")):
+        await set_reminder(cfg, fake_llm, lambda t, w=who: group("g7", w, t), text=text, at=at, timezone="UTC")
+    app, adapter = await run_later(cfg, 7200 + 30)  # due at most a minute and a half before
+    try:
+        await until(lambda: len(adapter.sent) >= 2)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert sorted(adapter.texts("g7")) == ["⏰ Reminder for ann: ann's call", "⏰ Reminder for bob: bob's call"]
+
+
+async def test_an_iso_time_with_an_offset_is_accepted_and_said_back_in_local_time(tmp_path):
+    store = ReminderStore(tmp_path)
+
+    async def index(due, lower_only):
+        pass
+
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=ZoneInfo("UTC")).timestamp()
+    chat = ReminderChat("telegram", "111", "dm", None, "111", "lea")
+    tool = ReminderTool(store, chat, 10, index, group=False, clock=lambda: now)
+    made = json.loads(await tool.handle({"action": "create", "text": "tea", "at": "2026-12-01T19:37:44+00:00"}))
+    assert made["success"] is True and "19:37 (UTC)" in made["created"]
+    (first,) = await store.all()
+    assert first.due == datetime(2026, 12, 1, 19, 37, 44, tzinfo=ZoneInfo("UTC")).timestamp()
+    made = json.loads(await tool.handle({"action": "create", "text": "call", "at": "2026-12-01T21:30:00+05:30"}))
+    assert made["success"] is True and "21:30 (UTC+05:30)" in made["created"]
+    # with the person's zone known, the same instant is said in it
+    made = json.loads(
+        await tool.handle(
+            {"action": "create", "text": "nap", "at": "2026-12-01T19:00:00Z", "timezone": "Europe/Berlin"}
+        )
+    )
+    assert made["success"] is True and "20:00 (Europe/Berlin)" in made["created"]
+    # a repeating one at a fixed offset keeps it
+    made = json.loads(
+        await tool.handle({"action": "create", "text": "walk", "at": "2026-12-01T18:00:00-03:00", "repeat": "daily"})
+    )
+    walk = next(r for r in await store.all() if r.text == "walk")
+    assert next_occurrence(walk.due, walk.tz, "daily", walk.due) - walk.due == 86400
+
+
+async def test_unlink_stops_the_departed_accounts_reminders_and_tells_the_link_in_its_dm(config_for, fake_llm):
+    from tests.test_linking import link
+
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = GatewayApp(cfg, [tg, dc])
+    await app.start()
+    try:
+        await say(app, tg, dm("111", "hello", platform="telegram"))
+        await link(app, tg, dc)
+        link_tenant = app.links.tenant_for("telegram:111")
+        fake_llm.script(create(text="dc daily pill", in_minutes=30, repeat="daily"), reply("Okay."))
+        await say(app, dc, dm("222", "remind me daily", platform="discord"))
+        fake_llm.script(create(text="tg errand", in_minutes=40), reply("Okay."))
+        await say(app, tg, dm("111", "remind me", platform="telegram"))
+        before = len(tg.sent)
+        assert (await say(app, dc, dm("222", "/unlink", platform="discord")))[0].startswith("Done")
+        assert await app.drain(10)
+        (told,) = tg.texts()[before:]
+        assert "dc daily pill" in told and "will not fire" in told and "tg errand" not in told
+        assert "dc daily pill" not in "".join(dc.texts())
+        assert (await say(app, dc, dm("222", "/reminders", platform="discord")))[0].startswith("No reminders")
+        assert "tg errand" in (await say(app, tg, dm("111", "/reminders", platform="telegram")))[0]
+    finally:
+        await app.stop()
+    kept = await ReminderStore(tenant_dir(cfg.data_dir, link_tenant)).all()
+    assert [r.text for r in kept] == ["tg errand"]
+    later = GatewayApp(cfg, [tg, dc])
+    later.reminders.clock = lambda: time.time() + 41 * 60
+    tg.sent.clear()
+    dc.sent.clear()
+    await later.start()
+    try:
+        await until(lambda: tg.sent)
+        assert await later.drain(10)
+    finally:
+        await later.stop()
+    assert dc.sent == [] and [m.text for m in tg.sent] == ["⏰ Reminder: tg errand"]  # the pill never fires
+    fresh = tenant_dir(cfg.data_dir, "discord-222")
+    assert not fresh.exists() or all("dc daily pill" not in (m.content or "") for m in await stored(cfg, "discord-222"))
+
+
+async def test_a_link_merge_carries_both_profiles_reminders_indexed_and_firing(config_for, fake_llm):
+    from tests.test_linking import link
+
+    cfg = config_for(limits={"rate_limit_per_minute": 100})
+    await set_reminder(cfg, fake_llm, lambda t: dm("111", t, platform="telegram"), text="tg plants", in_minutes=20)
+    await set_reminder(cfg, fake_llm, lambda t: dm("222", t, platform="discord"), text="dc bins", in_minutes=25)
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = GatewayApp(cfg, [tg, dc])
+    await app.start()
+    try:
+        await link(app, tg, dc)
+        link_tenant = app.links.tenant_for("telegram:111")
+        (listing,) = await say(app, dc, dm("222", "/reminders", platform="discord"))
+        assert "tg plants" in listing and "dc bins" in listing
+    finally:
+        await app.stop()
+    merged = tenant_dir(cfg.data_dir, link_tenant)
+    assert sorted(r.text for r in await ReminderStore(merged).all()) == ["dc bins", "tg plants"]
+    assert not list(merged.glob("reminders.from-*"))
+    tg.sent.clear()
+    dc.sent.clear()
+    later = GatewayApp(cfg, [tg, dc])
+    later.reminders.clock = lambda: time.time() + 26 * 60
+    await later.start()
+    try:
+        await until(lambda: tg.sent and dc.sent)
+        assert await later.drain(10)
+    finally:
+        await later.stop()
+    assert [m.text.split("\n")[0] for m in tg.sent] == ["⏰ Reminder: tg plants"]
+    assert [m.text.split("\n")[0] for m in dc.sent] == ["⏰ Reminder: dc bins"]
+
+
+async def test_deleting_a_person_removes_the_reminders_they_set_in_a_shared_thread(config_for, fake_llm):
+    from gateway.admin import delete_tenant, find_tenant
+
+    cfg = config_for()
+    in_thread = lambda who: lambda t: group("g3", who, t, thread_id="t9")  # noqa: E731
+    await set_reminder(cfg, fake_llm, lambda t: dm("alice", t), text="alice private", in_minutes=50)
+    await set_reminder(cfg, fake_llm, in_thread("alice"), text="alice in thread", in_minutes=30)
+    await set_reminder(cfg, fake_llm, in_thread("bob"), text="bob in thread", in_minutes=40)
+    shared = tenant_dir(cfg.data_dir, "testchat-chat-g3")
+    assert sorted(r.text for r in await ReminderStore(shared).all()) == ["alice in thread", "bob in thread"]
+    await asyncio.to_thread(delete_tenant, cfg, find_tenant(cfg, "testchat:alice"))
+    assert [r.text for r in await ReminderStore(shared).all()] == ["bob in thread"]
+    app, adapter = await run_later(cfg, 45 * 60)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert [m.text.split("\n")[0] for m in adapter.sent] == ["⏰ Reminder for bob: bob in thread"]
+
+
+async def test_a_private_thread_reminder_stored_before_the_flag_was_kept_still_goes_to_the_thread(config_for, fake_llm):
+    cfg = config_for()
+    await set_reminder(cfg, fake_llm, lambda t: private_thread("mia", t), text="old plan", in_minutes=15)
+    store = tenant_dir(cfg.data_dir, "testchat-chat-pt1") / "reminders.json"
+    data = json.loads(store.read_text("utf-8"))
+    for r in data["reminders"]:  # as an older version wrote it
+        r["chat"].pop("private_thread")
+        r["chat"].pop("lane")
+    store.write_text(json.dumps(data), "utf-8")
+    app, adapter = await run_later(cfg, 16 * 60)
+    try:
+        await until(lambda: adapter.sent)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    kept = [m.content for m in await stored(cfg, "testchat-chat-pt1") if m.meta.get("reminder")]
+    assert kept == ["⏰ Reminder for mia: old plan"]
+    assert not tenant_dir(cfg.data_dir, "testchat-chat-chan").exists()
+
+
+async def test_in_a_group_the_cap_refusal_names_no_count_of_reminders_it_cannot_see(tmp_path):
+    store = ReminderStore(tmp_path)
+
+    async def index(due, lower_only):
+        pass
+
+    private = ReminderTool(store, ReminderChat("t", "dm-1", "dm", None, "1", "lea"), 1, index, group=False)
+    assert json.loads(await private.handle({"action": "create", "text": "dm one", "in_minutes": 5}))["success"]
+    in_group = ReminderTool(
+        store, ReminderChat("t", "g1", "group", None, "1", "lea", lane="g1:1"), 1, index, group=True
+    )
+    refused = json.loads(await in_group.handle({"action": "create", "text": "team", "in_minutes": 5}))
+    assert refused["success"] is False and "private chat" in refused["error"]
+    assert "1 reminders" not in refused["error"] and not any(ch.isdigit() for ch in refused["error"])
+    assert json.loads(await in_group.handle({"action": "list"})) == {"success": True, "count": 0, "reminders": []}
+    refused = json.loads(await private.handle({"action": "create", "text": "dm two", "in_minutes": 5}))
+    assert "1 reminders, the most allowed" in refused["error"]

@@ -225,3 +225,36 @@ async def test_a_skill_write_under_a_lost_lease_is_refused_and_nothing_is_writte
         assert not (await manage(fenced, **args))["success"], args
     assert not (tmp_path / "skills" / "new").exists()
     assert (await manage(held, action="view", name="brew"))["content"] == "Boil."
+
+
+async def test_a_group_cannot_probe_private_skill_names_through_create(store: SkillStore) -> None:
+    made = await manage(store, action="create", name="tax-return", description="My taxes", content="1. secret")
+    assert made["success"] is True
+    # in a group, a private skill's name answers exactly as a free name does
+    taken = await manage(store, shared=True, action="create", name="tax-return", description="Ours", content="1. a")
+    free = await manage(store, shared=True, action="create", name="bbq-plan", description="Ours", content="1. b")
+    assert taken == {"success": True, "message": "Skill 'tax-return' created."}
+    assert free == {"success": True, "message": "Skill 'bbq-plan' created."}
+    listed = await manage(store, shared=True, action="list")
+    assert listed["skills"] == [
+        {"name": "bbq-plan", "description": "Ours"},
+        {"name": "tax-return", "description": "Ours"},
+    ]
+    assert (await manage(store, shared=True, action="view", name="tax-return"))["content"].strip() == "1. a"
+    # the private chat keeps its own skill under the name, and still sees the group's
+    assert (await manage(store, action="view", name="tax-return"))["content"].strip() == "1. secret"
+    assert (await manage(store, shared=True, action="delete", name="tax-return"))["success"] is True
+    assert (await manage(store, action="view", name="tax-return"))["content"].strip() == "1. secret"
+    assert [s["name"] for s in (await manage(store, shared=True, action="list"))["skills"]] == ["bbq-plan"]
+
+
+async def test_a_groups_skill_count_never_counts_private_skills(store: SkillStore, monkeypatch) -> None:
+    import agent.skills as skills
+
+    monkeypatch.setattr(skills, "MAX_SKILLS", 2)
+    for name in ("p-one", "p-two"):
+        assert (await manage(store, action="create", name=name, description="d", content="c"))["success"] is True
+    made = await manage(store, shared=True, action="create", name="team", description="d", content="c")
+    assert made["success"] is True
+    refused = await manage(store, action="create", name="p-three", description="d", content="c")
+    assert refused["success"] is False and "already 2 skills" in refused["error"]

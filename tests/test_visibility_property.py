@@ -25,6 +25,11 @@ tenant the account maps to: its own, or its link's):
   departed account says afterwards. If the account joins the link again (confirmed), the
   link's conversations of its lanes are its own again.
 - A link code seen in a group is burnt: redeeming it afterwards links nothing.
+- Reminders (their text is a canary): one set in a lane may be shown (by `/reminders`, by
+  the tool's `list`, by a cancel) in that lane, and in a private chat of any account of the
+  store that holds it; never in another lane, chat, thread or account. A link's merge
+  joins the stores' reminders; on unlink the departed account's reminders stop (the
+  remaining accounts are told which) and it sees none of the link's.
 
 No memory provider is configured here (its recall of group chatter follows its own rules;
 tests/test_memory_visibility.py covers it).
@@ -41,12 +46,19 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.app import GatewayApp
 from tests.conftest import RecordingAdapter, dm, group, make_config, say
-from tests.fakes.llm import FakeLLM, canaries_in, canary_repeater
+from tests.fakes.llm import (
+    FakeLLM,
+    canaries_in,
+    canary_repeater,
+    last_user_text,
+    memory_saving_responder,
+    tool_call,
+)
 
 # (platform, user id): ann and ben have an account on each platform, cat only on Telegram
 ACCOUNTS = (("telegram", "ann"), ("discord", "ann"), ("telegram", "ben"), ("discord", "ben"), ("telegram", "cat"))
@@ -90,6 +102,8 @@ class World:
     store_of: dict[Account, str] = field(default_factory=lambda: {a: _name(a) for a in ACCOUNTS})
     # a store's memory entries now: canary -> "private" | "shared" (insertion = file order)
     entries: dict[str, dict[str, str]] = field(default_factory=lambda: {_name(a): {} for a in ACCOUNTS})
+    # a store's reminders: canary text -> the account that set it
+    reminders: dict[str, dict[str, Account]] = field(default_factory=lambda: {_name(a): {} for a in ACCOUNTS})
     may_see: dict[Account, set[str]] = field(default_factory=lambda: {a: set() for a in ACCOUNTS})
     heard: dict[tuple[str, Account], set[str]] = field(default_factory=dict)  # (group, account) lane
     # group lanes a store's profile still holds of accounts that left it (a rejoin gets them back)
@@ -143,8 +157,8 @@ class World:
         return {c for c, v in self.store(account).items() if v == "shared"}
 
     def check(self, account: Account, chat: str | None, reply: str, requests: list[dict]) -> None:
-        if chat is None:
-            allowed = self.may_see[account] | set(self.store(account))
+        if chat is None:  # a private chat lists every reminder of its store
+            allowed = self.may_see[account] | set(self.store(account)) | set(self.reminders[self.store_of[account]])
             prompt_may_hold = set(self.store(account))
         else:
             loaded = self.shared(account) if self.mode != "off" else set()
@@ -187,6 +201,7 @@ class World:
         self.stores += 1
         merged = f"link{self.stores}"
         self.entries[merged] = {**self.entries[sa], **self.entries[sb]}
+        self.reminders[merged] = {**self.reminders[sa], **self.reminders[sb]}
         everyone = [x for x in ACCOUNTS if self.store_of[x] in (sa, sb)]
         seen = set().union(*(self.may_see[x] for x in everyone))
         lanes = self.left_lanes.pop(sa, {})
@@ -207,6 +222,14 @@ class World:
         self.stores += 1
         fresh = f"alone{self.stores}"
         self.entries[fresh] = {}
+        self.reminders[fresh] = {}
+        kept = self.reminders[self.store_of[account]]
+        stopped = {c for c, setter in kept.items() if setter == account}
+        for c in stopped:
+            del kept[c]
+        for x in self.members(account):  # told in their private chats which ones stopped
+            if x != account:
+                self.may_see[x] |= stopped
         lanes = self.left_lanes.setdefault(self.store_of[account], {})
         lanes.setdefault((None, account), set()).update(self.may_see[account])
         self.store_of[account] = fresh
@@ -433,13 +456,63 @@ class Unlink:
             w.leave(target)
 
 
-ACTIONS: list = [Talk, Remember, Mark, Forget, SetMode, NewSession, Link, LeakCode, Unlink]
+@dataclass(frozen=True)
+class Remind:
+    """ "remind me CANARY-x": the model sets a reminder in that lane (due long after the test)."""
+
+    account: Account
+    chat: int | None
+
+    @classmethod
+    def strategy(cls):
+        return st.builds(cls, accounts, chats)
+
+    async def run(self, w: World) -> None:
+        canary = w.canary(self.account)
+        await w.send(self.account, _group_of(self.account, self.chat), f"remind me {canary}")
+        w.reminders[w.store_of[self.account]][canary] = self.account
+
+
+@dataclass(frozen=True)
+class Reminders:
+    """A lane's reminders read or cancelled: /reminders, the tool's list, /reminders cancel N."""
+
+    account: Account
+    chat: int | None
+    how: str
+    number: int
+
+    @classmethod
+    def strategy(cls):
+        return st.builds(cls, accounts, chats, st.sampled_from(("command", "tool", "cancel")), st.integers(1, 4))
+
+    async def run(self, w: World) -> None:
+        chat = _group_of(self.account, self.chat)
+        text = {"command": "/reminders", "tool": "which reminders?", "cancel": f"/reminders cancel {self.number}"}
+        await w.send(self.account, chat, text[self.how])  # a cancel only narrows what anyone sees
+
+
+def _reminding(request: dict):
+    """The memory-saving model, which also sets and lists reminders when asked."""
+    messages = request.get("messages") or []
+    offered = {t.get("function", {}).get("name") for t in request.get("tools") or [] if isinstance(t, dict)}
+    if messages and messages[-1].get("role") == "user" and "reminders" in offered:
+        text = last_user_text(request).strip()
+        m = re.fullmatch(r"remind me (CANARY-\w+)", text)
+        if m:
+            return tool_call("reminders", {"action": "create", "text": m.group(1), "in_minutes": 600})
+        if text == "which reminders?":
+            return tool_call("reminders", {"action": "list"})
+    return memory_saving_responder(request)
+
+
+ACTIONS: list = [Talk, Remember, Mark, Forget, SetMode, NewSession, Link, LeakCode, Unlink, Remind, Reminders]
 
 
 async def _play(actions: list) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         async with FakeLLM() as llm:
-            llm.responder = canary_repeater()
+            llm.responder = canary_repeater(_reminding)
             world = World(Path(tmp) / "data", llm)
             await world.start()
             try:
@@ -459,5 +532,23 @@ _actions = st.one_of([a.strategy() for a in ACTIONS] + [Link.strategy(), Link.st
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(_actions, min_size=1, max_size=20))
+# two accounts of one link in one group: a reminder one set there is not the other's lane's
+@example(
+    [
+        Link(("telegram", "ann"), ("telegram", "ben"), True),
+        Remind(("telegram", "ann"), 0),
+        Reminders(("telegram", "ben"), 0, "command", 1),
+    ]
+)
+# the account that left a link sees none of the link's reminders, its own set while linked stop
+@example(
+    [
+        Link(("telegram", "ann"), ("discord", "ann"), True),
+        Remind(("telegram", "ann"), None),
+        Remind(("discord", "ann"), None),
+        Unlink(("discord", "ann"), None),
+        Reminders(("discord", "ann"), None, "tool", 1),
+    ]
+)
 def test_no_canary_ever_crosses_its_audience(actions):
     asyncio.run(_play(actions))

@@ -1,0 +1,97 @@
+"""`profiles delete` in cluster mode removes the person's rows from PostgreSQL too (inbox,
+outbox, lanes, lease, pairing and link codes, shared_kv, identity links), not only from
+gateway.db, and leaves everyone else's (real PostgreSQL, one schema per test)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from urllib.parse import quote
+
+from gateway.admin import delete_tenant, find_tenant
+from gateway.app import GatewayApp
+from tests.conftest import RecordingAdapter, dm, make_config, say
+from tests.pg import DSN, require_postgres
+
+require_postgres()
+
+
+async def _rows(pool, sql: str) -> list:
+    async with pool.connection() as conn:
+        return [tuple(r.values()) for r in await (await conn.execute(sql)).fetchall()]
+
+
+async def _seed(pool) -> None:
+    """Shared rows of alice (telegram:111, a link with discord:222) and of bob (telegram:333)."""
+    async with pool.connection() as conn:
+        for who, tenant, chat in (
+            ("111", "link-al", "111"),
+            ("222", "link-al", "dm-222"),
+            ("333", "telegram-333", "333"),
+        ):
+            platform = "discord" if who == "222" else "telegram"
+            payload = json.dumps({"platform": platform, "user_id": who, "text": f"secret of {who}"})
+            row = await (
+                await conn.execute(
+                    "INSERT INTO inbox (platform, chat_id, message_id, lane, tenant, payload) VALUES "
+                    "(%s, %s, 'm1', %s, %s, %s) RETURNING id",
+                    (platform, chat, f"{tenant}/lane-{who}", tenant, payload),
+                )
+            ).fetchone()
+            await conn.execute(
+                "INSERT INTO outbox (inbox_id, seq, lane, tenant, platform, chat_id, body, epoch) VALUES "
+                "(%s, 0, %s, %s, %s, %s, %s, 1)",
+                (row["id"], f"{tenant}/lane-{who}", tenant, platform, chat, json.dumps({"text": f"reply to {who}"})),
+            )
+            await conn.execute(
+                "INSERT INTO lanes (lane, tenant) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                (f"{tenant}/lane-{who}", tenant),
+            )
+            await conn.execute(
+                "INSERT INTO pairing_codes (code, platform, user_id, expires_at) VALUES (%s, %s, %s, now())",
+                (f"P{who}", platform, who),
+            )
+            await conn.execute(
+                "INSERT INTO link_codes (code, principal, expires_at) VALUES (%s, %s, now())",
+                (f"L{who}", f"{platform}:{who}"),
+            )
+            await conn.execute("INSERT INTO shared_kv (key, value) VALUES (%s, '1')", (f"paired:{platform}:{who}",))
+        for tenant in ("link-al", "telegram-333"):
+            await conn.execute(
+                "INSERT INTO tenant_leases (tenant, holder, epoch, expires_at) VALUES (%s, 'n1', 1, now())", (tenant,)
+            )
+        for principal in ("telegram:111", "discord:222"):
+            await conn.execute("INSERT INTO identity_links (principal, link_name) VALUES (%s, 'al')", (principal,))
+
+
+async def test_profiles_delete_in_cluster_mode_removes_the_persons_postgresql_rows(
+    tmp_path, fake_llm, pool, schema, monkeypatch
+):
+    data = tmp_path / "data"
+    # alice's linked profile, made by a single node on the same data directory
+    single = make_config(data, fake_llm.base_url, tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}})
+    tg = RecordingAdapter("telegram")
+    app = GatewayApp(single, [tg])
+    await app.start()
+    try:
+        await say(app, tg, dm("111", "hello", platform="telegram"))
+    finally:
+        await app.stop()
+    await _seed(pool)
+    monkeypatch.setenv("HERMES_DELETE_TEST_DSN", f"{DSN}?options={quote(f'-c search_path={schema}')}")
+    cfg = make_config(
+        data,
+        fake_llm.base_url,
+        cluster={"postgres_dsn_env": "HERMES_DELETE_TEST_DSN"},
+        tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}},
+    )
+    report = await asyncio.to_thread(delete_tenant, cfg, find_tenant(cfg, "telegram:111"))
+    assert report.shared_rows > 0
+    assert await _rows(pool, "SELECT tenant FROM inbox") == [("telegram-333",)]
+    assert await _rows(pool, "SELECT tenant FROM outbox") == [("telegram-333",)]
+    assert await _rows(pool, "SELECT tenant FROM lanes") == [("telegram-333",)]
+    assert await _rows(pool, "SELECT tenant FROM tenant_leases") == [("telegram-333",)]
+    assert await _rows(pool, "SELECT user_id FROM pairing_codes") == [("333",)]
+    assert await _rows(pool, "SELECT principal FROM link_codes") == [("telegram:333",)]
+    assert await _rows(pool, "SELECT key FROM shared_kv WHERE key LIKE 'paired:%'") == [("paired:telegram:333",)]
+    assert await _rows(pool, "SELECT principal FROM identity_links") == []

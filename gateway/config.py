@@ -230,6 +230,9 @@ class DeliveryConfig(_Section):
     retry_max_s: float = Field(default=60.0, gt=0)
     # a longer answer sends this much, and the rest when the person asks for it (/more)
     max_reply_chars: int = Field(default=12000, ge=500)
+    # on SIGTERM / Ctrl-C: how long running turns may finish and deliver before the process
+    # exits anyway (README "Stopping")
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=3600)
 
 
 class WebhookConfig(_Section):

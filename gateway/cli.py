@@ -181,6 +181,8 @@ async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> i
                 flush=True,
             )
         return 130
+    if console.errors and not console.interactive:  # a script must see that something failed
+        return 1
     return 0
 
 

@@ -261,6 +261,12 @@ class GatewayApp:
         await self.inbox.prune(DEDUPE_WINDOW_S)
         self._housekeeping = asyncio.create_task(self._housekeep())
         pending = await self.inbox.pending()
+        # a platform not served here keeps its messages pending for the process that serves
+        # it: console lanes are left to `chat`, never answered into nowhere by `run`
+        elsewhere = sorted({m.platform for m in pending if m.platform not in self.adapters})
+        if elsewhere:
+            log.info("messages of %s stay pending until it runs again", ", ".join(elsewhere))
+            pending = [m for m in pending if m.platform in self.adapters]
         if pending:
             log.info("replaying %d message(s) left unanswered by the previous run", len(pending))
         for msg in pending:

@@ -11,8 +11,8 @@ from agent.llm import LLMAnswerTimeout, LLMClient
 from agent.turn import EMPTY_ANSWER, NO_TOOL_ANSWER
 from gateway.app import GatewayApp
 from tests.conftest import RecordingAdapter, dm
-from tests.fakes.llm import endless, reply, tool_call
-from tests.test_stop_busy import stored
+from tests.fakes.llm import endless, hang, reply, tool_call
+from tests.test_stop_busy import stored, until
 
 FAST = {"stream_edit_interval_s": 0.1}
 
@@ -106,3 +106,33 @@ async def test_tool_iterations_used_up_without_an_answer_say_so(fake_llm, config
     finally:
         await app.stop()
     assert adapter.texts() == [NO_TOOL_ANSWER]
+
+
+async def test_a_console_message_kept_after_ctrl_c_is_left_to_the_next_chat(fake_llm, config_for, caplog):
+    fake_llm.script(hang(30))
+    cfg = config_for()
+    console = RecordingAdapter("console")
+    app = GatewayApp(cfg, [console])
+    await app.start()
+    await console.sink(dm("eve", "are you there?", platform="console"))
+    await until(lambda: len(fake_llm.requests) == 1)
+    await app.stop(drain_timeout=0)  # as `chat` does after Ctrl-C: the message stays pending
+    fake_llm.reset()
+
+    telegram = RecordingAdapter("telegram")
+    app = GatewayApp(cfg, [telegram])  # `run` serves telegram only
+    await app.start()
+    try:
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert fake_llm.requests == [] and "reply dropped" not in caplog.text
+
+    console = RecordingAdapter("console")
+    app = GatewayApp(cfg, [console])  # the next chat answers it
+    await app.start()
+    try:
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert console.texts() == ["ok: are you there?"]

@@ -29,7 +29,7 @@ from gateway.access import Access
 from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config
-from gateway.delivery import split_text
+from gateway.delivery import more_key, more_mark, more_offer, page_text, split_text
 from gateway.faults import storage_fault
 from gateway.inbox import Inbox
 from gateway.kv import SqliteKV
@@ -785,7 +785,8 @@ class GatewayApp:
                 if result.interrupted:  # the partial answer (if any) is shown marked as stopped
                     text = f"{result.text}\n\n(stopped)" if result.text else ""
                     return _Answer(text, "reply", "stopped", result=result, streamer=streamer)
-                return _Answer(result.text, "reply", "replied", result=result, streamer=streamer)
+                text = await self._first_page(lane, result.text)
+                return _Answer(text, "reply", "replied", result=result, streamer=streamer)
         except (LaneMoved, LeaseLost):
             raise
         except Exception as exc:
@@ -803,6 +804,17 @@ class GatewayApp:
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
+
+    async def _first_page(self, lane: Lane, text: str) -> str:
+        """An answer longer than `delivery.max_reply_chars` goes out as its first page and
+        an offer of the rest; only where the next page starts is kept (in gateway.db),
+        `/more` reads the answer itself from the lane's session."""
+        limit = self.cfg.delivery.max_reply_chars
+        if len(text) <= limit:
+            return text  # a mark of an earlier long answer no longer matches the lane's last answer
+        page, nxt = page_text(text, 0, limit)
+        await self.inbox.put(more_key(lane), more_mark(text, nxt))
+        return page + more_offer(len(text) - nxt)
 
     async def _deliver(
         self, msg: InboundMessage, answer: _Answer, finish: Sequence[tuple[InboundMessage, str]]
@@ -1010,6 +1022,7 @@ class GatewayApp:
             edit,
             lambda text: split_text(text, adapter.max_message_length, adapter.measure),
             interval_s=self.cfg.delivery.stream_edit_interval_s,
+            max_chars=self.cfg.delivery.max_reply_chars,
         )
 
     async def edit(self, msg: InboundMessage, chunk_id: int, text: str) -> int:

@@ -5,6 +5,7 @@ is free again; an answer always carries a `max_tokens`; an empty answer reads as
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from agent.llm import LLMAnswerTimeout, LLMClient
@@ -136,3 +137,38 @@ async def test_a_console_message_kept_after_ctrl_c_is_left_to_the_next_chat(fake
     finally:
         await app.stop()
     assert console.texts() == ["ok: are you there?"]
+
+
+async def test_a_long_answer_goes_out_as_one_page_and_the_rest_on_request(fake_llm, config_for):
+    answer = " ".join(f"word{i:04d}" for i in range(1500))  # 13,499 characters
+    fake_llm.script(answer)
+    adapter = RecordingAdapter(max_message_length=400)
+    app = GatewayApp(config_for(delivery={**FAST, "max_reply_chars": 5000}), [adapter])
+    await app.start()
+    try:
+        await adapter.sink(dm("fay", "count to 1500"))
+        assert await app.drain(10)
+        first = _shown(adapter)
+        assert len(first) <= 5000 + 100 and "send /more for the next part" in first
+        assert len(adapter.sent) <= 14, "a draft grew past the first page"
+        pages = [first]
+        for _ in range(3):  # two more pages, then nothing
+            before = len(adapter.sent)
+            await adapter.sink(dm("fay", "/more"))
+            assert await app.drain(10)
+            pages.append("\n".join(out.text for out in adapter.sent[before:]))
+    finally:
+        await app.stop()
+    assert pages[-1] == "There's nothing more of my last answer to send."
+    offer = re.compile(r"\(The answer goes on for [\d,]+ more characters: send /more for the next part\.\)")
+    words = " ".join(offer.sub("", p) for p in pages[:-1]).split()
+    assert words == answer.split(), "every word once, in order"
+    assert "send /more" not in pages[-2]
+
+
+def _shown(adapter: RecordingAdapter) -> str:
+    """The reply as the chat shows it now: each message's latest text, joined."""
+    shown = {f"bot-{i + 1}": out.text for i, out in enumerate(adapter.sent)}
+    for sent, text in adapter.edits:
+        shown[sent.message_id] = text
+    return "\n".join(shown.values())

@@ -373,7 +373,7 @@ class LLMClient:
         except TimeoutError:
             pass
         _log.warning(
-            "LLM answer from %s cut at answer_timeout_s=%g s (%d characters streamed, no finish_reason)",
+            "LLM answer from %s cut at answer_timeout_s=%g s (%d characters streamed before it)",
             self._safe_base,
             self.answer_timeout_s,
             len(streamed[0]),

@@ -89,6 +89,7 @@ delivery:                       # the outbox: unsent answers are retried, in ord
   max_reply_chars: 12000        # a longer answer: this much, the rest with /more
   drain_timeout_s: 30           # on SIGTERM / Ctrl-C: how long running turns may finish
 
+platforms:
   telegram:
     enabled: false
     token_env: TELEGRAM_BOT_TOKEN

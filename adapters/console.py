@@ -50,6 +50,7 @@ class ConsoleAdapter:
             interactive = _isatty(self._stdin) and _isatty(self._stdout)
         self.interactive = interactive
         self.interrupted = False
+        self.errors = 0  # error replies shown (a piped chat then exits non-zero)
         self._thinking = False
         self._ids = itertools.count(1)
         self._run_id = f"{time.time_ns():x}"  # message ids stay unique across runs
@@ -142,6 +143,8 @@ class ConsoleAdapter:
 
     async def send(self, message: OutboundMessage) -> SentMessage | None:
         label = {"reply": self._agent_name, "notice": "notice", "error": "error"}[message.kind]
+        if message.kind == "error":
+            self.errors += 1
         self._write(f"{label}: {message.text}")
         if message.kind == "error" and self._explain_error is not None:
             hint = self._explain_error()

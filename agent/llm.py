@@ -87,6 +87,17 @@ class LLMTimeout(LLMUnavailable):
     )
 
 
+class LLMAnswerTimeout(LLMTimeout):
+    """The whole answer (streaming included) took longer than `answer_timeout_s` before
+    any text of it arrived: a server that keeps sending without ever finishing."""
+
+    kind = "answer_timeout"
+    default_user_message = (
+        "The assistant's model kept working without finishing an answer, so it was stopped; "
+        "your message was kept — please try again, perhaps with a shorter request."
+    )
+
+
 class LLMRateLimited(LLMError):
     kind = "rate_limited"
     default_user_message = (
@@ -157,6 +168,15 @@ class ChatResult:
     attempts: int = 1
     latency_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. reasoning_content
+
+    @property
+    def cut(self) -> bool:
+        """True when the answer deadline ended the answer: `content` is what came before it."""
+        return self.finish_reason == CUT_FINISH_REASON
+
+
+# finish_reason of an answer the client ended at `answer_timeout_s` (no server sends it)
+CUT_FINISH_REASON = "deadline"
 
 
 # --------------------------------------------------------------------------- error classification
@@ -261,10 +281,14 @@ class LLMClient:
         transport: httpx.AsyncBaseTransport | None = None,
         *,
         retry_after_cap_s: float = 30.0,
+        answer_timeout_s: float | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout_s = float(timeout_s)
+        # the whole answer, retries and streaming included (`timeout_s` bounds only the
+        # gap between bytes, which a server streaming without end never exceeds)
+        self.answer_timeout_s = float(answer_timeout_s) if answer_timeout_s else None
         self.max_retries = max(0, int(max_retries))
         self.backoff_base_s = max(0.0, float(backoff_base_s))
         self.retry_after_cap_s = max(0.0, float(retry_after_cap_s))
@@ -294,6 +318,7 @@ class LLMClient:
             api_key=cfg.api_key(),
             timeout_s=cfg.timeout_s,
             max_retries=cfg.max_retries,
+            answer_timeout_s=cfg.answer_timeout_s,
             **kw,
         )
 
@@ -326,7 +351,56 @@ class LLMClient:
         With `on_text` the answer is streamed (SSE, usage from the final chunk) and
         `on_text(text_so_far)` is called as it grows; a server that cannot stream (ignores
         `stream` or refuses the request) is asked again without streaming, and not streamed
-        to again by this client. The result is the same either way."""
+        to again by this client. The result is the same either way.
+
+        Past `answer_timeout_s` the answer is ended: the text streamed so far comes back
+        with `cut` set (no tool calls), or `LLMAnswerTimeout` when none came."""
+        if self.answer_timeout_s is None:
+            return await self._chat(messages, tools, max_tokens, model, temperature, on_text)
+        streamed: list[str] = [""]
+        seen = None
+        if on_text is not None:
+            report = on_text
+
+            def seen(text: str) -> None:
+                streamed[0] = text
+                report(text)
+
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.answer_timeout_s):
+                return await self._chat(messages, tools, max_tokens, model, temperature, seen)
+        except TimeoutError:
+            pass
+        _log.warning(
+            "LLM answer from %s cut at answer_timeout_s=%g s (%d characters streamed before it)",
+            self._safe_base,
+            self.answer_timeout_s,
+            len(streamed[0]),
+        )
+        if not streamed[0].strip():
+            raise LLMAnswerTimeout(
+                f"the answer from {self._safe_base} did not finish within answer_timeout_s={self.answer_timeout_s:g} s"
+            )
+        return ChatResult(
+            content=streamed[0],
+            tool_calls=None,
+            finish_reason=CUT_FINISH_REASON,
+            usage=None,
+            model=model or self.model,
+            raw={},
+            latency_s=time.monotonic() - started,
+        )
+
+    async def _chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        max_tokens: int | None,
+        model: str | None,
+        temperature: float | None,
+        on_text: Callable[[str], None] | None,
+    ) -> ChatResult:
         payload: dict[str, Any] = {"model": model or self.model, "messages": wire_messages(messages)}
         if tools:
             payload["tools"] = tools

@@ -46,6 +46,16 @@ async def _no_notice(kind: str, text: str) -> None:
 
 
 STOPPED_MARKER = "[stopped by the user before answering]"
+EMPTY_ANSWER = "The model sent an empty answer; please ask again, perhaps in other words."
+NO_TOOL_ANSWER = (
+    "The model used its tools for this request as many times as allowed without writing an answer; "
+    "please ask again, perhaps in smaller steps."
+)
+
+
+def cut_notice(seconds: float) -> str:
+    """What the person reads under an answer the deadline ended (README "Runaway answers")."""
+    return f"(The answer was cut: the model was still writing after {seconds:g} seconds.)"
 
 
 class TurnInterrupted(Exception):
@@ -469,10 +479,17 @@ class Agent:
             )
             self.tokens.count_message(assistant)
             if not assistant.tool_calls:
-                text = (result.content or "").strip() or "(no answer)"
+                text = (result.content or "").strip()
+                if not text:
+                    text = NO_TOOL_ANSWER if iteration == max_iter and iteration > 0 else EMPTY_ANSWER
+                    assistant.meta["no_answer"] = True
                 assistant.content = text
+                if result.cut:  # kept as written, flagged; the person is told it was cut
+                    assistant.meta["cut"] = True
                 await store.append(assistant, idle=True)  # the turn's last write
                 history.append(assistant)
+                if result.cut:
+                    return f"{text}\n\n{cut_notice(self.cfg.llm.answer_timeout_s)}"
                 return text
             ctx.tool_iterations += 1
             outputs = [assistant]
@@ -524,7 +541,9 @@ class Agent:
                 report(text)
 
             kwargs["on_text"] = on_text
-        call = asyncio.ensure_future(self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.max_tokens, **kwargs))
+        call = asyncio.ensure_future(
+            self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.answer_max_tokens(), **kwargs)
+        )
         if ctx.stop is None:
             return await call
         stopper = asyncio.ensure_future(ctx.stop.wait())

@@ -24,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -373,12 +374,19 @@ def _fsync_tree(path: Path) -> None:
 
 
 def _safe_extract(archive: Path, dest: Path) -> None:
-    with tarfile.open(archive, "r:*") as tar:
-        for member in tar.getmembers():
-            parts = Path(member.name).parts
-            if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
-                raise AdminError(f"{archive}: refusing unsafe archive member {member.name!r}")
-        tar.extractall(dest, filter="data")
+    """Unpack a .tar.gz of ours; anything that is not a readable tar archive is one sentence."""
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar.getmembers():
+                parts = Path(member.name).parts
+                if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+                    raise AdminError(f"{archive}: refusing unsafe archive member {member.name!r}")
+            tar.extractall(dest, filter="data")
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
+        raise AdminError(
+            f"{archive}: not a readable archive ({type(exc).__name__}); give the .tar.gz that "
+            "`profiles export` or `backup` wrote"
+        ) from None
     tighten_tree(dest)  # whatever modes the archive recorded, restored files are owner-only
 
 
@@ -1017,7 +1025,10 @@ def cmd_profiles_path(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_profiles_export(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     info = find_tenant(cfg, args.tenant)
-    out = export_profile(cfg, info, Path(args.output) if args.output else None)
+    output = Path(args.output) if args.output else None
+    if output is not None and args.output.endswith(("/", os.sep)):  # `-o new/dir/`: a directory to create
+        private_mkdir(output)
+    out = export_profile(cfg, info, output)
     print(f"exported {info.tenant_id} to {out}")
     return 0
 

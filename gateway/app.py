@@ -29,7 +29,7 @@ from gateway.access import Access
 from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config
-from gateway.delivery import split_text
+from gateway.delivery import more_key, more_mark, more_offer, page_text, split_text
 from gateway.faults import storage_fault
 from gateway.inbox import Inbox
 from gateway.kv import SqliteKV
@@ -60,6 +60,7 @@ log = logging.getLogger("hermes.gateway")
 TYPING_INTERVAL_S = 4.0
 DEDUPE_WINDOW_S = 14 * 24 * 3600  # answered message ids are remembered this long
 HOUSEKEEPING_INTERVAL_S = 3600.0
+STOP_TAIL_S = 2.0  # how long past the drain deadline a stop still lets recorded answers go out
 
 
 @dataclass
@@ -260,6 +261,12 @@ class GatewayApp:
         await self.inbox.prune(DEDUPE_WINDOW_S)
         self._housekeeping = asyncio.create_task(self._housekeep())
         pending = await self.inbox.pending()
+        # a platform not served here keeps its messages pending for the process that serves
+        # it: console lanes are left to `chat`, never answered into nowhere by `run`
+        elsewhere = sorted({m.platform for m in pending if m.platform not in self.adapters})
+        if elsewhere:
+            log.info("messages of %s stay pending until it runs again", ", ".join(elsewhere))
+            pending = [m for m in pending if m.platform in self.adapters]
         if pending:
             log.info("replaying %d message(s) left unanswered by the previous run", len(pending))
         for msg in pending:
@@ -293,13 +300,23 @@ class GatewayApp:
             self.observability = Observability(self, self.cfg.observability.listen)
             await self.observability.start()
 
-    async def stop(self, drain_timeout: float = 30.0) -> None:
+    async def stop(self, drain_timeout: float = 30.0, *, hint: str = "") -> None:
         """Stop taking new turns, let running ones finish and deliver (bounded), then stop
         the adapters and close everything. Messages arriving meanwhile are recorded and
-        replayed on the next start."""
+        replayed on the next start. `drain_timeout` bounds the whole drain, not each step;
+        `hint` ends the line that says what the drain waits for."""
         self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        running = self.lanes.running()
+        if running and drain_timeout > 0:
+            turns = "running turn" if running == 1 else "running turns"
+            log.info("waiting up to %g s for %d %s%s", drain_timeout, running, turns, hint)
         if self.claims is not None:  # running lanes finish and deliver (bounded), no new claims
-            await self.claims.stop(drain_timeout)
+            await self.claims.stop(left())
             self.claims = None
         if self._idle_closer is not None:
             self._idle_closer.cancel()
@@ -308,23 +325,25 @@ class GatewayApp:
         if self._housekeeping is not None:
             self._housekeeping.cancel()
             self._housekeeping = None
-        if not await self.lanes.drain(drain_timeout):
+        if not await self.lanes.drain(left()):
             log.warning("turns still running after %.0fs; they will be replayed on the next start", drain_timeout)
             await self.lanes.cancel()
         if self._background:
-            _, late = await asyncio.wait(list(self._background), timeout=drain_timeout)
+            _, late = await asyncio.wait(list(self._background), timeout=left())
             for task in late:  # their messages stay pending and are handled on the next start
                 task.cancel()
         if self._started and self.node is None:  # in a cluster the sessions go on on other nodes
             try:
-                await asyncio.wait_for(self._flush_lanes(), drain_timeout)
+                await asyncio.wait_for(self._flush_lanes(), left())
             except TimeoutError:
-                log.warning("memory flush at shutdown did not finish in %.0fs", drain_timeout)
-        await self.linking.close(drain_timeout)
+                log.warning("memory flush at shutdown did not finish within the %gs drain", drain_timeout)
+        # what the turns delivered may still go out, for a moment past the deadline at most
+        rest = max(left(), min(drain_timeout, STOP_TAIL_S))
+        await self.linking.close(rest)
         if self._election is not None:  # another node takes the ingress roles over at once
             await self._election.stop()
             self._election = None
-        await self.deliverer.close(drain_timeout)  # unsent chunks stay in the outbox for the next start
+        await self.deliverer.close(rest)  # unsent chunks stay in the outbox for the next start
         for adapter in self.adapters.values():
             try:
                 await adapter.stop()
@@ -333,11 +352,11 @@ class GatewayApp:
                     await aclose()
             except Exception:
                 log.exception("%s adapter failed to stop cleanly", adapter.platform)
-        await self.profiles.close_all()
+        await self._close_step("the profiles", self.profiles.close_all())
         await asyncio.to_thread(self.storage_pool.shutdown)
         if self._started:
-            await self.outbox.close()
-            await self.inbox.close()
+            await self._close_step("the outbox", self.outbox.close())
+            await self._close_step("the inbox", self.inbox.close())
             self._started = False
         if self.node is not None:  # after the profiles closed: leaves the cluster, frees what is left
             await self.node.stop()
@@ -349,6 +368,17 @@ class GatewayApp:
         if self._run_lock is not None:
             self._run_lock.release()
             self._run_lock = None
+
+    async def _close_step(self, what: str, closing: Awaitable[None]) -> None:
+        """One closing step of stop(): a storage fault (a full disk) is one line and the
+        stop goes on; what was committed before it is found again on the next start."""
+        try:
+            await closing
+        except Exception as exc:
+            fault = storage_fault(exc)
+            if fault is None:
+                raise
+            log.error("could not close %s cleanly (%s); what was recorded is kept for the next start", what, fault)
 
     async def _housekeep(self) -> None:
         """Hourly: prune old answered ids from gateway.db and forget idle rate-limit notes."""
@@ -757,7 +787,8 @@ class GatewayApp:
                 if result.interrupted:  # the partial answer (if any) is shown marked as stopped
                     text = f"{result.text}\n\n(stopped)" if result.text else ""
                     return _Answer(text, "reply", "stopped", result=result, streamer=streamer)
-                return _Answer(result.text, "reply", "replied", result=result, streamer=streamer)
+                text = await self._first_page(lane, result.text)
+                return _Answer(text, "reply", "replied", result=result, streamer=streamer)
         except (LaneMoved, LeaseLost):
             raise
         except Exception as exc:
@@ -775,6 +806,17 @@ class GatewayApp:
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
+
+    async def _first_page(self, lane: Lane, text: str) -> str:
+        """An answer longer than `delivery.max_reply_chars` goes out as its first page and
+        an offer of the rest; only where the next page starts is kept (in gateway.db),
+        `/more` reads the answer itself from the lane's session."""
+        limit = self.cfg.delivery.max_reply_chars
+        if len(text) <= limit:
+            return text  # a mark of an earlier long answer no longer matches the lane's last answer
+        page, nxt = page_text(text, 0, limit)
+        await self.inbox.put(more_key(lane), more_mark(text, nxt))
+        return page + more_offer(len(text) - nxt)
 
     async def _deliver(
         self, msg: InboundMessage, answer: _Answer, finish: Sequence[tuple[InboundMessage, str]]
@@ -982,6 +1024,7 @@ class GatewayApp:
             edit,
             lambda text: split_text(text, adapter.max_message_length, adapter.measure),
             interval_s=self.cfg.delivery.stream_edit_interval_s,
+            max_chars=self.cfg.delivery.max_reply_chars,
         )
 
     async def edit(self, msg: InboundMessage, chunk_id: int, text: str) -> int:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +47,22 @@ def build_adapters(cfg: Config) -> list:
 
 
 async def _run(cfg: Config) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    drain = cfg.delivery.drain_timeout_s
+
+    def stopping() -> None:
+        # from the first signal on, the process ends within the drain plus STOP_GRACE_S
+        # whatever is stuck, and a second signal ends it at once (README "Stopping")
+        stop.set()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, _stop_now)
+        _exit_after(drain + STOP_GRACE_S)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # first: a Ctrl-C while starting stops cleanly too
+        loop.add_signal_handler(sig, stopping)
+    await _take_early_interrupt(stopping)
     from gateway.app import GatewayApp
 
     adapters = build_adapters(cfg)
@@ -56,16 +74,55 @@ async def _run(cfg: Config) -> int:
         )
         return 2
     app = GatewayApp(cfg, adapters)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await app.start()
     logging.getLogger("hermes.gateway").info("running: %s", ", ".join(a.platform for a in adapters))
     await stop.wait()
     logging.getLogger("hermes.gateway").info("stopping")
-    await app.stop()
+    await app.stop(drain, hint="; Ctrl-C again to stop now")
     return 0
+
+
+async def _take_early_interrupt(stopping: Callable[[], None]) -> None:
+    """A Ctrl-C that came before our handlers made asyncio cancel this task at its next
+    await: take that as the first stop signal instead of a traceback."""
+    task = asyncio.current_task()
+    if task is None or not task.cancelling():
+        return
+    try:
+        await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        task.uncancel()
+        stopping()
+
+
+STOP_GRACE_S = 5.0  # past the drain timeout, the most a stop may take before the process exits anyway
+_UNRECORDED = "what was not recorded stays unacknowledged at the platform and comes again on the next start"
+
+
+def _stop_now(signum: int, frame: object) -> None:
+    """A second SIGINT/SIGTERM while stopping: exit at once (pending messages stay pending)."""
+    _hard_exit(130 if signum == signal.SIGINT else 143, f"stopped at once; {_UNRECORDED}.")
+
+
+def _exit_after(seconds: float) -> None:
+    """Exit the process after `seconds` unless it ended by itself: a thread, so neither a
+    blocked event loop nor a stuck worker thread can hold the stop up."""
+    import threading
+
+    def expire() -> None:
+        _hard_exit(1, f"the stop did not finish within {seconds:g} s; exiting now; {_UNRECORDED}.")
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+
+
+def _hard_exit(code: int, sentence: str) -> None:
+    """One line on stderr, then the process ends without waiting for anything: every
+    store is crash-safe, so whatever was recorded is found again on the next start."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"hermes-gateway: {sentence}\n".encode())
+    os._exit(code)
 
 
 def _run_node(cfg: Config) -> int:
@@ -124,6 +181,8 @@ async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> i
                 flush=True,
             )
         return 130
+    if console.errors and not console.interactive:  # a script must see that something failed
+        return 1
     return 0
 
 

@@ -19,6 +19,7 @@ from agent.memory_approval import PendingWrites
 from agent.prompt import ChatPlace
 from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks, Visibility
 from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
+from gateway.delivery import more_key, more_mark, more_offer, page_text, read_more_mark
 from tenancy.keys import Lane
 
 if TYPE_CHECKING:
@@ -413,6 +414,29 @@ async def cmd_undo(ctx: CommandContext) -> str:
     return "Took back your last message and my answer." if count else "Nothing to undo."
 
 
+async def cmd_more(ctx: CommandContext) -> str:
+    """The next page of the lane's last answer (README "Runaway answers and long replies")."""
+    nothing = "There's nothing more of my last answer to send."
+    mark = await ctx.app.inbox.get(more_key(ctx.lane))
+    session_id = await ctx.profile.sessions.route(ctx.lane.session_key)
+    if mark is None or session_id is None:
+        return nothing
+    answer = next(
+        (
+            m.content
+            for m in reversed(await ctx.profile.sessions.history(session_id))
+            if m.role == "assistant" and m.content and not m.tool_calls
+        ),
+        None,
+    )
+    start = read_more_mark(mark, answer)
+    if answer is None or start is None:
+        return nothing
+    page, nxt = page_text(answer, start, ctx.app.cfg.delivery.max_reply_chars)
+    await ctx.app.inbox.put(more_key(ctx.lane), more_mark(answer, nxt) if nxt < len(answer) else None)
+    return page + more_offer(len(answer) - nxt) if nxt < len(answer) else page
+
+
 async def cmd_export(ctx: CommandContext) -> str:
     if refusal := _private_only(ctx, "export"):
         return refusal
@@ -525,6 +549,7 @@ HANDLERS: dict[str, Handler] = {
     "memory": cmd_memory,
     "forget": cmd_forget,
     "undo": cmd_undo,
+    "more": cmd_more,
     "export": cmd_export,
     "whoami": cmd_whoami,
     "link": cmd_link,

@@ -24,6 +24,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+DEFAULT_ANSWER_MAX_TOKENS = 4096
+
+
 class LLMConfig(_Section):
     base_url: str = "http://127.0.0.1:11434/v1"
     model: str = "llama3.1"
@@ -31,6 +34,9 @@ class LLMConfig(_Section):
     context_length: int = Field(default=32768, ge=512)
     max_tokens: int | None = Field(default=None, ge=1)
     timeout_s: float = Field(default=120.0, gt=0)
+    # the whole answer, streaming included: a model still writing then is cut (README
+    # "Runaway answers and long replies")
+    answer_timeout_s: float = Field(default=300.0, gt=0)
     max_retries: int = Field(default=3, ge=0, le=10)
     vision: bool = False  # images go to the model as inline image parts (doctor checks it accepts one)
 
@@ -42,6 +48,11 @@ class LLMConfig(_Section):
                 f"({self.context_length}): no prompt would fit beside the answer"
             )
         return self
+
+    def answer_max_tokens(self) -> int:
+        """The `max_tokens` sent with each answer: the operator's, else a default that
+        leaves most of the window to the prompt."""
+        return self.max_tokens or min(DEFAULT_ANSWER_MAX_TOKENS, self.context_length // 4)
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -217,6 +228,11 @@ class DeliveryConfig(_Section):
     max_age_s: float = Field(default=24 * 3600, gt=0)
     retry_initial_s: float = Field(default=1.0, gt=0)
     retry_max_s: float = Field(default=60.0, gt=0)
+    # a longer answer sends this much, and the rest when the person asks for it (/more)
+    max_reply_chars: int = Field(default=12000, ge=500)
+    # on SIGTERM / Ctrl-C: how long running turns may finish and deliver before the process
+    # exits anyway (README "Stopping")
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=3600)
 
 
 class WebhookConfig(_Section):

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tenancy.keys import Lane
 
 Measure = Callable[[str], int]
 
@@ -90,3 +95,49 @@ def split_text(text: str, limit: int, measure: Measure = len) -> list[str]:
             rest = rest.lstrip("\n")
         fence = open_after
     return [c for c in chunks if c.strip()]
+
+
+def page_text(text: str, start: int, limit: int) -> tuple[str, int]:
+    """The page of `text` from `start` that fits `limit` characters (`delivery.max_reply_chars`),
+    cut at a paragraph, line or word where one is near, and where the next page starts
+    (`len(text)` when this is the last). A code fence open across the cut is closed at the
+    end of the page and reopened at the start of the next."""
+    fence = _fence_state(text[:start], None) if start else None
+    prefix = f"{fence}\n" if fence else ""
+    rest = text[start:]
+    if len(prefix) + len(rest) <= limit:
+        return prefix + rest, len(text)
+    cut = _cut_point(rest, max(16, limit - len(prefix) - 12), len)
+    open_after = _fence_state(rest[:cut], fence)
+    page = prefix + rest[:cut].rstrip()
+    return (page + _closer(open_after) if open_after else page), start + cut
+
+
+def more_offer(left: int) -> str:
+    """The line under a page of a long answer that says how to get the rest."""
+    return f"\n\n(The answer goes on for {left:,} more characters: send /more for the next part.)"
+
+
+def more_key(lane: Lane) -> str:
+    """gateway.db key of where the next page of the lane's last answer starts."""
+    return f"more:{lane.session_key}"
+
+
+def more_mark(answer: str, start: int) -> str:
+    """What gateway.db keeps for `/more`: where the next page starts and a digest of the
+    text before it (no text of the answer), so a mark left by an older answer is never
+    applied to a newer one."""
+    return f"{start}:{_digest(answer[:start])}"
+
+
+def read_more_mark(mark: str, answer: str | None) -> int | None:
+    """Where the next page of `answer` starts, or None when `mark` was left by another answer."""
+    start_s, _, digest = mark.partition(":")
+    if answer is None or not start_s.isdigit() or not 0 < int(start_s) < len(answer):
+        return None
+    start = int(start_s)
+    return start if _digest(answer[:start]) == digest else None
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]

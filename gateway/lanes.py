@@ -42,6 +42,10 @@ class Lanes(Generic[Job]):
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values()) + len(self._workers)
 
+    def running(self) -> int:
+        """Lanes with a turn in progress."""
+        return len(self._workers)
+
     def queued_by(self, label: Callable[[Job], str]) -> dict[str, int]:
         """Jobs waiting (not yet running) per `label(job)`, e.g. per platform for /metrics."""
         out: dict[str, int] = {}

@@ -13,8 +13,9 @@ llm:                            # any OpenAI-compatible /v1/chat/completions end
   model: llama3.1
   api_key_env: null             # e.g. OPENAI_API_KEY (unset for a local server)
   context_length: 32768
-  max_tokens: null
-  timeout_s: 120
+  max_tokens: null              # null: a quarter of context_length, at most 4096
+  timeout_s: 120                # the longest silence while the model answers
+  answer_timeout_s: 300         # the whole answer, streaming included: cut past this
   vision: false                 # send photos to the model as images (doctor checks it can)
 
 # auxiliary:
@@ -85,6 +86,8 @@ delivery:                       # the outbox: unsent answers are retried, in ord
   max_age_s: 86400              # give an answer up after this long (log line + metric)
   retry_initial_s: 1.0          # backoff between attempts (platform retry_after wins)
   retry_max_s: 60.0
+  max_reply_chars: 12000        # a longer answer: this much, the rest with /more
+  drain_timeout_s: 30           # on SIGTERM / Ctrl-C: how long running turns may finish
 
 platforms:
   telegram:

@@ -32,9 +32,12 @@ class StreamingReply:
     """One reply being streamed into a chat: `feed(text_so_far)` while the model writes,
     then `close()` and, if `started`, `finish(final_text)`."""
 
-    def __init__(self, send: SendChunk, edit: EditChunk, split: Split, *, interval_s: float) -> None:
+    def __init__(
+        self, send: SendChunk, edit: EditChunk, split: Split, *, interval_s: float, max_chars: int | None = None
+    ) -> None:
         self._send, self._edit, self._split = send, edit, split
         self._interval = interval_s
+        self._max_chars = max_chars  # a draft never grows past the first page of a long answer
         self._latest = ""
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -51,6 +54,8 @@ class StreamingReply:
         """The answer so far (the whole text, not a delta); cheap, never waits."""
         if self._closed:
             return
+        if self._max_chars is not None and len(text) > self._max_chars:
+            text = text[: self._max_chars]
         self._latest = text
         self._changed.set()
         if self._task is None:

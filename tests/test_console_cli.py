@@ -79,9 +79,20 @@ async def test_console_reports_dead_model_in_one_sentence(tmp_path):
         )
     )
     code, out, err = await chat(path, "zed", "anyone?\n")
-    assert code == 0
+    assert code == 1  # piped: a script sees that the message was not answered
     assert "error: The assistant's model is unreachable right now; your message was kept" in out
     assert "Traceback" not in err
+
+
+async def test_piped_chat_exits_non_zero_after_a_refused_message(config_file):
+    code, out, err = await chat(config_file, "amy", "x" * 100_000 + "\nhello\n")
+    assert "error: Your message is 100,000 characters long" in out and "Hermes: ok: hello" in out
+    assert code == 1 and "Traceback" not in err
+
+
+async def test_piped_chat_without_errors_exits_zero(config_file):
+    code, out, err = await chat(config_file, "amy", "hello\n")
+    assert code == 0 and "Hermes: ok: hello" in out, err
 
 
 def test_init_writes_a_config_that_loads(tmp_path, capsys):

@@ -265,7 +265,7 @@ def test_dead_model_names_the_url_the_config_and_doctor(tmp_path):
     url = f"http://127.0.0.1:{closed_port()}/v1"
     config = write_config(tmp_path / "gw.yaml", url, max_retries=0)
     proc = cli("chat", "-c", str(config), "--user", "zed", stdin="anyone?\n")
-    assert proc.returncode == 0
+    assert proc.returncode == 1  # piped: the unanswered message shows in the exit status
     no_traceback(proc)
     out = proc.stdout
     assert "error: The assistant's model is unreachable right now; your message was kept" in out

@@ -57,6 +57,7 @@ __all__ = [
     "context_length_error",
     "default_responder",
     "disconnect",
+    "endless",
     "error",
     "hang",
     "image_urls",
@@ -94,6 +95,9 @@ class Response:
     # stream stops until `FakeLLM.resume_streams()` (content characters sent before pausing)
     chunk_chars: int = 8
     pause_after_chars: int | None = None
+    # when the request streams: after the text, the last chunk again every this many seconds,
+    # forever, without a finish_reason (a runaway model); without streaming: never answers
+    endless_every_s: float | None = None
 
 
 Responder = Callable[[dict[str, Any]], "ResponseLike | Awaitable[ResponseLike]"]
@@ -237,6 +241,12 @@ def paused(text: str, after_chars: int, *, chunk_chars: int = 4) -> Response:
     """A streamed reply that stops after `after_chars` characters of `text` until
     `FakeLLM.resume_streams()` (or the client goes away). Without streaming: a plain reply."""
     return replace(reply(text), pause_after_chars=after_chars, chunk_chars=chunk_chars)
+
+
+def endless(text: str = "and more", *, every_s: float = 0.3) -> Response:
+    """A model that never finishes: streamed, `text` sent again every `every_s` seconds
+    with no finish_reason until the client goes away; not streamed, no answer at all."""
+    return replace(reply(text, finish_reason=None), chunk_chars=len(text) or 1, endless_every_s=every_s)
 
 
 def hang(seconds: float, then: ResponseLike = None) -> Response:
@@ -815,6 +825,10 @@ class FakeLLM:
             )
         if body.get("stream") and self.streaming == "sse" and resp.kind == "completion":
             return await self._stream(request, resp, body)
+        if resp.endless_every_s is not None:
+            assert self._stopping is not None
+            await self._stopping.wait()
+            return None
         return self._render(resp, body)
 
     async def _resolve(self, value: ResponseLike, body: dict[str, Any]) -> Response:
@@ -866,6 +880,11 @@ class FakeLLM:
                     pause = None
                     await self._wait_resume()
                 await send(chunk({"content": text[i : i + step]}))
+            while resp.endless_every_s is not None:
+                await asyncio.sleep(resp.endless_every_s)
+                if self._stopping is None or self._stopping.is_set():
+                    raise ConnectionResetError("fake server stopping")
+                await send(chunk({"content": " " + text[-step:]}))
             for k, call in enumerate(message.get("tool_calls") or []):
                 args = call["function"]["arguments"]
                 half = len(args) // 2

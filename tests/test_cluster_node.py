@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import socket
+import sys
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -549,3 +552,90 @@ async def test_a_collected_answer_stored_by_a_node_that_then_froze_is_sent_by_an
             await settled([two])
     sent = texts(tg, 1515)
     assert sent[0] == "ok: zero" and len(sent) == 2 and sent[1].startswith("done:"), sent
+
+
+# --- one process per node id -----------------------------------------------------------------
+
+
+def node_config_file(tmp_path, fake_llm, tg: FakeTelegram, node_id: str) -> Path:
+    """A YAML config of node `node_id` over the same data_dir, for `hermes-gateway run`."""
+    port = free_port()
+    data = {
+        "data_dir": str(tmp_path / "data"),
+        "llm": {"base_url": fake_llm.base_url, "model": "fake-model", "max_retries": 1, "timeout_s": 10},
+        "storage": {"fsync": "never"},
+        "platforms": {
+            "telegram": {
+                "enabled": True,
+                "token_env": TOKEN_ENV,
+                "base_url": tg.base_url,
+                "mode": "webhook",
+                "webhook": {
+                    "listen": "127.0.0.1",
+                    "port": port,
+                    "path": "/telegram",
+                    "public_url": f"http://127.0.0.1:{port}",
+                    "secret_token_env": SECRET_ENV,
+                },
+            }
+        },
+        "cluster": {"postgres_dsn_env": DSN_ENV, "node_id": node_id, "lease_ttl_s": TTL, "poll_interval_s": 0.3},
+    }
+    path = tmp_path / f"{node_id}-again.yaml"
+    path.write_text(json.dumps(data))  # JSON is YAML
+    return path
+
+
+async def test_a_second_process_under_a_live_node_id_refuses_to_start_naming_it_and_the_first_runs_on(
+    tg, fake_llm, node_config, tmp_path
+):
+    async with started(node_config("n1")) as one:
+        assert one.app.node is not None
+        assert await post(tg, tg.push_private(1717, "before"), one) == 200
+        await settled([one])
+        epochs = one.app.node.held_tenants()
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "hermes-gateway"),
+            "-c",
+            str(node_config_file(tmp_path, fake_llm, tg, "n1")),
+            "run",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        lines = err.decode().strip().splitlines()
+        assert proc.returncode == 1, lines
+        assert lines[-1].startswith("error: node id n1 is in use by another running process"), lines
+        assert f"pid {os.getpid()}" in lines[-1] and "cluster.node_id" in lines[-1]
+        assert not any("Traceback" in line for line in lines), lines
+        # the first process kept its id, its leases and their epochs, and answers on
+        assert one.app.node.displaced is None
+        assert await post(tg, tg.push_private(1717, "after"), one) == 200
+        await settled([one])
+        assert one.app.node.held_tenants() == epochs
+    assert texts(tg, 1717) == ["ok: before", "ok: after"]
+
+
+async def test_a_node_id_whose_process_stopped_heartbeating_is_taken_once_it_lapses_and_the_old_one_holds_nothing(
+    tg, fake_llm, node_config
+):
+    async with started(node_config("n1")) as old:
+        node = old.app.node
+        assert node is not None and node._beat is not None
+        assert await post(tg, tg.push_private(1818, "first life"), old) == 200
+        await settled([old])
+        first_epoch = node.held_tenants()["telegram-1818"]
+        node._beat.cancel()  # the old process stops heartbeating (frozen, or dead without leaving)
+        await old.app.profiles.close_all()
+        async with started(node_config("n1")) as new:  # waits out the old registration, then joins
+            assert new.app.node is not None
+            assert await post(tg, tg.push_private(1818, "second life"), new) == 200
+            await settled([new])
+            assert new.app.node.held_tenants()["telegram-1818"] > first_epoch
+            await node.beat()  # the old process wakes up: its id is another live process's now
+            assert node.displaced is not None and "node id n1 is in use" in node.displaced
+            with pytest.raises(LeaseLost):
+                await node.hold("telegram-1818")
+            assert await post(tg, tg.push_private(1818, "still here"), new) == 200
+            await settled([new])
+    assert texts(tg, 1818) == ["ok: first life", "ok: second life", "ok: still here"]

@@ -26,7 +26,7 @@ from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.leases import FencedOut
 from gateway.config import ConfigError
 from gateway.logs import JsonFormatter, Redactor
-from tests.fakes.llm import memory_saving_responder
+from tests.fakes.llm import hang, memory_saving_responder
 from tests.fakes.telegram_api import FakeTelegram
 from tests.pg import DSN, require_postgres
 
@@ -300,6 +300,40 @@ async def test_a_profile_write_under_a_lost_lease_is_refused_and_the_profile_clo
         assert texts(tg, 444) == ["ok: hello", "ok: again"]
         again = node.held(tenant)
         assert again is not None and again.epoch == held.epoch + 2
+
+
+async def test_a_lease_the_database_stops_renewing_is_lost_at_its_local_deadline_and_its_profile_closed_before_it_expires(
+    tg, fake_llm, node_config, caplog
+):
+    caplog.set_level(logging.INFO, logger="hermes.cluster")
+    fake_llm.script(hang(60, "too late"))
+    async with started(node_config("n1")) as one:
+        app, node = one.app, one.app.node
+        assert node is not None and node._beat is not None
+        assert await post(tg, tg.push_private(1919, "slow please"), one) == 200
+        for _ in range(400):  # until the turn is in the model's hands: the profile is in use
+            if fake_llm.requests:
+                break
+            await asyncio.sleep(0.05)
+        held = node.held("telegram-1919")
+        assert held is not None
+        node._beat.cancel()  # no renewal answers any more (as while PostgreSQL restarts)
+
+        async def closed() -> None:
+            while "telegram-1919" in app.profiles._open:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(closed(), 3 * TTL)
+        assert held.lost and held.reason == "not renewed in time"
+        async with node.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT extract(epoch FROM expires_at)::float8 AS e FROM tenant_leases WHERE tenant = 'telegram-1919'"
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        [close] = [r for r in caplog.records if getattr(r, "event", "") == "profile_close"]
+        assert close.tenant == "telegram-1919" and close.ts < row["e"]  # closed before another node could open it
+    assert texts(tg, 1919) == []  # the stopped turn sent nothing; the message stays pending
 
 
 async def test_an_outbox_commit_under_a_stale_epoch_is_refused(tg, fake_llm, node_config):

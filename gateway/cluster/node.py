@@ -118,6 +118,7 @@ class ClusterNode:
         self.claims: dict[str, HeldLease] = {}
         self._lock = asyncio.Lock()
         self._beat: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
 
     @property
     def pool(self) -> Pool:
@@ -142,6 +143,7 @@ class ClusterNode:
         await retire_leases(self._pool, self.node_id)  # a new life never reuses an old life's epoch
         log.info("node %s joined the cluster (lease ttl %g s)", self.node_id, self.ttl, extra={"node": self.node_id})
         self._beat = asyncio.create_task(self._heartbeats(), name="cluster-heartbeat")
+        self._watch = asyncio.create_task(self._expire_leases(), name="cluster-lease-deadlines")
 
     async def _register(self) -> float:
         """Take the node id for this process (returns the monotonic time the winning request
@@ -168,10 +170,11 @@ class ClusterNode:
 
     async def stop(self) -> None:
         """Leave the cluster: lanes and tenant leases are free for the others at once."""
-        if self._beat is not None:
-            self._beat.cancel()
-            await asyncio.gather(self._beat, return_exceptions=True)
-            self._beat = None
+        for task in (self._beat, self._watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._beat = self._watch = None
         if self._pool is None:
             return
         try:
@@ -264,6 +267,21 @@ class ClusterNode:
                 self.metrics.heartbeat_failures.inc()
                 log.error("heartbeat failed (%s); writes stop when the leases run out locally", exc)
 
+    async def _expire_leases(self) -> None:
+        """Lose each held lease at its local deadline whether or not the database answers (a
+        heartbeat waits for it): its profile closes before the database lets another node in."""
+        while True:
+            now = time.monotonic()
+            wake = now + self.ttl / 3
+            for held in list(self._held.values()):
+                if held.lost:
+                    continue
+                if now >= held.deadline:
+                    self._lose(held, "not renewed in time")
+                else:
+                    wake = min(wake, held.deadline)
+            await asyncio.sleep(max(wake - time.monotonic(), 0.01))
+
     async def beat(self) -> None:
         """Renew the node lease and every tenant lease; a lease that cannot be renewed is lost."""
         if self.displaced is not None:
@@ -296,6 +314,8 @@ class ClusterNode:
                 continue
             started = time.monotonic()
             lease = await renew_lease(self.pool, held.lease, self.ttl)
+            if held.lost:  # its deadline passed while the renewal waited: its profile is closing
+                continue
             if lease is None:
                 self._lose(held, "taken over by another node")
                 continue

@@ -336,6 +336,24 @@ async def test_a_lease_the_database_stops_renewing_is_lost_at_its_local_deadline
     assert texts(tg, 1919) == []  # the stopped turn sent nothing; the message stays pending
 
 
+async def test_a_chunk_sent_while_its_lane_was_taken_away_is_sent_again_when_the_node_claims_the_lane_back(
+    tg, fake_llm, node_config
+):
+    async with started(node_config("n1")) as one:
+        node = one.app.node
+        assert node is not None
+        tg.delay_next("sendMessage", 2.0)  # Telegram takes the answer but confirms it late
+        assert await post(tg, tg.push_private(2020, "hello"), one) == 200
+        await tg.wait_sent(1, 2020, timeout=20)
+        async with node.pool.connection() as conn:  # meanwhile the lane went to a node that then died
+            await conn.execute("INSERT INTO nodes (node_id, lease_expires_at) VALUES ('n2', now() + interval '3 s')")
+            await conn.execute("UPDATE lanes SET claimed_by = 'n2' WHERE claimed_by = 'n1'")
+        # n1 could not mark the chunk sent; once n2's claim is reaped, n1 claims the lane
+        # back, sends the chunk again (the documented window) and the message is done
+        await settled([one], timeout=20)
+    assert texts(tg, 2020) in (["ok: hello"], ["ok: hello", "ok: hello"])
+
+
 async def test_an_outbox_commit_under_a_stale_epoch_is_refused(tg, fake_llm, node_config):
     gate = asyncio.Event()
 

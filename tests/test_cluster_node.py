@@ -688,6 +688,11 @@ async def test_a_node_id_whose_process_stopped_heartbeating_is_taken_once_it_lap
             assert node.displaced is not None and "node id n1 is in use" in node.displaced
             with pytest.raises(LeaseLost):
                 await node.hold("telegram-1818")
+            election = old.app._election
+            assert election is not None
+            await election.step()  # its ingress roles are keyed by the id: it gives them up
+            assert election.held == []
+            assert new.app._election is not None and new.app._election.held
             assert await post(tg, tg.push_private(1818, "still here"), new) == 200
             await settled([new])
     assert texts(tg, 1818) == ["ok: first life", "ok: second life", "ok: still here"]

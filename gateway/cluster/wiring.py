@@ -46,4 +46,6 @@ def ingress_election(app: GatewayApp, node: ClusterNode) -> IngressElection | No
     roles = ingress_roles(app.adapters.values(), app.cfg)
     if not roles:
         return None
-    return IngressElection(node.pool, node.node_id, node.ttl, roles, metrics=node.metrics)
+    return IngressElection(
+        node.pool, node.node_id, node.ttl, roles, metrics=node.metrics, may_hold=lambda: node.displaced is None
+    )

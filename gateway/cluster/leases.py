@@ -34,8 +34,9 @@ class Lease:
 
 
 async def register_node(pool: Pool, node_id: str, ttl_s: float) -> None:
-    """Join (or rejoin) the cluster. A rejoining node has lost its memory, so any claim it
-    still holds under the same id is released first."""
+    """Register `node_id` unconditionally, whoever holds it (tests and benches stand in for
+    nodes with it; a node process registers with `claim_node_id`). A rejoining node has
+    lost its memory, so any claim it still holds under the same id is released first."""
     async with pool.connection() as conn, conn.transaction():
         await conn.execute(
             """INSERT INTO nodes (node_id, lease_expires_at) VALUES (%s, now() + make_interval(secs => %s))

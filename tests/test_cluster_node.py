@@ -693,6 +693,10 @@ async def test_a_node_id_whose_process_stopped_heartbeating_is_taken_once_it_lap
             await election.step()  # its ingress roles are keyed by the id: it gives them up
             assert election.held == []
             assert new.app._election is not None and new.app._election.held
+            assert old.app.cluster_health is not None and new.app.cluster_health is not None
+            ok, body = await old.app.cluster_health()  # its /healthz says so
+            assert not ok and body["node"]["ok"] is False and "another running process" in body["node"]["detail"]
+            assert (await new.app.cluster_health())[0]
             assert await post(tg, tg.push_private(1818, "still here"), new) == 200
             await settled([new])
     assert texts(tg, 1818) == ["ok: first life", "ok: second life", "ok: still here"]

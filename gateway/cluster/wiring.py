@@ -38,7 +38,7 @@ def ingress_roles(adapters: Iterable[Any], cfg: Config) -> list[Role]:
 async def attach_shared_state(app: GatewayApp, node: ClusterNode) -> None:
     """Before the adapters start: pairing, link codes and links in PostgreSQL; /healthz."""
     await share_identity(app, node.pool, node.node_id, node.ttl)
-    app.cluster_health = ClusterHealth(node.pool, node.node_id).check
+    app.cluster_health = ClusterHealth(node.pool, node.node_id, instance=node.instance).check
 
 
 def ingress_election(app: GatewayApp, node: ClusterNode) -> IngressElection | None:

@@ -654,7 +654,12 @@ async def test_a_second_process_under_a_live_node_id_refuses_to_start_naming_it_
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:  # it started (the bug): do not leave it running
+                proc.kill()
+                await proc.wait()
         lines = err.decode().strip().splitlines()
         assert proc.returncode == 1, lines
         assert lines[-1].startswith("error: node id n1 is in use by another running process"), lines

@@ -89,8 +89,9 @@ class Ledger(Protocol):
 
     async def next_for(self, platform: str, chat_id: str) -> Chunk | None: ...
     def may_send(self, chunk: Chunk) -> bool: ...
-    async def mark_sent(self, chunk_id: int, sent_id: str) -> None: ...
-    async def give_up(self, chunk_id: int, status: str) -> None: ...
+    # False: the mark was not recorded (cluster mode: the lane is no longer this node's)
+    async def mark_sent(self, chunk_id: int, sent_id: str) -> bool | None: ...
+    async def give_up(self, chunk_id: int, status: str) -> bool | None: ...
     async def sent_message(self, chunk_id: int) -> SentMessage | None: ...
     async def status(self, chunk_id: int) -> str | None: ...
     async def pending_chats(self) -> list[tuple[str, str]]: ...
@@ -306,11 +307,12 @@ class Deliverer:
             seen = self._first_seen[chunk.id] = (max(0.0, self._wall() - chunk.created_at), self._clock())
         return seen[0] + (self._clock() - seen[1])
 
-    def _resolve(self, chunk_id: int, sent: SentMessage | None) -> None:
+    def _resolve(self, chunk_id: int, sent: SentMessage | None, marked: bool | None = True) -> None:
         self._first_seen.pop(chunk_id, None)
-        self._settled[chunk_id] = None
-        if len(self._settled) > 4096:
-            del self._settled[next(iter(self._settled))]
+        if marked is not False:  # an unrecorded mark: the chunk is still unsent when read again
+            self._settled[chunk_id] = None
+            if len(self._settled) > 4096:
+                del self._settled[next(iter(self._settled))]
         fut = self._waiters.pop(chunk_id, None)
         if fut is not None and not fut.done():
             fut.set_result(sent)
@@ -363,12 +365,12 @@ class Deliverer:
                 # the platform has it: mark it at once (a crash before this line is the window
                 # README "Delivery" documents); a failing database is retried, never the send
                 if sent is None:
-                    await self._db(partial(self.outbox.give_up, chunk.id, "refused"), key)
+                    marked = await self._db(partial(self.outbox.give_up, chunk.id, "refused"), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="refused")
                 else:
-                    await self._db(partial(self.outbox.mark_sent, chunk.id, sent.message_id), key)
+                    marked = await self._db(partial(self.outbox.mark_sent, chunk.id, sent.message_id), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="sent")
-                self._resolve(chunk.id, sent)
+                self._resolve(chunk.id, sent, marked)
         finally:
             self._workers.pop(key, None)
             self._again.discard(key)

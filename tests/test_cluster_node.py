@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import socket
+import sys
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -23,7 +26,7 @@ from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.leases import FencedOut
 from gateway.config import ConfigError
 from gateway.logs import JsonFormatter, Redactor
-from tests.fakes.llm import memory_saving_responder
+from tests.fakes.llm import hang, memory_saving_responder
 from tests.fakes.telegram_api import FakeTelegram
 from tests.pg import DSN, require_postgres
 
@@ -299,6 +302,58 @@ async def test_a_profile_write_under_a_lost_lease_is_refused_and_the_profile_clo
         assert again is not None and again.epoch == held.epoch + 2
 
 
+async def test_a_lease_the_database_stops_renewing_is_lost_at_its_local_deadline_and_its_profile_closed_before_it_expires(
+    tg, fake_llm, node_config, caplog
+):
+    caplog.set_level(logging.INFO, logger="hermes.cluster")
+    fake_llm.script(hang(60, "too late"))
+    async with started(node_config("n1")) as one:
+        app, node = one.app, one.app.node
+        assert node is not None and node._beat is not None
+        assert await post(tg, tg.push_private(1919, "slow please"), one) == 200
+        for _ in range(400):  # until the turn is in the model's hands: the profile is in use
+            if fake_llm.requests:
+                break
+            await asyncio.sleep(0.05)
+        held = node.held("telegram-1919")
+        assert held is not None
+        node._beat.cancel()  # no renewal answers any more (as while PostgreSQL restarts)
+
+        async def closed() -> None:
+            while "telegram-1919" in app.profiles._open:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(closed(), 3 * TTL)
+        assert held.lost and held.reason == "not renewed in time"
+        async with node.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT extract(epoch FROM expires_at)::float8 AS e FROM tenant_leases WHERE tenant = 'telegram-1919'"
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        [close] = [r for r in caplog.records if getattr(r, "event", "") == "profile_close"]
+        assert close.tenant == "telegram-1919" and close.ts < row["e"]  # closed before another node could open it
+    assert texts(tg, 1919) == []  # the stopped turn sent nothing; the message stays pending
+
+
+async def test_a_chunk_sent_while_its_lane_was_taken_away_is_sent_again_when_the_node_claims_the_lane_back(
+    tg, fake_llm, node_config
+):
+    async with started(node_config("n1")) as one:
+        node = one.app.node
+        assert node is not None
+        tg.delay_next("sendMessage", 2.0)  # Telegram takes the answer but confirms it late
+        assert await post(tg, tg.push_private(2020, "hello"), one) == 200
+        await tg.wait_sent(1, 2020, timeout=20)
+        async with node.pool.connection() as conn:  # meanwhile the lane went to a node that then died
+            await conn.execute("INSERT INTO nodes (node_id, lease_expires_at) VALUES ('n2', now() + interval '3 s')")
+            await conn.execute("UPDATE lanes SET claimed_by = 'n2' WHERE claimed_by = 'n1'")
+        # n1 could not mark the chunk sent; once n2's claim is reaped, n1 claims the lane
+        # back, sends the chunk again (the documented window) and the message is done
+        await settled([one], timeout=20)
+    assert texts(tg, 2020) in (["ok: hello"], ["ok: hello", "ok: hello"])
+
+
 async def test_an_outbox_commit_under_a_stale_epoch_is_refused(tg, fake_llm, node_config):
     gate = asyncio.Event()
 
@@ -549,3 +604,104 @@ async def test_a_collected_answer_stored_by_a_node_that_then_froze_is_sent_by_an
             await settled([two])
     sent = texts(tg, 1515)
     assert sent[0] == "ok: zero" and len(sent) == 2 and sent[1].startswith("done:"), sent
+
+
+# --- one process per node id -----------------------------------------------------------------
+
+
+def node_config_file(tmp_path, fake_llm, tg: FakeTelegram, node_id: str) -> Path:
+    """A YAML config of node `node_id` over the same data_dir, for `hermes-gateway run`."""
+    port = free_port()
+    data = {
+        "data_dir": str(tmp_path / "data"),
+        "llm": {"base_url": fake_llm.base_url, "model": "fake-model", "max_retries": 1, "timeout_s": 10},
+        "storage": {"fsync": "never"},
+        "platforms": {
+            "telegram": {
+                "enabled": True,
+                "token_env": TOKEN_ENV,
+                "base_url": tg.base_url,
+                "mode": "webhook",
+                "webhook": {
+                    "listen": "127.0.0.1",
+                    "port": port,
+                    "path": "/telegram",
+                    "public_url": f"http://127.0.0.1:{port}",
+                    "secret_token_env": SECRET_ENV,
+                },
+            }
+        },
+        "cluster": {"postgres_dsn_env": DSN_ENV, "node_id": node_id, "lease_ttl_s": TTL, "poll_interval_s": 0.3},
+    }
+    path = tmp_path / f"{node_id}-again.yaml"
+    path.write_text(json.dumps(data))  # JSON is YAML
+    return path
+
+
+async def test_a_second_process_under_a_live_node_id_refuses_to_start_naming_it_and_the_first_runs_on(
+    tg, fake_llm, node_config, tmp_path
+):
+    async with started(node_config("n1")) as one:
+        assert one.app.node is not None
+        assert await post(tg, tg.push_private(1717, "before"), one) == 200
+        await settled([one])
+        epochs = one.app.node.held_tenants()
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "hermes-gateway"),
+            "-c",
+            str(node_config_file(tmp_path, fake_llm, tg, "n1")),
+            "run",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:  # it started (the bug): do not leave it running
+                proc.kill()
+                await proc.wait()
+        lines = err.decode().strip().splitlines()
+        assert proc.returncode == 1, lines
+        assert lines[-1].startswith("error: node id n1 is in use by another running process"), lines
+        assert f"pid {os.getpid()}" in lines[-1] and "cluster.node_id" in lines[-1]
+        assert not any("Traceback" in line for line in lines), lines
+        # the first process kept its id, its leases and their epochs, and answers on
+        assert one.app.node.displaced is None
+        assert await post(tg, tg.push_private(1717, "after"), one) == 200
+        await settled([one])
+        assert one.app.node.held_tenants() == epochs
+    assert texts(tg, 1717) == ["ok: before", "ok: after"]
+
+
+async def test_a_node_id_whose_process_stopped_heartbeating_is_taken_once_it_lapses_and_the_old_one_holds_nothing(
+    tg, fake_llm, node_config
+):
+    async with started(node_config("n1")) as old:
+        node = old.app.node
+        assert node is not None and node._beat is not None
+        assert await post(tg, tg.push_private(1818, "first life"), old) == 200
+        await settled([old])
+        first_epoch = node.held_tenants()["telegram-1818"]
+        node._beat.cancel()  # the old process stops heartbeating (frozen, or dead without leaving)
+        await old.app.profiles.close_all()
+        async with started(node_config("n1")) as new:  # waits out the old registration, then joins
+            assert new.app.node is not None
+            assert await post(tg, tg.push_private(1818, "second life"), new) == 200
+            await settled([new])
+            assert new.app.node.held_tenants()["telegram-1818"] > first_epoch
+            await node.beat()  # the old process wakes up: its id is another live process's now
+            assert node.displaced is not None and "node id n1 is in use" in node.displaced
+            with pytest.raises(LeaseLost):
+                await node.hold("telegram-1818")
+            election = old.app._election
+            assert election is not None
+            await election.step()  # its ingress roles are keyed by the id: it gives them up
+            assert election.held == []
+            assert new.app._election is not None and new.app._election.held
+            assert old.app.cluster_health is not None and new.app.cluster_health is not None
+            ok, body = await old.app.cluster_health()  # its /healthz says so
+            assert not ok and body["node"]["ok"] is False and "another running process" in body["node"]["detail"]
+            assert (await new.app.cluster_health())[0]
+            assert await post(tg, tg.push_private(1818, "still here"), new) == 200
+            await settled([new])
+    assert texts(tg, 1818) == ["ok: first life", "ok: second life", "ok: still here"]

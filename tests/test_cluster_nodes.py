@@ -210,12 +210,17 @@ def _cluster_runtime_missing() -> str | None:
 
 _missing = _cluster_runtime_missing()
 needs_cluster = pytest.mark.skipif(_missing is not None, reason=_missing or "")
+# 20-45 s each alone; the whole suite on two cores runs them several times slower, and a
+# storm's own waits (nodes up, settling, stopping) add up: the global 120 s is too little
+STORM_TIMEOUT_S = 480
 
 
 def _quiet(_: str) -> None:
     pass
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(STORM_TIMEOUT_S)
 @needs_cluster
 async def test_three_nodes_under_sigkills_answer_every_message_once_in_order(tmp_path):
     r = await cluster_storm(
@@ -249,6 +254,8 @@ async def test_three_nodes_under_sigkills_answer_every_message_once_in_order(tmp
     assert len([n for n, count in r.dc_answers_by_node.items() if count]) >= 2
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(STORM_TIMEOUT_S)
 @needs_cluster
 async def test_a_node_paused_past_its_lease_is_fenced_out_and_nothing_is_duplicated(tmp_path):
     r = await cluster_storm(
@@ -273,6 +280,8 @@ async def test_a_node_paused_past_its_lease_is_fenced_out_and_nothing_is_duplica
     assert not r.nodes_crashed, r.nodes_crashed
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(STORM_TIMEOUT_S)
 @needs_cluster
 @pytest.mark.skipif(pg_cluster() is None, reason="needs pg_ctlcluster to restart the local PostgreSQL")
 async def test_RESTARTS_POSTGRESQL_nodes_wait_reconnect_and_lose_nothing(tmp_path):

@@ -89,6 +89,9 @@ class ClaimWorkers:
             for lane in list(self._unreleased):
                 self._unreleased.discard(lane)
                 await self._give_back(lane)
+            if self.node.displaced is not None:  # the id's lanes are another process's now
+                await self._idle(self.poll_s)
+                continue
             try:
                 claim = await claim_lane(self.node.pool, self.node.node_id, CLAIM_BATCH)
                 failures = 0

@@ -17,10 +17,13 @@ from gateway.cluster.migrations import LATEST
 class ClusterHealth:
     """`await check()` -> (healthy, body); `GatewayApp.cluster_health = ClusterHealth(...).check`."""
 
-    def __init__(self, pool: Pool, node_id: str, *, timeout_s: float = 3.0) -> None:
+    def __init__(self, pool: Pool, node_id: str, *, timeout_s: float = 3.0, instance: str | None = None) -> None:
+        """`instance`: this process as the nodes table names it; a row of another process
+        under the same id is not this node's membership."""
         self.pool = pool
         self.node_id = node_id
         self.timeout_s = timeout_s
+        self.instance = instance
 
     async def check(self) -> tuple[bool, dict[str, Any]]:
         body: dict[str, Any] = {"node_id": self.node_id}
@@ -41,26 +44,30 @@ class ClusterHealth:
             "schema_version": version,
             "detail": "migrated" if db_ok else f"schema at {version}, this gateway needs {LATEST}",
         }
-        alive = node is not None and node["expires_in_s"] > 0
+        taken = node is not None and self.instance is not None and node["instance"] not in (None, self.instance)
+        alive = node is not None and node["expires_in_s"] > 0 and not taken
         body["node"] = {
             "ok": alive,
-            "registered": node is not None,
-            "lease_expires_in_s": round(node["expires_in_s"], 1) if node is not None else None,
+            "registered": node is not None and not taken,
+            "lease_expires_in_s": round(node["expires_in_s"], 1) if node is not None and not taken else None,
         }
+        if taken:
+            body["node"]["detail"] = "the node id is in use by another running process"
         body["leases"] = {"tenants": tenants, "ingress": ingress}
         ok = db_ok and alive
         return ok, {"ok": ok, **body}
 
-    async def _facts(self) -> tuple[int, dict[str, float] | None, int, list[str]]:
+    async def _facts(self) -> tuple[int, dict[str, Any] | None, int, list[str]]:
         async with self.pool.connection() as conn:
             version = int((await fetch_one(conn, "SELECT coalesce(max(version), 0) AS v FROM schema_migrations"))["v"])
             row = await (
                 await conn.execute(
-                    "SELECT extract(epoch FROM lease_expires_at - now())::float8 AS s FROM nodes WHERE node_id = %s",
+                    """SELECT extract(epoch FROM lease_expires_at - now())::float8 AS s, instance
+                       FROM nodes WHERE node_id = %s""",
                     (self.node_id,),
                 )
             ).fetchone()
-            node = {"expires_in_s": float(row["s"])} if row else None
+            node = {"expires_in_s": float(row["s"]), "instance": row["instance"]} if row else None
             rows = await (
                 await conn.execute(
                     "SELECT tenant FROM tenant_leases WHERE holder = %s AND expires_at > now() ORDER BY tenant",

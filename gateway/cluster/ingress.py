@@ -63,8 +63,10 @@ class IngressElection:
         interval_s: float | None = None,
         stop_after: float = 0.8,
         metrics: ClusterMetrics | None = None,
+        may_hold: Callable[[], bool] = lambda: True,
     ) -> None:
-        """`metrics` counts every role gained, lost or released, and takeovers."""
+        """`metrics` counts every role gained, lost or released, and takeovers; `may_hold`
+        False (the node id is another process's now) gives every role up, taking none."""
         self.pool = pool
         self.node_id = node_id
         self.ttl_s = ttl_s
@@ -72,6 +74,7 @@ class IngressElection:
         self.interval_s = interval_s if interval_s is not None else ttl_s / 3
         self.stop_after_s = ttl_s * stop_after
         self.metrics = metrics
+        self.may_hold = may_hold
         self._held: dict[str, Lease] = {}
         self._renewed_at: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
@@ -110,6 +113,11 @@ class IngressElection:
     async def step(self) -> None:
         """One round: renew, give up the surplus, take what is free."""
         async with self._lock:
+            if not self.may_hold():  # its leases are keyed by the id: renewing would take the other's
+                for role in reversed(self.roles):
+                    if role.name in self._held:
+                        await self._give_up(role, "lost", release=False)
+                return
             await self._renew_all()
             share = await self._share()
             spread_held = [r for r in self.roles if r.spread and r.name in self._held]

@@ -34,8 +34,9 @@ class Lease:
 
 
 async def register_node(pool: Pool, node_id: str, ttl_s: float) -> None:
-    """Join (or rejoin) the cluster. A rejoining node has lost its memory, so any claim it
-    still holds under the same id is released first."""
+    """Register `node_id` unconditionally, whoever holds it (tests and benches stand in for
+    nodes with it; a node process registers with `claim_node_id`). A rejoining node has
+    lost its memory, so any claim it still holds under the same id is released first."""
     async with pool.connection() as conn, conn.transaction():
         await conn.execute(
             """INSERT INTO nodes (node_id, lease_expires_at) VALUES (%s, now() + make_interval(secs => %s))
@@ -44,6 +45,43 @@ async def register_node(pool: Pool, node_id: str, ttl_s: float) -> None:
             (node_id, ttl_s),
         )
         await conn.execute("UPDATE lanes SET claimed_by = NULL, claimed_at = NULL WHERE claimed_by = %s", (node_id,))
+
+
+@dataclass(frozen=True)
+class NodeHolder:
+    """The process that holds a node id with a live lease, as another process sees it."""
+
+    instance: str  # host, pid and token of that process ("?" for a node that did not say)
+    heartbeat_at: datetime
+    expires_in_s: float  # how long its node lease runs without another heartbeat
+
+
+async def claim_node_id(pool: Pool, node_id: str, ttl_s: float, instance: str) -> NodeHolder | None:
+    """Register `node_id` for this process unless another process holds it with a live
+    lease: None once registered (the id's old lane claims released), else who holds it."""
+    async with pool.connection() as conn, conn.transaction():
+        cur = await conn.execute(
+            """INSERT INTO nodes AS n (node_id, lease_expires_at, instance)
+               VALUES (%s, now() + make_interval(secs => %s), %s)
+               ON CONFLICT (node_id) DO UPDATE SET started_at = now(), heartbeat_at = now(),
+                   lease_expires_at = EXCLUDED.lease_expires_at, instance = EXCLUDED.instance
+               WHERE n.lease_expires_at <= now() OR n.instance = EXCLUDED.instance
+               RETURNING node_id""",
+            (node_id, ttl_s, instance),
+        )
+        if await cur.fetchone() is None:
+            cur = await conn.execute(
+                """SELECT coalesce(instance, '?') AS instance, heartbeat_at,
+                          extract(epoch FROM lease_expires_at - now())::float8 AS left_s
+                   FROM nodes WHERE node_id = %s""",
+                (node_id,),
+            )
+            row = await cur.fetchone()
+            if row is not None:
+                return NodeHolder(row["instance"], row["heartbeat_at"], max(0.0, float(row["left_s"])))
+            return await claim_node_id(pool, node_id, ttl_s, instance)  # it left just now
+        await conn.execute("UPDATE lanes SET claimed_by = NULL, claimed_at = NULL WHERE claimed_by = %s", (node_id,))
+        return None
 
 
 async def retire_leases(pool: Pool, node_id: str) -> int:
@@ -57,14 +95,15 @@ async def retire_leases(pool: Pool, node_id: str) -> int:
         return cur.rowcount
 
 
-async def heartbeat(pool: Pool, node_id: str, ttl_s: float) -> bool:
-    """Extend this node's lease; False if it had already expired (its claims may be gone:
-    stop every lane and register again)."""
+async def heartbeat(pool: Pool, node_id: str, ttl_s: float, instance: str | None = None) -> bool:
+    """Extend this node's lease; False if it had already expired, or (given `instance`)
+    another process registered the id since (its claims may be gone: stop every lane and
+    register again)."""
     async with pool.connection() as conn:
         cur = await conn.execute(
             """UPDATE nodes SET heartbeat_at = now(), lease_expires_at = now() + make_interval(secs => %s)
-               WHERE node_id = %s AND lease_expires_at > now()""",
-            (ttl_s, node_id),
+               WHERE node_id = %s AND lease_expires_at > now() AND (%s::text IS NULL OR instance = %s)""",
+            (ttl_s, node_id, instance, instance),
         )
         return cur.rowcount == 1
 

@@ -265,16 +265,17 @@ class ClusterOutbox:
         self.node.metrics.fenced_out("send")
         return False
 
-    async def mark_sent(self, chunk_id: int, sent_id: str) -> None:
-        await self._settle(chunk_id, "sent", sent_id)
+    async def mark_sent(self, chunk_id: int, sent_id: str) -> bool:
+        return await self._settle(chunk_id, "sent", sent_id)
 
-    async def give_up(self, chunk_id: int, status: str) -> None:
-        await self._settle(chunk_id, status, None)
+    async def give_up(self, chunk_id: int, status: str) -> bool:
+        return await self._settle(chunk_id, status, None)
 
-    async def _settle(self, chunk_id: int, outcome: str, sent_id: str | None) -> None:
+    async def _settle(self, chunk_id: int, outcome: str, sent_id: str | None) -> bool:
         """The chunk left (or will never leave); when it was its message's last unsent
         chunk of an answered message, the message is done. A lane that is no longer ours
-        is left alone: its next holder sends the chunk again (the documented window)."""
+        is left alone: its next holder sends the chunk again (the documented window), and
+        False tells the Deliverer the chunk is still unsent (this node may be that holder)."""
         lane = self._lanes.pop(chunk_id, None)
         held = self.node.claims.get(lane or "")
         try:
@@ -283,7 +284,7 @@ class ClusterOutbox:
                     await conn.execute("SELECT inbox_id, lane FROM outbox WHERE id = %s", (chunk_id,))
                 ).fetchone()
                 if row is None:
-                    return
+                    return True
                 await self._lock_lane(conn, row["lane"])
                 await conn.execute(
                     """UPDATE outbox SET sent_at = now(), sent_epoch = %s, outcome = %s, sent_id = %s,
@@ -297,10 +298,12 @@ class ClusterOutbox:
                 )
                 if cur.rowcount:
                     await refresh_lane_head(conn, row["lane"])
+            return True
         except (NotClaimed, LeaseLost) as exc:
             log.warning(
                 "chunk %d was sent but could not be marked (%s); its lane's next holder resends it", chunk_id, exc
             )
+            return False
 
     async def sent_message(self, chunk_id: int) -> SentMessage | None:
         async with self.node.pool.connection() as conn:

@@ -154,6 +154,15 @@ CREATE TABLE identity_links_generation (
 INSERT INTO identity_links_generation (only_row, generation) VALUES (true, 0);
 """,
     ),
+    Migration(
+        4,
+        "the process behind each node id",
+        """
+-- which process registered the node id (host, pid and a random token): a second process
+-- started with an id that a live process heartbeats under is refused
+ALTER TABLE nodes ADD COLUMN instance text;
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

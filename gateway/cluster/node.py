@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.cluster.db import Pool, open_pool
+from gateway.cluster.db import ClusterError, Pool, open_pool
 from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.leases import (
     Lease,
+    NodeHolder,
     acquire_lease,
+    claim_node_id,
     heartbeat,
     leave,
-    register_node,
     release_lease,
     renew_lease,
     retire_leases,
@@ -40,6 +44,17 @@ log = logging.getLogger("hermes.cluster")
 
 class LeaseBusy(LeaseLost):
     """Another node holds the tenant's lease: this node may not open its profile now."""
+
+
+class NodeIdInUse(ClusterError):
+    """Another live process heartbeats under this node's id: two processes must never share one."""
+
+
+def _in_use(node_id: str, holder: NodeHolder) -> str:
+    return (
+        f"node id {node_id} is in use by another running process ({holder.instance}, which heartbeats under it): "
+        "give each node its own cluster.node_id, or stop that process first"
+    )
 
 
 @dataclass
@@ -86,6 +101,12 @@ class ClusterNode:
         self.cfg = cfg
         self.dsn = dsn
         self.node_id = cfg.node_name()
+        # this process, as the nodes table names it: a second process with the same id is refused
+        self.instance = f"{socket.gethostname()} pid {os.getpid()} #{secrets.token_hex(3)}"
+        self.displaced: str | None = None  # why this process may hold nothing (its id was taken)
+        # the node lease's local deadline (monotonic): past it, as after a freeze, nothing new is
+        # held until a heartbeat confirms the id is still this process's
+        self._alive_until = 0.0
         self.ttl = cfg.lease_ttl_s
         self.margin = max(0.2 * self.ttl, 0.1)  # local deadline ends this long before the database's
         self.pool_size = pool_size or cfg.max_lanes + 4
@@ -97,6 +118,7 @@ class ClusterNode:
         self.claims: dict[str, HeldLease] = {}
         self._lock = asyncio.Lock()
         self._beat: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
 
     @property
     def pool(self) -> Pool:
@@ -106,27 +128,59 @@ class ClusterNode:
 
     # ----- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
-        """Open the pool, migrate the schema (safe on every node at once), register."""
+        """Open the pool, migrate the schema (safe on every node at once), register; raises
+        NodeIdInUse when another live process heartbeats under this node id."""
         self._pool = await open_pool(self.dsn, max_size=self.pool_size)
-        applied = await migrate(self._pool)
-        if applied:
-            log.info("cluster schema migrated (applied %s)", ", ".join(map(str, applied)))
-        await register_node(self._pool, self.node_id, self.ttl)
+        try:
+            applied = await migrate(self._pool)
+            if applied:
+                log.info("cluster schema migrated (applied %s)", ", ".join(map(str, applied)))
+            self._alive_until = await self._register() + self.ttl - self.margin
+        except BaseException:
+            await self._pool.close()
+            self._pool = None
+            raise
         await retire_leases(self._pool, self.node_id)  # a new life never reuses an old life's epoch
         log.info("node %s joined the cluster (lease ttl %g s)", self.node_id, self.ttl, extra={"node": self.node_id})
         self._beat = asyncio.create_task(self._heartbeats(), name="cluster-heartbeat")
+        self._watch = asyncio.create_task(self._expire_leases(), name="cluster-lease-deadlines")
+
+    async def _register(self) -> float:
+        """Take the node id for this process (returns the monotonic time the winning request
+        was sent). An id still registered by another process (a crashed one, whose lease runs
+        out within a ttl) is waited for; one that process heartbeats under meanwhile is alive,
+        and this process must not start."""
+        first: NodeHolder | None = None
+        while True:
+            sent = time.monotonic()
+            holder = await claim_node_id(self.pool, self.node_id, self.ttl, self.instance)
+            if holder is None:
+                return sent
+            if first is None:
+                first = holder
+                log.info(
+                    "node id %s is still registered by %s; waiting up to %.1f s for its lease to run out",
+                    self.node_id,
+                    holder.instance,
+                    holder.expires_in_s,
+                )
+            elif holder.instance != first.instance or holder.heartbeat_at != first.heartbeat_at:
+                raise NodeIdInUse(_in_use(self.node_id, holder))
+            await asyncio.sleep(min(holder.expires_in_s + 0.05, self.ttl / 6))
 
     async def stop(self) -> None:
         """Leave the cluster: lanes and tenant leases are free for the others at once."""
-        if self._beat is not None:
-            self._beat.cancel()
-            await asyncio.gather(self._beat, return_exceptions=True)
-            self._beat = None
+        for task in (self._beat, self._watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._beat = self._watch = None
         if self._pool is None:
             return
         try:
-            await leave(self._pool, self.node_id)
-            log.info("node %s left the cluster", self.node_id, extra={"node": self.node_id})
+            if self.displaced is None:  # else the id, its lanes and leases are another process's
+                await leave(self._pool, self.node_id)
+                log.info("node %s left the cluster", self.node_id, extra={"node": self.node_id})
         except Exception:
             log.exception("leaving the cluster failed; the other nodes take over after the lease ttl")
         for held in self._held.values():
@@ -147,6 +201,10 @@ class ClusterNode:
         """Hold `tenant`'s lease (acquiring it unless this node holds it already); raises
         LeaseBusy when another node holds it. Pair every call with `unhold`."""
         async with self._lock:
+            if self.displaced is not None:
+                raise LeaseBusy(self.displaced)
+            if time.monotonic() >= self._alive_until:
+                raise LeaseBusy(f"node {self.node_id}'s own lease is not confirmed by a recent heartbeat")
             held = self._held.get(tenant)
             if held is not None and held.valid():
                 held.users += 1
@@ -209,16 +267,43 @@ class ClusterNode:
                 self.metrics.heartbeat_failures.inc()
                 log.error("heartbeat failed (%s); writes stop when the leases run out locally", exc)
 
+    async def _expire_leases(self) -> None:
+        """Lose each held lease at its local deadline whether or not the database answers (a
+        heartbeat waits for it): its profile closes before the database lets another node in."""
+        while True:
+            now = time.monotonic()
+            wake = now + self.ttl / 3
+            for held in list(self._held.values()):
+                if held.lost:
+                    continue
+                if now >= held.deadline:
+                    self._lose(held, "not renewed in time")
+                else:
+                    wake = min(wake, held.deadline)
+            await asyncio.sleep(max(wake - time.monotonic(), 0.01))
+
     async def beat(self) -> None:
         """Renew the node lease and every tenant lease; a lease that cannot be renewed is lost."""
-        alive = await heartbeat(self.pool, self.node_id, self.ttl)
-        if not alive:
-            # the node lease ran out (a pause, a partition): other nodes may run our lanes and
-            # tenants now; everything held is lost, then the node joins afresh
+        if self.displaced is not None:
+            log.error("%s; this process holds nothing and should be stopped", self.displaced)
+            return
+        started = time.monotonic()
+        alive = await heartbeat(self.pool, self.node_id, self.ttl, self.instance)
+        if alive:
+            self._alive_until = started + self.ttl - self.margin
+        else:
+            # the node lease ran out (a pause, a partition) or another process took the id:
+            # other nodes may run our lanes and tenants now; everything held is lost, then the
+            # node joins afresh unless the id is another live process's now
             self.metrics.heartbeat_failures.inc()
             for held in list(self._held.values()):
                 self._lose(held, "node lease expired")
-            await register_node(self.pool, self.node_id, self.ttl)
+            holder = await claim_node_id(self.pool, self.node_id, self.ttl, self.instance)
+            if holder is not None:
+                self.displaced = _in_use(self.node_id, holder)
+                log.error("%s; this process holds nothing and should be stopped", self.displaced)
+                return
+            self._alive_until = started + self.ttl - self.margin
             log.warning("node %s rejoined the cluster after its lease had expired", self.node_id)
             return
         for held in list(self._held.values()):
@@ -229,6 +314,8 @@ class ClusterNode:
                 continue
             started = time.monotonic()
             lease = await renew_lease(self.pool, held.lease, self.ttl)
+            if held.lost:  # its deadline passed while the renewal waited: its profile is closing
+                continue
             if lease is None:
                 self._lose(held, "taken over by another node")
                 continue

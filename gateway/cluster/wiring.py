@@ -38,7 +38,7 @@ def ingress_roles(adapters: Iterable[Any], cfg: Config) -> list[Role]:
 async def attach_shared_state(app: GatewayApp, node: ClusterNode) -> None:
     """Before the adapters start: pairing, link codes and links in PostgreSQL; /healthz."""
     await share_identity(app, node.pool, node.node_id, node.ttl)
-    app.cluster_health = ClusterHealth(node.pool, node.node_id).check
+    app.cluster_health = ClusterHealth(node.pool, node.node_id, instance=node.instance).check
 
 
 def ingress_election(app: GatewayApp, node: ClusterNode) -> IngressElection | None:
@@ -46,4 +46,6 @@ def ingress_election(app: GatewayApp, node: ClusterNode) -> IngressElection | No
     roles = ingress_roles(app.adapters.values(), app.cfg)
     if not roles:
         return None
-    return IngressElection(node.pool, node.node_id, node.ttl, roles, metrics=node.metrics)
+    return IngressElection(
+        node.pool, node.node_id, node.ttl, roles, metrics=node.metrics, may_hold=lambda: node.displaced is None
+    )

@@ -592,6 +592,19 @@ class FakeDiscord:
             task.add_done_callback(self._pending.discard)
         return seq
 
+    def push_partial_message_update(self, channel_id: str, message_id: str | None = None) -> int:
+        """A MESSAGE_UPDATE carrying only ids and embeds, without `type` or `author`: the
+        shape Discord sends when it unfurls a link's embed, which discord.py cannot parse."""
+        channel = self.channels.get(channel_id, {})
+        data: dict[str, Any] = {
+            "id": message_id or self.snowflake(),
+            "channel_id": channel_id,
+            "embeds": [{"type": "link", "url": "https://example.com/", "title": "Example"}],
+        }
+        if channel.get("guild_id"):
+            data["guild_id"] = channel["guild_id"]
+        return self.dispatch("MESSAGE_UPDATE", data)
+
     def _user_message(
         self,
         channel_id: str,

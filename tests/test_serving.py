@@ -322,6 +322,30 @@ async def test_a_partial_message_update_is_skipped_and_discord_keeps_answering(c
             await adapter.stop()
 
 
+async def test_discord_reconnects_after_the_connection_ends_in_an_error_discord_py_does_not_retry():
+    async with FakeDiscord() as dc:
+        alice = dc.add_user("alice")
+        cfg = DiscordConfig(enabled=True, api_base=dc.api_base, gateway_url=dc.gateway_url)
+        adapter = DiscordAdapter(cfg, dc.token, ready_timeout=10, guild_ready_timeout=0.05)
+        got: list[InboundMessage] = []
+
+        async def sink(msg: InboundMessage) -> None:
+            got.append(msg)
+
+        await adapter.start(sink)
+        try:
+            identified = dc.identify_count
+            dc.garble_next_hello()
+            await dc.drop_connection()  # its RESUME meets the garbled HELLO
+            await dc.wait_until(lambda: adapter.status != "connected", 5)
+            await dc.wait_until(lambda: adapter.status == "connected", 15)
+            assert dc.identify_count > identified, "a fresh session after the failed one"
+            later = dc.push_dm(alice, "still there?")
+            await dc.wait_until(lambda: any(m.message_id == later["id"] for m in got), 10)
+        finally:
+            await adapter.stop()
+
+
 async def test_skipped_platform_events_are_counted_on_metrics(config_for, fake_llm):
     async with FakeDiscord() as dc:
         guild = dc.add_guild("Lab")

@@ -133,6 +133,7 @@ class FakeDiscord:
         self.forbidden_channels: set[str] = set()
         self._rate_limits: list[tuple[str, float, bool]] = []  # (path regex, retry_after, global)
         self._refuse_intents = False
+        self._garbled_hellos = 0  # connections whose HELLO lacks heartbeat_interval
         self._shards: dict[int, _Shard] = {0: _Shard()}
         self.shard_count = 1  # from the last IDENTIFY
         self._pending: set[asyncio.Task[None]] = set()
@@ -483,6 +484,11 @@ class FakeDiscord:
         """Close with 4014 on IDENTIFY when the message content intent is requested."""
         self._refuse_intents = refuse
 
+    def garble_next_hello(self, times: int = 1) -> None:
+        """The next `times` connections get a HELLO without `heartbeat_interval`: discord.py
+        raises out of `Client.connect` (not one of the errors it reconnects after)."""
+        self._garbled_hellos += times
+
     def rate_limit_next(
         self,
         path_regex: str = r"^/channels/\d+/messages$",
@@ -803,9 +809,11 @@ class FakeDiscord:
         await ws.prepare(request)
         self.connection_count += 1
         self._labels[id(ws)] = request.match_info.get("label")
-        await self._send(
-            ws, {"op": OP_HELLO, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None}
-        )
+        hello: dict[str, Any] = {"heartbeat_interval": self.heartbeat_interval_ms}
+        if self._garbled_hellos:
+            self._garbled_hellos -= 1
+            hello = {}
+        await self._send(ws, {"op": OP_HELLO, "d": hello, "s": None, "t": None})
         async for frame in ws:
             if frame.type != WSMsgType.TEXT:
                 continue

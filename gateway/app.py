@@ -37,7 +37,7 @@ from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
 from gateway.linking import LaneMoved, Linking
-from gateway.logs import log_text, turn_logger
+from gateway.logs import Redactor, log_text, secrets_from_config, turn_logger
 from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
 from gateway.outbox import Deliverer, Draft, Outbox
@@ -317,9 +317,10 @@ class GatewayApp:
             try:
                 await adapter.start(self.handle_inbound)
             except Exception as exc:
-                # the adapter's own sentence (a ConfigError names the key); a traceback only
-                # for what nobody foresaw
-                self.start_failures[adapter.platform] = str(exc) or type(exc).__name__
+                # the adapter's own sentence (a ConfigError names the key), printed at exit and
+                # shown on /healthz, so redacted; a traceback only for what nobody foresaw
+                why = Redactor(secrets_from_config(self.cfg))(str(exc)) or type(exc).__name__
+                self.start_failures[adapter.platform] = why
                 if isinstance(exc, (ConfigError, OSError)):
                     log.error("%s: not started: %s", adapter.platform, exc)
                 else:

@@ -262,7 +262,9 @@ class GatewayApp:
             await self._start()
         except BaseException:
             try:
-                await self.stop(drain_timeout=0)
+                # a short bound, not 0: wait_for(..., 0) times out even with nothing to wait for,
+                # and stop() would then warn about turns and flushes that do not exist
+                await self.stop(drain_timeout=1.0)
             except Exception:
                 log.exception("cleaning up after a failed start failed")
             raise

@@ -89,6 +89,7 @@ def assert_one_sentence(result: Exited, *needles: str) -> None:
     assert result.code != 0, text
     assert "Traceback" not in text, text
     assert "running:" not in text, text
+    assert "still running after" not in text and "did not finish" not in text, "no work was cut short: " + text
     last = text.strip().splitlines()[-1]
     assert last.startswith("error: "), text
     for needle in needles:

@@ -182,6 +182,11 @@ class Adapter(Protocol):
         """Show the typing indicator once (the gateway repeats it while a turn runs)."""
         ...
 
+    # Optional (what /healthz and /metrics show, see gateway/observability.py): `status: str`
+    # (`connected...`, `connecting...`, `failed: <what to do>` when no retry can help,
+    # `stopped`), `down_since: float | None` (`time.monotonic()` since it is not connected)
+    # and `skipped_events: int` (platform events it could not parse and skipped).
+
     # Optional (platforms with files): `async def download(attachment, max_bytes) -> bytes`
     # fetches one attachment through the platform's client library, raising `DownloadError`
     # (too_big when over `max_bytes`). The gateway calls it; the inbound path never does.

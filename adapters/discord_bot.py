@@ -35,6 +35,7 @@ import os
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,6 +198,7 @@ class _Client(discord.Client):
     def __init__(self, adapter: DiscordAdapter, **options: Any) -> None:
         super().__init__(**options)
         self._adapter = adapter
+        adapter._guard_parsers(self)
 
     async def on_connect(self) -> None:
         self._adapter._on_connect()
@@ -225,6 +227,7 @@ class _ShardClient(discord.Client):
     def __init__(self, adapter: DiscordAdapter, shard_id: int, **options: Any) -> None:
         super().__init__(shard_id=shard_id, shard_count=adapter.cfg.shard_count, **options)
         self._adapter = adapter
+        adapter._guard_parsers(self)
 
     async def on_connect(self) -> None:
         self._adapter._point_at_gateway(self)
@@ -270,6 +273,9 @@ class DiscordAdapter:
         self._free = set(cfg.free_response_channels)
         self._allowed_guilds = set(cfg.allowed_guilds)
         self._status = "stopped"
+        self._down_since: float | None = None  # monotonic time it stopped being connected
+        #: gateway events discord.py could not parse, skipped (the connection goes on)
+        self.skipped_events = 0
         self._client: _Client | None = None
         self._tree: app_commands.CommandTree | None = None
         self._sink: InboundSink | None = None
@@ -319,6 +325,37 @@ class DiscordAdapter:
     def status(self) -> str:
         """`stopped`, `connecting`, `connected`, or `failed: <reason>`."""
         return self._status
+
+    @property
+    def down_since(self) -> float | None:
+        """`time.monotonic()` since which the adapter has not been connected; None while it is."""
+        return self._down_since
+
+    def _set_status(self, status: str) -> None:
+        if status == "connected":
+            self._down_since = None
+        elif self._down_since is None:
+            self._down_since = time.monotonic()
+        self._status = status
+
+    def _guard_parsers(self, client: discord.Client) -> None:
+        """discord.py parses each gateway event inside its read loop, so one payload it cannot
+        parse (a partial MESSAGE_UPDATE without `type`, as Discord sends for embed unfurls)
+        would end the connection; each parser skips such an event with a warning instead."""
+        parsers = client._connection.parsers
+        for event, parse in list(parsers.items()):
+            parsers[event] = self._skipping(event, parse)
+
+    def _skipping(self, event: str, parse: Callable[[Any], None]) -> Callable[[Any], None]:
+        def guarded(data: Any) -> None:
+            try:
+                parse(data)
+            except Exception as exc:  # the payload's fault, not the connection's
+                self.skipped_events += 1
+                # the type only: an exception's text may quote the payload (message content)
+                log.warning("discord: skipped a %s event discord.py could not parse (%s)", event, type(exc).__name__)
+
+        return guarded
 
     @property
     def bot_user_id(self) -> str | None:
@@ -389,7 +426,7 @@ class DiscordAdapter:
             client.ws.gateway = yarl.URL(self._gateway_url)
 
     def _fail(self, reason: str) -> None:
-        self._status = f"failed: {reason}"
+        self._set_status(f"failed: {reason}")
         log.error("discord: %s", reason)
 
     # ------------------------------------------------------------------ lifecycle
@@ -404,7 +441,7 @@ class DiscordAdapter:
         self._sink = sink
         self._stopping = False
         self._ready = asyncio.Event()
-        self._status = "connecting"
+        self._set_status("connecting")
         self.last_error = None
         _install_redactor(self._token)
         Route.BASE = self._api_base  # process-wide, see module docstring
@@ -475,41 +512,64 @@ class DiscordAdapter:
                 delay = min(delay * 2, 60.0)
 
     async def _run(self) -> None:
+        """Log in and hold the gateway connection for as long as the adapter runs: discord.py
+        reconnects by itself after network drops; anything else that ends the connection is
+        reconnected here with backoff. Only a rejected token or a refused intent is final."""
+        delay = 2.0
         try:
-            client = await self._login()
-            if client is None:
-                return
-            flags = getattr(client, "application_flags", None)
-            if flags is not None and not (flags.gateway_message_content or flags.gateway_message_content_limited):
-                log.warning("discord: the application's Message Content intent looks off; %s", INTENT_HINT)
-            if not self._gateway_url and self.cfg.api_base:
-                # A proxy or test server: ask it where its gateway is.
+            while not self._stopping:
+                client = await self._login()
+                if client is None:
+                    return
+                flags = getattr(client, "application_flags", None)
+                if flags is not None and not (flags.gateway_message_content or flags.gateway_message_content_limited):
+                    log.warning("discord: the application's Message Content intent looks off; %s", INTENT_HINT)
+                if not self._gateway_url and self.cfg.api_base:
+                    # A proxy or test server: ask it where its gateway is.
+                    try:
+                        _, url, _ = await client.http.get_bot_gateway()
+                        DiscordWebSocket.DEFAULT_GATEWAY = yarl.URL(url)
+                    except Exception as exc:
+                        log.warning(
+                            "discord: GET /gateway/bot on %s failed (%r); using %s",
+                            self._api_base,
+                            exc,
+                            DISCORD_GATEWAY,
+                        )
+                if self._sharded:  # REST only here; the shards connect on their own
+                    self._on_ready()
+                    if not self._elected:
+                        for shard_id in range(self.cfg.shard_count):
+                            await self.start_shard(shard_id)
+                    await asyncio.Event().wait()  # until stop() cancels this task
                 try:
-                    _, url, _ = await client.http.get_bot_gateway()
-                    DiscordWebSocket.DEFAULT_GATEWAY = yarl.URL(url)
+                    await client.connect(reconnect=True)
+                    why = "the gateway connection ended"
+                except discord.PrivilegedIntentsRequired:
+                    self._fail(INTENT_HINT)
+                    return
+                except discord.ConnectionClosed as exc:
+                    # discord.py resumes every close code it can; what reaches here is final
+                    if exc.code == 4004:
+                        self._fail(f"Discord rejected the bot token in ${self.cfg.token_env} (close code 4004)")
+                    else:
+                        reason = exc.reason or ""
+                        self._fail(f"the Discord gateway closed the connection (code {exc.code}): {reason}".strip())
+                    return
+                except asyncio.CancelledError:
+                    raise
                 except Exception as exc:
-                    log.warning(
-                        "discord: GET /gateway/bot on %s failed (%r); using %s", self._api_base, exc, DISCORD_GATEWAY
-                    )
-            if self._sharded:  # REST only here; the shards connect on their own
-                self._on_ready()
-                if not self._elected:
-                    for shard_id in range(self.cfg.shard_count):
-                        await self.start_shard(shard_id)
-                await asyncio.Event().wait()  # until stop() cancels this task
-            await client.connect(reconnect=True)
-        except discord.PrivilegedIntentsRequired:
-            self._fail(INTENT_HINT)
-        except discord.ConnectionClosed as exc:
-            if exc.code == 4004:
-                self._fail(f"Discord rejected the bot token in ${self.cfg.token_env} (close code 4004)")
-            else:
-                self._fail(f"the Discord gateway closed the connection (code {exc.code}): {exc.reason or ''}".strip())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if not self._stopping:
-                self._fail(f"Discord connection stopped: {exc!r}")
+                    why = f"the gateway connection failed ({type(exc).__name__})"
+                if self._stopping:
+                    return
+                if self._status == "connected":  # it was up: start the backoff afresh
+                    delay = 2.0
+                self._set_status("connecting")
+                self.last_error = why
+                log.warning("discord: %s; reconnecting in %.0fs", why, delay)
+                await self._close_client()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
         finally:
             if not self._stopping:
                 await self._close_client()
@@ -544,7 +604,7 @@ class DiscordAdapter:
         self._tasks.clear()
         self._client = None
         if not self._status.startswith("failed"):
-            self._status = "stopped"
+            self._set_status("stopped")
         Route.BASE = _ORIGINAL_ROUTE_BASE
         DiscordWebSocket.DEFAULT_GATEWAY = _ORIGINAL_DEFAULT_GATEWAY
 
@@ -557,7 +617,7 @@ class DiscordAdapter:
         if self._stopping:
             return
         first = not self._ready.is_set()
-        self._status = "connected"
+        self._set_status("connected")
         self._ready.set()
         if first:
             user = self._client.user if self._client else None
@@ -572,12 +632,12 @@ class DiscordAdapter:
 
     def _on_resumed(self) -> None:
         if not self._stopping:
-            self._status = "connected"
+            self._set_status("connected")
             log.info("discord: session resumed")
 
     def _on_disconnect(self) -> None:
         if not self._stopping and self._status == "connected":
-            self._status = "connecting"
+            self._set_status("connecting")
             log.warning("discord: gateway disconnected; reconnecting")
 
     # ------------------------------------------------------------------ slash commands

@@ -26,6 +26,7 @@ from telegram.error import (
     BadRequest,
     ChatMigrated,
     Conflict,
+    EndPointNotFound,
     Forbidden,
     InvalidToken,
     NetworkError,
@@ -289,6 +290,16 @@ class TelegramAdapter:
         self._recv_stop = asyncio.Event()  # ends the poll loop (stop() or stop_receiving())
         self._recv_task: asyncio.Task[None] | None = None
         self._sink_lock = asyncio.Lock()
+        # the connection as /healthz and `hermes_adapter_connected` see it (see `status`)
+        self._failed: str | None = None  # final: only a rejected token or an unusable webhook
+        self._last_error: str | None = None  # why the last Bot API call of the receive path failed
+        self._ok_at: float | None = None  # monotonic time the Bot API last answered that path
+        self._down_since: float | None = None  # monotonic time it stopped (or had not yet begun)
+        #: seconds a success stays fresh while polling (a long poll answers within
+        #: poll_timeout_s); None when nothing polls (webhook, or not elected to receive)
+        self._fresh_s: float | None = None
+        #: updates that could not be parsed, skipped (polling goes on)
+        self.skipped_events = 0
 
     # ----------------------------------------------------------------- construction
 
@@ -343,6 +354,60 @@ class TelegramAdapter:
                 kinds.append("edited_channel_post")
         return kinds
 
+    @property
+    def status(self) -> str:
+        """`connected (polling|webhook|sending)`, `connecting[: why]`, `failed: <what to do>`
+        or `stopped`. Connected means getMe succeeded and, while polling, a getUpdates was
+        answered within the last long-poll window; in webhook mode, the webhook is set."""
+        if self._failed is not None:
+            return f"failed: {self._failed}"
+        if self._task is None or self._stopping.is_set():
+            return "stopped"
+        if self._fresh():
+            if self._fresh_s is not None:
+                return "connected (polling)"
+            return "connected (webhook)" if self.cfg.mode == "webhook" and self.receiving else "connected (sending)"
+        if self._last_error is not None:
+            return f"connecting: {self._last_error}"
+        if self._ok_at is not None:
+            return f"connecting: no answer from getUpdates for {time.monotonic() - self._ok_at:.0f}s"
+        return "connecting"
+
+    @property
+    def down_since(self) -> float | None:
+        """`time.monotonic()` since which the adapter has not been connected; None while it is."""
+        if self._fresh():
+            return None
+        if self._down_since is not None:
+            return self._down_since
+        if self._ok_at is not None and self._fresh_s is not None:
+            return self._ok_at + self._fresh_s
+        return time.monotonic()
+
+    def _fresh(self) -> bool:
+        if self._failed is not None or self._last_error is not None or self._ok_at is None:
+            return False
+        return self._fresh_s is None or time.monotonic() - self._ok_at <= self._fresh_s
+
+    def _answered(self) -> None:
+        """The Bot API answered the receive path (getMe, getUpdates, setWebhook, a webhook call)."""
+        self._ok_at = time.monotonic()
+        self._last_error = None
+        self._down_since = None
+
+    def _unanswered(self, why: str) -> None:
+        self._last_error = why
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+
+    def _give_up(self, reason: str) -> None:
+        """A failure no retry can mend: logged once, shown as `failed: ...` until restart."""
+        if self._failed is None:
+            log.error("telegram: %s", reason)
+        self._failed = reason
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self, sink: InboundSink) -> None:
@@ -353,19 +418,31 @@ class TelegramAdapter:
         self._sink = sink
         self._stopping.clear()
         self._recv_stop = asyncio.Event()
+        self._down_since = time.monotonic()
         try:
             await self._identify()
         except InvalidToken:
             await self._close_bot()
+            self._failed = f"Telegram rejected the bot token in {self.cfg.token_env} (401 Unauthorized)"
             raise ConfigError(
                 f"platforms.telegram: Telegram rejected the bot token in {self.cfg.token_env} "
                 "(401 Unauthorized); get a fresh one from @BotFather (/token)"
             ) from None
         except (NetworkError, TelegramError) as exc:
             # Telegram unreachable at boot: keep trying in the background instead of failing.
+            self._unanswered(f"getMe failed ({type(exc).__name__})")
             log.warning("telegram: getMe failed at start (%s); retrying in the background", type(exc).__name__)
         if self.cfg.mode == "webhook":
-            await self._start_webhook_server()
+            try:
+                await self._start_webhook_server()
+            except OSError as exc:
+                await self._close_bot()
+                where = f"{self.cfg.webhook.listen}:{self.cfg.webhook.port}"
+                self._failed = f"the webhook server cannot listen on {where} ({exc.strerror or exc})"
+                raise ConfigError(
+                    f"platforms.telegram.webhook: cannot listen on {where} ({exc.strerror or exc}); "
+                    "free the port or set platforms.telegram.webhook.port to another one"
+                ) from None
         self._task = asyncio.create_task(self._run(), name="telegram-adapter")
 
     @property
@@ -391,6 +468,7 @@ class TelegramAdapter:
             if self.cfg.mode == "polling":
                 await self._ack_final_offset()
         self._receiving.clear()
+        self._fresh_s = None  # sending only: nothing polls here any more
 
     async def _receive(self) -> None:
         ready = asyncio.ensure_future(self._ready.wait())
@@ -455,6 +533,7 @@ class TelegramAdapter:
         me = self.bot.bot
         self.bot_id = me.id
         self.bot_username = me.username
+        self._answered()
         log.info("telegram: connected as @%s (id %s)", me.username, me.id)
         try:
             await self.bot.set_my_commands(telegram_commands())
@@ -468,12 +547,10 @@ class TelegramAdapter:
             try:
                 await self._identify()
             except InvalidToken:
-                log.error(
-                    "telegram: Telegram rejected the bot token in %s (401); fix it and restart",
-                    self.cfg.token_env,
-                )
+                self._give_up(f"Telegram rejected the bot token in {self.cfg.token_env} (401); fix it and restart")
                 return
             except (TelegramError, OSError) as exc:
+                self._unanswered(f"getMe failed ({type(exc).__name__})")
                 log.warning("telegram: getMe failed (%s); retrying in %.0fs", type(exc).__name__, backoff)
                 if await self._sleep(backoff):
                     return
@@ -532,23 +609,29 @@ class TelegramAdapter:
             return None
         self._acked_offset = self._offset
         result = poll.result()
+        self._answered()
         return result if isinstance(result, list) else []
 
     async def _poll_loop(self) -> None:
         backoff = self._backoff_initial
         prepared = False
+        # a long poll is answered within poll_timeout_s; its read timeout adds 15 s more
+        self._fresh_s = self.cfg.poll_timeout_s + 30.0
         while not self._recv_stop.is_set():
             try:
                 if not prepared:
                     await self._prepare_polling()
                     prepared = True
                 updates = await self._fetch()
-            except InvalidToken:
-                log.error("telegram: the bot token was rejected (401) while polling; fix it and restart")
-                if await self._sleep(self._backoff_max, self._recv_stop):
-                    return
-                continue
+            except (InvalidToken, EndPointNotFound):
+                # do_api_request turns the 401 of a revoked token into EndPointNotFound once
+                # getMe has succeeded (getUpdates itself always exists)
+                self._give_up(
+                    f"Telegram rejected the bot token in {self.cfg.token_env} (401) while polling; fix it and restart"
+                )
+                return
             except Conflict:
+                self._unanswered("getUpdates conflict (409): another process polls with this token")
                 log.error(
                     "telegram: getUpdates conflict (409): another process polls with this token, "
                     "or a webhook is set; retrying in %.0fs",
@@ -566,6 +649,7 @@ class TelegramAdapter:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # network errors and anything unexpected: never crash
+                self._unanswered(f"getUpdates failed ({type(exc).__name__})")
                 log.warning("telegram: getUpdates failed (%s); retrying in %.0fs", type(exc).__name__, backoff)
                 if await self._sleep(backoff, self._recv_stop):
                     return
@@ -606,6 +690,7 @@ class TelegramAdapter:
         try:
             msg = self.normalize(raw)
         except Exception as exc:
+            self.skipped_events += 1
             log.warning("telegram: skipping malformed update %s (%s)", raw.get("update_id"), type(exc).__name__)
             return True
         if msg is None:
@@ -684,6 +769,7 @@ class TelegramAdapter:
 
     async def _register_webhook(self) -> None:
         public = self.cfg.webhook.public_url
+        self._fresh_s = None  # Telegram calls a webhook only when there is an update
         if not public:
             log.info("telegram: webhook.public_url not set; assuming the webhook is registered elsewhere")
             return
@@ -699,14 +785,16 @@ class TelegramAdapter:
                     drop_pending_updates=False,
                 )
                 log.info("telegram: webhook registered")
+                self._answered()
                 return
             except InvalidToken:
-                log.error("telegram: setWebhook: the bot token was rejected (401)")
+                self._give_up(f"setWebhook: Telegram rejected the bot token in {self.cfg.token_env} (401)")
                 return
             except BadRequest as exc:
-                log.error("telegram: setWebhook refused: %s", exc.message)
+                self._give_up(f"Telegram refused the webhook URL (setWebhook: {exc.message})")
                 return
             except TelegramError as exc:
+                self._unanswered(f"setWebhook failed ({type(exc).__name__})")
                 log.warning("telegram: setWebhook failed (%s); retrying in %.0fs", type(exc).__name__, backoff)
                 if await self._sleep(backoff):
                     return
@@ -730,6 +818,7 @@ class TelegramAdapter:
         if not isinstance(raw, dict) or not isinstance(raw.get("update_id"), int):
             log.warning("telegram: webhook update without a valid update_id; ignored")
             return web.Response(status=200, text="ignored")
+        self._answered()  # Telegram reached us with a signed update: the webhook works
         ok = await self.process_update(raw)
         if not ok:
             return web.Response(status=500, text="retry later")  # Telegram redelivers

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
+import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -28,15 +29,15 @@ from agent.turn import Agent, TurnResult, UserInput
 from gateway.access import Access
 from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
-from gateway.config import Config
+from gateway.config import Config, ConfigError
 from gateway.delivery import more_key, more_mark, more_offer, page_text, split_text
-from gateway.faults import storage_fault
+from gateway.faults import StartupError, storage_fault
 from gateway.inbox import Inbox
 from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
 from gateway.linking import LaneMoved, Linking
-from gateway.logs import log_text, turn_logger
+from gateway.logs import Redactor, log_text, secrets_from_config, turn_logger
 from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
 from gateway.outbox import Deliverer, Draft, Outbox
@@ -102,6 +103,17 @@ def _lease_lost(exc: BaseException) -> bool:
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def _unopenable_db(path: Any, exc: sqlite3.DatabaseError) -> str:
+    """The one sentence for a gateway.db SQLite cannot open."""
+    fault = storage_fault(exc)
+    if fault is not None:
+        return f"cannot open {path} ({fault}); free disk space or stop what holds it, then start again"
+    return (
+        f"{path} cannot be opened as a database ({exc}); restore it from a backup, or move it "
+        "aside to start with an empty one (its pending messages and reply history stay in the moved file)"
+    )
 
 
 def input_uid(msg: InboundMessage) -> str:
@@ -225,11 +237,14 @@ class GatewayApp:
         self.agent.reminder_index = self.reminders.note if cfg.reminders_on else None
         self._started = False
         self._accepting = False
+        #: platform -> why its adapter's start() raised (it serves nothing in this process)
+        self.start_failures: dict[str, str] = {}
         self.metrics.bind(
             platforms=self.adapters,
             open_profiles=lambda: self.profiles.open_count,
             queue_depth=lambda: self.lanes.queued_by(lambda job: job.msg.platform),
             adapters_up=self._adapters_up,
+            skipped_events=self._skipped_events,
         )
         self._housekeeping: asyncio.Task | None = None
         self._idle_closer: asyncio.Task | None = None  # cluster mode
@@ -239,7 +254,23 @@ class GatewayApp:
 
     # ----- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
-        """Open storage, replay what a previous run left unanswered, start the adapters."""
+        """Open storage, replay what a previous run left unanswered, start the adapters.
+
+        Raises `StartupError` when there is nothing to serve (every platform failed for good,
+        gateway.db unreadable, the listen address taken); whatever was opened is closed
+        again first, so no thread keeps the failed process alive."""
+        try:
+            await self._start()
+        except BaseException:
+            try:
+                # a short bound, not 0: wait_for(..., 0) times out even with nothing to wait for,
+                # and stop() would then warn about turns and flushes that do not exist
+                await self.stop(drain_timeout=1.0)
+            except Exception:
+                log.exception("cleaning up after a failed start failed")
+            raise
+
+    async def _start(self) -> None:
         from gateway.admin import RunLock
 
         private_mkdir(self.cfg.data_dir)
@@ -252,9 +283,12 @@ class GatewayApp:
             await attach_shared_state(self, self.node)  # pairing, link codes and links in PostgreSQL
             self._election = ingress_election(self, self.node)
         else:
-            await self.inbox.open()
-            await self.reminders.open()
-            await self.outbox.open()
+            try:
+                await self.inbox.open()
+                await self.reminders.open()
+                await self.outbox.open()
+            except sqlite3.DatabaseError as exc:
+                raise StartupError(_unopenable_db(self.inbox.path, exc)) from None
             await self.linking.recover()  # a /link merge a crash interrupted: finished or undone
         self._started = True
         self._accepting = True
@@ -274,13 +308,35 @@ class GatewayApp:
                 await self._admit(msg, replay=True)
             except Exception:  # one bad record must not stop the gateway from starting
                 log.exception("could not replay a %s message; it stays pending", msg.platform)
+        if self.cfg.observability.listen:  # before the platforms: a taken address stops us cheaply
+            from gateway.observability import Observability
+
+            self.observability = Observability(self, self.cfg.observability.listen)
+            try:
+                await self.observability.start()
+            except OSError as exc:
+                self.observability = None
+                raise StartupError(
+                    f"observability.listen {self.cfg.observability.listen}: cannot listen there "
+                    f"({exc.strerror or exc}); free the address or set observability.listen to another one"
+                ) from None
         for adapter in self.adapters.values():
             if hasattr(adapter, "overheard"):  # group text the adapter drops unanswered is still screened
                 adapter.overheard = self._overheard
             try:
                 await adapter.start(self.handle_inbound)
-            except Exception:
-                log.exception("%s adapter failed to start; the other platforms keep running", adapter.platform)
+            except Exception as exc:
+                # the adapter's own sentence (a ConfigError names the key), printed at exit and
+                # shown on /healthz, so redacted; a traceback only for what nobody foresaw
+                why = Redactor(secrets_from_config(self.cfg))(str(exc)) or type(exc).__name__
+                self.start_failures[adapter.platform] = why
+                if isinstance(exc, (ConfigError, OSError)):
+                    log.error("%s: not started: %s", adapter.platform, exc)
+                else:
+                    log.exception("%s adapter failed to start", adapter.platform)
+        gone = self.nothing_to_serve()
+        if gone is not None:
+            raise StartupError(gone)
         if self._election is not None:  # this node receives what it is elected for
             await self._election.start()
         if self.cfg.reminders_on:
@@ -294,11 +350,37 @@ class GatewayApp:
             )
             self.claims.start()
             self._idle_closer = asyncio.create_task(self._close_idle_profiles(), name="idle-profiles")
-        if self.cfg.observability.listen:
-            from gateway.observability import Observability
 
-            self.observability = Observability(self, self.cfg.observability.listen)
-            await self.observability.start()
+    def platform_states(self) -> dict[str, tuple[bool | None, str]]:
+        """(connected?, status text) of every platform, a failed start included."""
+        from gateway.observability import adapter_state
+
+        return {
+            platform: (False, f"failed: {self.start_failures[platform]}")
+            if platform in self.start_failures
+            else adapter_state(adapter)
+            for platform, adapter in self.adapters.items()
+        }
+
+    def nothing_to_serve(self) -> str | None:
+        """One sentence when every platform has failed for good (a rejected token, a refused
+        intent, a port in use); None while at least one is up or still trying."""
+        states = self.platform_states()
+        failed = {
+            p: status.removeprefix("failed: ") for p, (_, status) in states.items() if status.startswith("failed")
+        }
+        if not states or len(failed) < len(states):
+            return None
+        return "nothing to serve, every platform failed: " + "; ".join(f"{p}: {why}" for p, why in failed.items())
+
+    async def wait_nothing_to_serve(self, poll_s: float = 1.0) -> str:
+        """Return the sentence once every platform has failed for good (e.g. a token revoked
+        while running); waits forever while one still serves or retries."""
+        while True:
+            gone = self.nothing_to_serve()
+            if gone is not None:
+                return gone
+            await asyncio.sleep(poll_s)
 
     async def stop(self, drain_timeout: float = 30.0, *, hint: str = "") -> None:
         """Stop taking new turns, let running ones finish and deliver (bounded), then stop
@@ -354,7 +436,7 @@ class GatewayApp:
                 log.exception("%s adapter failed to stop cleanly", adapter.platform)
         await self._close_step("the profiles", self.profiles.close_all())
         await asyncio.to_thread(self.storage_pool.shutdown)
-        if self._started:
+        if self._started or self.node is None:  # a failed start may have left gateway.db open
             await self._close_step("the outbox", self.outbox.close())
             await self._close_step("the inbox", self.inbox.close())
             self._started = False
@@ -955,9 +1037,11 @@ class GatewayApp:
                 )
 
     def _adapters_up(self) -> dict[str, bool | None]:
-        from gateway.observability import adapter_state
+        return {platform: connected for platform, (connected, _) in self.platform_states().items()}
 
-        return {platform: adapter_state(adapter)[0] for platform, adapter in self.adapters.items()}
+    def _skipped_events(self) -> dict[str, int]:
+        counts = {platform: getattr(adapter, "skipped_events", None) for platform, adapter in self.adapters.items()}
+        return {platform: n for platform, n in counts.items() if isinstance(n, int)}
 
     async def _keep_typing(self, msg: InboundMessage) -> None:
         adapter = self.adapters.get(msg.platform)

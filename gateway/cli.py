@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gateway.admin import CONFIG_HELP, AdminError
 from gateway.config import Config, ConfigError, load_config
+from gateway.faults import StartupError
 
 if TYPE_CHECKING:
     from adapters.base import Adapter
@@ -74,11 +75,25 @@ async def _run(cfg: Config) -> int:
         )
         return 2
     app = GatewayApp(cfg, adapters)
-    await app.start()
-    logging.getLogger("hermes.gateway").info("running: %s", ", ".join(a.platform for a in adapters))
-    await stop.wait()
-    logging.getLogger("hermes.gateway").info("stopping")
+    log = logging.getLogger("hermes.gateway")
+    await app.start()  # nothing to serve: StartupError (one sentence, see main), all closed again
+    states = app.platform_states()
+    up = [p for p, (connected, _) in states.items() if connected is not False]
+    if up:  # "running" only for what is up; the others say why they are not
+        log.info("running: %s", ", ".join(up))
+    for platform, (connected, status) in states.items():
+        if connected is False and not status.startswith("failed"):
+            log.warning("%s: not connected yet (%s); still trying", platform, status)
+    stopped = asyncio.ensure_future(stop.wait())
+    gone = asyncio.ensure_future(app.wait_nothing_to_serve())
+    await asyncio.wait({stopped, gone}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    gone.cancel()
+    log.info("stopping")
     await app.stop(drain, hint="; Ctrl-C again to stop now")
+    if not stop.is_set() and gone.done() and not gone.cancelled():
+        print(f"error: {gone.result()}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -275,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    except AdminError as err:
+    except (AdminError, StartupError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -282,6 +282,8 @@ class PlatformsConfig(_Section):
 
 class ObservabilityConfig(_Section):
     listen: str | None = None  # "127.0.0.1:9464" serves /healthz and /metrics
+    # a platform still connecting (or reconnecting) this long turns /healthz red (503)
+    unhealthy_after_s: float = Field(default=60.0, ge=0)
 
     @field_validator("listen")
     @classmethod

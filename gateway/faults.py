@@ -27,3 +27,8 @@ def storage_fault(exc: BaseException) -> str | None:
                 return "disk full" if "full" in text else "database locked"
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+class StartupError(Exception):
+    """The gateway cannot serve (no platform came up, gateway.db unreadable, the listen
+    address taken); the message is one sentence for the operator, never a traceback."""

@@ -132,6 +132,12 @@ class Gauge(_Metric):
         return lines
 
 
+class CollectedCounter(Gauge):
+    """A counter whose running totals are kept by their owner and read at scrape time."""
+
+    kind = "counter"
+
+
 class Histogram(_Metric):
     kind = "histogram"
 
@@ -258,6 +264,7 @@ class Metrics:
         open_profiles: Callable[[], float],
         queue_depth: Callable[[], dict[str, int]],
         adapters_up: Callable[[], dict[str, bool | None]],
+        skipped_events: Callable[[], dict[str, int]] = dict,
     ) -> None:
         """Attach the gauges read from the running gateway at scrape time."""
         self._platforms = tuple(platforms)
@@ -273,6 +280,9 @@ class Metrics:
         def up() -> dict[LabelValues, float]:
             return {(p,): 1.0 if ok else 0.0 for p, ok in adapters_up().items() if ok is not None}
 
+        def skipped() -> dict[LabelValues, float]:
+            return {(p,): float(n) for p, n in skipped_events().items()}
+
         self._gauges = [
             Gauge("hermes_open_profiles", "Tenant profiles open now.", collect=open_profiles),
             Gauge(
@@ -283,6 +293,12 @@ class Metrics:
                 "1 when the platform adapter reports it is connected, 0 when not (absent when unknown).",
                 ["platform"],
                 collect=up,
+            ),
+            CollectedCounter(
+                "hermes_adapter_events_skipped_total",
+                "Platform events the adapter could not parse and skipped (the connection went on).",
+                ["platform"],
+                collect=skipped,
             ),
             Gauge("hermes_start_time_seconds", "Unix time the gateway started.", collect=lambda: self.started_at),
         ]

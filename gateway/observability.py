@@ -5,8 +5,11 @@
 - `adapters.<platform>`: the adapter's own connection state. An adapter reports it through
   a `status: str` attribute (or property) that starts with `connected` when it is
   connected (anything else, e.g. `connecting` or `failed: bad token`, means not), or
-  through `is_connected: bool`. An adapter with neither is shown as `unknown` and does not
-  fail the check.
+  through `is_connected: bool`; `down_since` (`time.monotonic()`) says since when it is
+  not. A `failed` platform (final: a rejected token, a refused intent, a port in use)
+  fails the check at once; one still connecting fails it once it has been down longer
+  than `observability.unhealthy_after_s` (`down_s` says for how long). An adapter that
+  reports nothing is shown as `unknown` and does not fail the check.
 - `llm`: reachable or not. A request answered in the last two minutes says yes; a recent
   failure of kind unavailable/auth/not_found/config says no; otherwise `GET <base_url>/models`
   is probed (at most every 30 s).
@@ -89,6 +92,7 @@ class Observability:
         self._runner: Any = None
         self._probe: tuple[float, bool, str] | None = None
         self._probe_lock = asyncio.Lock()
+        self._seen_down: dict[str, float] = {}  # platform -> first seen down (adapters without down_since)
 
     @property
     def bound_port(self) -> int:
@@ -131,10 +135,7 @@ class Observability:
 
     # ----- checks -----------------------------------------------------------------------
     async def health(self) -> tuple[bool, dict[str, Any]]:
-        adapters = {}
-        for platform, adapter in self.app.adapters.items():
-            ok, status = adapter_state(adapter)
-            adapters[platform] = {"ok": ok is not False, "connected": ok, "status": status}
+        adapters = self.platforms()
         llm_ok, llm_detail = await self.llm_health()
         from gateway.doctor import check_data_dir
 
@@ -155,6 +156,25 @@ class Observability:
             "open_profiles": self.app.profiles.open_count,
         }
         return healthy, body
+
+    def platforms(self) -> dict[str, dict[str, Any]]:
+        """The `adapters` check: each platform's state, red when failed or down too long."""
+        now = time.monotonic()
+        grace = self.app.cfg.observability.unhealthy_after_s
+        out: dict[str, dict[str, Any]] = {}
+        for platform, (connected, status) in self.app.platform_states().items():
+            entry: dict[str, Any] = {"ok": True, "connected": connected, "status": status}
+            if connected is False:
+                since = getattr(self.app.adapters[platform], "down_since", None)
+                if not isinstance(since, float):
+                    since = self._seen_down.setdefault(platform, now)
+                down_s = max(now - since, 0.0)
+                entry["ok"] = not status.startswith("failed") and down_s < grace
+                entry["down_s"] = round(down_s, 1)
+            else:
+                self._seen_down.pop(platform, None)
+            out[platform] = entry
+        return out
 
     async def llm_health(self) -> tuple[bool, str]:
         monitor = getattr(self.app, "llm_monitor", None)

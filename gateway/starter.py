@@ -104,6 +104,7 @@ platforms:
 
 observability:
   listen: null                  # e.g. 127.0.0.1:9464 for /healthz and /metrics
+  unhealthy_after_s: 60         # a platform reconnecting this long turns /healthz red (503)
 
 logging:
   level: INFO

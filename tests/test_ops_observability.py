@@ -75,7 +75,9 @@ class StatusAdapter(RecordingAdapter):
 
 
 async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
-    cfg = config_for(observability={"listen": "127.0.0.1:0"}, limits={"rate_limit_per_minute": 3})
+    cfg = config_for(
+        observability={"listen": "127.0.0.1:0", "unhealthy_after_s": 0}, limits={"rate_limit_per_minute": 3}
+    )
     tg, dc = RecordingAdapter("telegram"), StatusAdapter("discord")
     app = GatewayApp(cfg, [tg, dc])
     await app.start()

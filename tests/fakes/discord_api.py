@@ -133,6 +133,7 @@ class FakeDiscord:
         self.forbidden_channels: set[str] = set()
         self._rate_limits: list[tuple[str, float, bool]] = []  # (path regex, retry_after, global)
         self._refuse_intents = False
+        self._garbled_hellos = 0  # connections whose HELLO lacks heartbeat_interval
         self._shards: dict[int, _Shard] = {0: _Shard()}
         self.shard_count = 1  # from the last IDENTIFY
         self._pending: set[asyncio.Task[None]] = set()
@@ -483,6 +484,11 @@ class FakeDiscord:
         """Close with 4014 on IDENTIFY when the message content intent is requested."""
         self._refuse_intents = refuse
 
+    def garble_next_hello(self, times: int = 1) -> None:
+        """The next `times` connections get a HELLO without `heartbeat_interval`: discord.py
+        raises out of `Client.connect` (not one of the errors it reconnects after)."""
+        self._garbled_hellos += times
+
     def rate_limit_next(
         self,
         path_regex: str = r"^/channels/\d+/messages$",
@@ -591,6 +597,19 @@ class FakeDiscord:
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
         return seq
+
+    def push_partial_message_update(self, channel_id: str, message_id: str | None = None) -> int:
+        """A MESSAGE_UPDATE carrying only ids and embeds, without `type` or `author`: the
+        shape Discord sends when it unfurls a link's embed, which discord.py cannot parse."""
+        channel = self.channels.get(channel_id, {})
+        data: dict[str, Any] = {
+            "id": message_id or self.snowflake(),
+            "channel_id": channel_id,
+            "embeds": [{"type": "link", "url": "https://example.com/", "title": "Example"}],
+        }
+        if channel.get("guild_id"):
+            data["guild_id"] = channel["guild_id"]
+        return self.dispatch("MESSAGE_UPDATE", data)
 
     def _user_message(
         self,
@@ -790,9 +809,11 @@ class FakeDiscord:
         await ws.prepare(request)
         self.connection_count += 1
         self._labels[id(ws)] = request.match_info.get("label")
-        await self._send(
-            ws, {"op": OP_HELLO, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None}
-        )
+        hello: dict[str, Any] = {"heartbeat_interval": self.heartbeat_interval_ms}
+        if self._garbled_hellos:
+            self._garbled_hellos -= 1
+            hello = {}
+        await self._send(ws, {"op": OP_HELLO, "d": hello, "s": None, "t": None})
         async for frame in ws:
             if frame.type != WSMsgType.TEXT:
                 continue

@@ -364,7 +364,10 @@ class GatewayApp:
 
     def nothing_to_serve(self) -> str | None:
         """One sentence when every platform has failed for good (a rejected token, a refused
-        intent, a port in use); None while at least one is up or still trying."""
+        intent, a port in use), or when another process took this node's id; None while at
+        least one platform is up or still trying."""
+        if self.node is not None and self.node.displaced is not None:
+            return self.node.displaced
         states = self.platform_states()
         failed = {
             p: status.removeprefix("failed: ") for p, (_, status) in states.items() if status.startswith("failed")

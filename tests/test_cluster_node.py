@@ -702,6 +702,10 @@ async def test_a_node_id_whose_process_stopped_heartbeating_is_taken_once_it_lap
             ok, body = await old.app.cluster_health()  # its /healthz says so
             assert not ok and body["node"]["ok"] is False and "another running process" in body["node"]["detail"]
             assert (await new.app.cluster_health())[0]
+            # and `run` ends it with that sentence: it has nothing left to serve
+            gone = old.app.nothing_to_serve()
+            assert gone is not None and "node id n1 is in use" in gone
+            assert new.app.nothing_to_serve() is None
             assert await post(tg, tg.push_private(1818, "still here"), new) == 200
             await settled([new])
     assert texts(tg, 1818) == ["ok: first life", "ok: second life", "ok: still here"]

@@ -263,9 +263,7 @@ class GatewayApp:
             await self._start()
         except BaseException:
             try:
-                # a short bound, not 0: wait_for(..., 0) times out even with nothing to wait for,
-                # and stop() would then warn about turns and flushes that do not exist
-                await self.stop(drain_timeout=1.0)
+                await self.stop(drain_timeout=1.0)  # nothing ran: a short bound for what start() opened
             except Exception:
                 log.exception("cleaning up after a failed start failed")
             raise
@@ -417,7 +415,7 @@ class GatewayApp:
             _, late = await asyncio.wait(list(self._background), timeout=left())
             for task in late:  # their messages stay pending and are handled on the next start
                 task.cancel()
-        if self._started and self.node is None:  # in a cluster the sessions go on on other nodes
+        if self._started and self.node is None and self._active_lanes:  # in a cluster the sessions go on elsewhere
             try:
                 await asyncio.wait_for(self._flush_lanes(), left())
             except TimeoutError:

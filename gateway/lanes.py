@@ -114,6 +114,8 @@ class Lanes(Generic[Job]):
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until every lane is empty; False on timeout."""
+        if self._idle.is_set():  # wait_for(..., 0) would time out even with nothing to wait for
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True

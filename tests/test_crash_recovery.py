@@ -61,8 +61,10 @@ async def run_gateway(config: Path, n: int, *, kill_after_replies: int | None) -
             if text.startswith("SENT "):
                 replies.append(text.split(" ", 2)[2])
                 if kill_after_replies is not None and len(replies) >= kill_after_replies:
+                    # what it printed before the kill is in the pipe still: those replies
+                    # reached the "platform" and are read on (until EOF) like the others
                     proc.send_signal(signal.SIGKILL)
-                    break
+                    kill_after_replies = None
     finally:
         await proc.wait()
     return replies

@@ -19,7 +19,8 @@ from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import disconnect, error, memory_saving_responder, reply
 from tests.test_crash_recovery import db_messages, journal_uids
 
-FAST = {"retry_initial_s": 0.05, "retry_max_s": 0.2}
+# long answers stay one message here: these tests write more than the disk's slack in one turn
+FAST = {"retry_initial_s": 0.05, "retry_max_s": 0.2, "max_reply_chars": 50_000}
 NOTICE = "I can't save anything right now"
 
 

@@ -30,7 +30,7 @@ from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config
 from gateway.delivery import split_text
-from gateway.faults import storage_fault
+from gateway.faults import damaged_profile, resource_fault, storage_fault
 from gateway.inbox import Inbox
 from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
@@ -636,7 +636,7 @@ class GatewayApp:
         for job in jobs:
             log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
         failures = 0
-        while True:  # a storage fault holds the lane (order) and retries until storage works again
+        while True:  # a failed turn holds the lane (order) and retries until it works (gateway/faults.py)
             try:
                 answer = await self._answer(key, jobs, tlog)
                 # the answer's chunks and the turn's completion commit together; the deliverer sends them
@@ -649,14 +649,9 @@ class GatewayApp:
                 self._fenced_turn(key, lane, lost, tlog)
                 return
             except Exception as exc:
-                fault = storage_fault(exc) or self._database_fault(exc)
-                if fault is None:
-                    raise
                 failures += 1
                 delay = min(self.cfg.delivery.retry_initial_s * 2 ** (failures - 1), self.cfg.delivery.retry_max_s)
-                tlog.error("storage fault (%s); the message stays pending, retrying in %.1f s", fault, delay)
-                if failures == 1:
-                    await self._tell_storage_fault(last.msg, fault)
+                await self._turn_failed(exc, last.msg, failures, delay, tlog)
                 await asyncio.sleep(delay)
         outcome, result = answer.outcome, answer.result
         if result is not None and result.kind == "reply" and not result.replayed and not result.interrupted:
@@ -673,9 +668,32 @@ class GatewayApp:
             extra={"outcome": outcome, "duration_ms": round(seconds * 1000)},
         )
 
+    async def _turn_failed(
+        self, exc: Exception, msg: InboundMessage, failures: int, delay: float, tlog: logging.LoggerAdapter
+    ) -> None:
+        """Log a failed turn (the traceback once), free descriptors and memory held by idle
+        profiles on a resource fault, and tell the person once that the answer is late."""
+        fault = storage_fault(exc) or self._database_fault(exc)
+        resource = resource_fault(exc)
+        damaged = damaged_profile(exc)
+        if damaged is not None:  # ProfileManager logged it once, with the fix
+            tlog.debug("profile damaged (%s); the message stays pending, retrying in %.1f s", damaged.problem, delay)
+        elif fault is not None:
+            tlog.error("storage fault (%s); the message stays pending, retrying in %.1f s", fault, delay)
+        elif resource is not None:
+            tlog.error("resource fault (%s); the message stays pending, retrying in %.1f s", resource, delay)
+        elif failures == 1:
+            tlog.exception("turn failed; the message stays pending, retrying in %.1f s", delay)
+        else:
+            tlog.warning("turn failed again (%s); retrying in %.1f s", type(exc).__name__, delay)
+        if resource is not None:
+            await self.profiles.shed_idle()
+        if failures == 1:
+            await self._tell_storage_fault(msg, fault)
+
     async def _answer(self, key: str, jobs: list[Job], tlog: logging.LoggerAdapter) -> _Answer:
-        """Run the reminder, command or agent turn of `jobs`. Raises LaneMoved, and storage
-        faults of an agent turn (retried by the caller); other failures become an apology."""
+        """Run the reminder, command or agent turn of `jobs`. Raises LaneMoved, LeaseLost and
+        every other failure: the caller keeps the messages pending and retries the turn."""
         first, last = jobs[0], jobs[-1]
         lane, place = first.lane, self.place_of(first.msg, first.lane)
         platform = first.msg.platform
@@ -761,15 +779,7 @@ class GatewayApp:
         except Exception as exc:
             if _lease_lost(exc):  # a store or tool wrapped it
                 raise LeaseLost(str(exc)) from exc
-            if command is None and storage_fault(exc) is not None:
-                raise
-            tlog.exception("turn failed")
-            return _Answer(
-                "Something went wrong on my side while answering; your message was kept. Please try again.",
-                "error",
-                "error",
-                streamer=streamer,
-            )
+            raise
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
@@ -798,12 +808,15 @@ class GatewayApp:
         self.deliverer.kick(msg.platform, msg.chat_id)
         return ids
 
-    async def _tell_storage_fault(self, msg: InboundMessage, fault: str) -> None:
-        """Say once why the answer is late: through the outbox, or straight to the platform
-        when gateway.db itself cannot take it."""
+    async def _tell_storage_fault(self, msg: InboundMessage, fault: str | None) -> None:
+        """Say once why the answer is late (`fault`: a storage fault, or None for any other
+        failure): through the outbox, or straight to the platform when gateway.db itself
+        cannot take it."""
         text = (
             f"I can't save anything right now ({fault} on my server), so your answer is delayed. "
             "Your message is kept and I'll answer it as soon as storage works again."
+            if fault is not None
+            else "I can't answer right now; your message is kept and I'll answer as soon as I can."
         )
         try:
             await self.send(msg, text, kind="notice", reply=False)

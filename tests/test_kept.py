@@ -15,6 +15,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -213,3 +214,66 @@ async def test_a_command_on_a_full_disk_is_held_and_answered_when_space_returns(
         assert len(texts) == 3 and "disk full" in texts[1], texts
         assert texts[2].startswith("Started a new conversation"), texts
         assert [s for _, s in await_statuses(data)] == ["done", "done"]
+
+
+DESCRIPTOR_LIMITED = textwrap.dedent(
+    """
+    import asyncio, json, logging, resource, sys
+    from pathlib import Path
+
+    from gateway.app import GatewayApp
+    from tests.conftest import RecordingAdapter, dm, make_config
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    async def main(data: str, url: str, people: int, limit: int) -> None:
+        cfg = make_config(
+            Path(data), url, delivery={"retry_initial_s": 0.05, "retry_max_s": 0.5},
+            limits={"rate_limit_per_minute": 1000},
+        )
+        adapter = RecordingAdapter()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        app = GatewayApp(cfg, [adapter])
+        await app.start()
+        for i in range(people):
+            await adapter.sink(dm(f"p{i}", f"hello {i}"))
+        for _ in range(1200):  # until everyone has an answer (or an apology), at most 120 s
+            answered = {m.chat_id for m in adapter.sent if not m.text.startswith("I can't answer right now")}
+            if len(answered) == people:
+                break
+            await asyncio.sleep(0.1)
+        await app.drain(30)
+        await app.stop()
+        print(json.dumps([[m.chat_id, m.text] for m in adapter.sent]))
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    """
+)
+
+
+@pytest.mark.timeout(300)
+async def test_a_descriptor_limit_with_many_new_people_drops_nobody(tmp_path, fake_llm):
+    people, data = 120, tmp_path / "data"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        DESCRIPTOR_LIMITED,
+        str(data),
+        fake_llm.base_url,
+        str(people),
+        "64",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert "too many open files" in err.decode(), "the limit was never hit: the test proves nothing"
+    sent: dict[str, list[str]] = {}
+    for chat, text in json.loads(out):
+        sent.setdefault(chat, []).append(text)
+    for i in range(people):
+        texts = sent.get(f"dm-p{i}", [])
+        assert texts.count(f"ok: hello {i}") == 1, (i, texts)
+        assert set(texts) <= {f"ok: hello {i}", HELD}, (i, texts)  # at most the one notice besides
+    assert [s for _, s in await_statuses(data)] == ["done"] * people

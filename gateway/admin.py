@@ -261,6 +261,22 @@ def profile_stats(path: Path) -> dict[str, Any]:
     what) is counted from its journals, which hold every message."""
     stats: dict[str, Any] = {"sessions": 0, "messages": 0, "last_activity": None, "disk_bytes": disk_usage(path)}
     problem = profile_problem(path)
+    db = path / "state.db"
+    if problem is None and db.exists():
+        conn = _connect_ro(db)
+        try:
+            row = conn.execute(
+                "SELECT (SELECT count(*) FROM sessions), (SELECT count(*) FROM messages), "
+                "max(COALESCE((SELECT max(timestamp) FROM messages), 0), "
+                "COALESCE((SELECT max(max(COALESCE(started_at,0), COALESCE(ended_at,0))) FROM sessions), 0))"
+            ).fetchone()
+            stats.update(sessions=row[0], messages=row[1], last_activity=row[2] or None)
+        except sqlite3.OperationalError as err:
+            stats["error"] = f"state.db unreadable: {err}"
+        except sqlite3.DatabaseError as err:
+            problem = f"state.db cannot be read ({err})"
+        finally:
+            conn.close()
     if problem is not None:
         records = journal_records(path)
         stamps = [r["ts"] for r in records if isinstance(r.get("ts"), (int, float))]
@@ -271,21 +287,6 @@ def profile_stats(path: Path) -> dict[str, Any]:
             messages=len({r["uid"] for r in records if r.get("type") == "message" and isinstance(r.get("uid"), str)}),
             last_activity=max(stamps, default=None),
         )
-        return stats
-    db = path / "state.db"
-    if db.exists():
-        conn = _connect_ro(db)
-        try:
-            row = conn.execute(
-                "SELECT (SELECT count(*) FROM sessions), (SELECT count(*) FROM messages), "
-                "max(COALESCE((SELECT max(timestamp) FROM messages), 0), "
-                "COALESCE((SELECT max(max(COALESCE(started_at,0), COALESCE(ended_at,0))) FROM sessions), 0))"
-            ).fetchone()
-            stats.update(sessions=row[0], messages=row[1], last_activity=row[2] or None)
-        except sqlite3.Error as err:
-            stats["error"] = f"state.db unreadable: {err}"
-        finally:
-            conn.close()
     return stats
 
 

@@ -30,7 +30,7 @@ from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config
 from gateway.delivery import split_text
-from gateway.faults import damaged_profile, resource_fault, storage_fault
+from gateway.faults import damaged_database, damaged_profile, resource_fault, storage_fault
 from gateway.inbox import Inbox
 from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
@@ -651,7 +651,7 @@ class GatewayApp:
             except Exception as exc:
                 failures += 1
                 delay = min(self.cfg.delivery.retry_initial_s * 2 ** (failures - 1), self.cfg.delivery.retry_max_s)
-                await self._turn_failed(exc, last.msg, failures, delay, tlog)
+                await self._turn_failed(exc, last, failures, delay, tlog)
                 await asyncio.sleep(delay)
         outcome, result = answer.outcome, answer.result
         if result is not None and result.kind == "reply" and not result.replayed and not result.interrupted:
@@ -669,14 +669,19 @@ class GatewayApp:
         )
 
     async def _turn_failed(
-        self, exc: Exception, msg: InboundMessage, failures: int, delay: float, tlog: logging.LoggerAdapter
+        self, exc: Exception, job: Job, failures: int, delay: float, tlog: logging.LoggerAdapter
     ) -> None:
-        """Log a failed turn (the traceback once), free descriptors and memory held by idle
-        profiles on a resource fault, and tell the person once that the answer is late."""
+        """Log a failed turn (the traceback once), quarantine a profile found damaged, free
+        descriptors and memory held by idle profiles on a resource fault, and tell the
+        person once that the answer is late."""
+        msg = job.msg
         fault = storage_fault(exc) or self._database_fault(exc)
         resource = resource_fault(exc)
         damaged = damaged_profile(exc)
-        if damaged is not None:  # ProfileManager logged it once, with the fix
+        broken_db = damaged_database(exc) if damaged is None else None
+        if broken_db is not None:  # found by the turn, in a profile that opened
+            await self.profiles.quarantine_open(job.lane.tenant_id, broken_db)
+        elif damaged is not None:  # ProfileManager logged it once, with the fix
             tlog.debug("profile damaged (%s); the message stays pending, retrying in %.1f s", damaged.problem, delay)
         elif fault is not None:
             tlog.error("storage fault (%s); the message stays pending, retrying in %.1f s", fault, delay)

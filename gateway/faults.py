@@ -19,7 +19,7 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NO_DESCRIPTORS = {errno.EMFILE, errno.ENFILE}
 _SQLITE_TRANSIENT = ("database is locked", "database or disk is full", "disk is full", "database table is locked")
 
-__all__ = ["ProfileDamaged", "damaged_profile", "resource_fault", "storage_fault"]
+__all__ = ["ProfileDamaged", "damaged_database", "damaged_profile", "resource_fault", "storage_fault"]
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -58,6 +58,15 @@ def resource_fault(exc: BaseException) -> str | None:
             return "too many open files"
         if isinstance(cur, sqlite3.OperationalError) and "unable to open database file" in str(cur).lower():
             return "too many open files"
+    return None
+
+
+def damaged_database(exc: BaseException) -> str | None:
+    """What SQLite said when `exc` (or its cause) shows a damaged database file ("database
+    disk image is malformed", "file is not a database"), else None."""
+    for cur in _chain(exc):
+        if type(cur) is sqlite3.DatabaseError:  # its subclasses are other failures
+            return f"state.db cannot be read ({cur})"
     return None
 
 

@@ -146,7 +146,7 @@ def journal_records(path: Path) -> list[dict]:
 def _damage_of(exc: BaseException) -> str | None:
     """The damage an open failure shows (SQLite finding a file that is not a sound
     database, a layout entry of the wrong type), or None for anything that may pass."""
-    if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+    if type(exc) is sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
         return f"state.db cannot be read ({exc})"
     if isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)):
         return f"{Path(exc.filename).name if exc.filename else 'a file'} has the wrong type ({exc.strerror})"
@@ -308,6 +308,17 @@ class ProfileManager:
         self.quarantined[tenant_id] = problem
         return ProfileDamaged(tenant_id, problem)
 
+    async def quarantine_open(self, tenant_id: str, problem: str) -> None:
+        """A turn found the open profile damaged: quarantine it and close it once idle, so
+        the next turn reopens it through the checks (integrity_check included)."""
+        self._quarantine(tenant_id, problem)
+        async with self._lock:
+            profile = self._open.get(tenant_id)
+            if profile is None or profile.users:
+                return
+            del self._open[tenant_id]
+        self._close_soon(profile)
+
     async def shed_idle(self) -> int:
         """Close every open profile nobody is using (a descriptor or memory limit was hit);
         how many."""
@@ -394,7 +405,9 @@ class ProfileManager:
         try:
             if guard is not None:
                 guard()
-            problem = await asyncio.to_thread(profile_problem, tenant_dir(self.data_dir, tenant_id))
+            # a quarantined profile opens again only once integrity_check passes too
+            deep = tenant_id in self.quarantined
+            problem = await asyncio.to_thread(profile_problem, tenant_dir(self.data_dir, tenant_id), deep=deep)
             if problem is not None:
                 raise self._quarantine(tenant_id, problem)
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -24,6 +25,7 @@ import pytest
 from gateway.app import GatewayApp
 from gateway.observability import Observability
 from tenancy.keys import tenant_dir
+from tenancy.profiles import journal_records
 from tests.conftest import RecordingAdapter, dm
 from tests.test_faults import fill, free, small_disk, wait_until
 
@@ -81,8 +83,18 @@ def sessions_replaced_by_a_file(profile: Path) -> None:
     (profile / "sessions").write_text("oops", encoding="utf-8")
 
 
+def damage_pages(profile: Path) -> None:
+    """Every page of state.db behind the first is noise; its header still reads right."""
+    db = profile / "state.db"
+    size = db.stat().st_size
+    with db.open("r+b") as fh:
+        fh.seek(4096)
+        fh.write(os.urandom(size - 4096))
+
+
 DAMAGES: dict[str, Callable[[Path], None]] = {
     "state.db header": damage_header,
+    "state.db pages": damage_pages,
     "tenant.json garbage": garbage_tenant_json,
     "tenant.json a JSON list": list_tenant_json,
     "sessions/ a file": sessions_replaced_by_a_file,
@@ -277,3 +289,51 @@ async def test_a_descriptor_limit_with_many_new_people_drops_nobody(tmp_path, fa
         assert texts.count(f"ok: hello {i}") == 1, (i, texts)
         assert set(texts) <= {f"ok: hello {i}", HELD}, (i, texts)  # at most the one notice besides
     assert [s for _, s in await_statuses(data)] == ["done"] * people
+
+
+async def test_doctor_names_each_damaged_profile_and_deep_finds_what_the_cheap_checks_cannot(
+    tmp_path, config_for, fake_llm
+):
+    from gateway.admin import check_profiles
+
+    cfg = config_for(limits=LIMITS)
+    conf = write_config(tmp_path / "hermes.yaml", cfg)
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        for who in ("ann", "bob"):
+            for n in range(30):  # a few pages of messages
+                await adapter.sink(dm(who, f"{who} says {n} " + "words " * 40))
+                assert await app.drain(30)
+    finally:
+        await app.stop()
+    assert check_profiles(cfg, deep=True)[0]
+    bob = tenant_dir(cfg.data_dir, "testchat-bob") / "state.db"
+    with bob.open("r+b") as fh:  # the header stays whole; pages behind it do not
+        fh.seek(4096 * 2)
+        fh.write(os.urandom(4096 * 4))
+    ok, detail = check_profiles(cfg)
+    assert ok, detail  # cheap checks read only the header
+    ok, detail = check_profiles(cfg, deep=True)
+    assert not ok and "testchat-bob" in detail and "testchat-ann" not in detail, detail
+
+    damage_header(tenant_dir(cfg.data_dir, "testchat-ann"))
+    doctor = await cli("doctor", "-c", str(conf))
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    line = next(x for x in doctor.stdout.splitlines() if "profiles:" in x)
+    assert line.startswith("[FAIL] profiles: 1 of 2 profiles damaged: testchat-ann (state.db"), line
+    assert "profiles repair" in line
+    deep = await cli("doctor", "--deep", "-c", str(conf))
+    line = next(x for x in deep.stdout.splitlines() if "profiles:" in x)
+    assert "2 of 2 profiles damaged" in line and "testchat-bob" in line, line
+
+    for who in ("ann", "bob"):
+        repaired = await cli("profiles", "repair", f"testchat-{who}", "-c", str(conf))
+        assert repaired.returncode == 0, repaired.stderr
+    ok, detail = check_profiles(cfg, deep=True)
+    assert ok, detail
+    journal = {r["uid"] for r in journal_records(bob.parent) if r.get("type") == "message"}
+    assert len(journal) > 5 and db_uids(bob.parent) == journal  # rebuilt from the journal, whole
+    again = await cli("profiles", "repair", "testchat-bob", "-c", str(conf))
+    assert again.returncode == 0 and "not damaged" in again.stdout

@@ -25,7 +25,6 @@ import pytest
 from gateway.app import GatewayApp
 from gateway.observability import Observability
 from tenancy.keys import tenant_dir
-from tenancy.profiles import journal_records
 from tests.conftest import RecordingAdapter, dm
 from tests.test_faults import fill, free, small_disk, wait_until
 
@@ -295,6 +294,7 @@ async def test_doctor_names_each_damaged_profile_and_deep_finds_what_the_cheap_c
     tmp_path, config_for, fake_llm
 ):
     from gateway.admin import check_profiles
+    from tenancy.profiles import journal_records
 
     cfg = config_for(limits=LIMITS)
     conf = write_config(tmp_path / "hermes.yaml", cfg)

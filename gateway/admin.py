@@ -951,7 +951,12 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
                 shutil.copyfile(entry, private_file(stage / name))
         for info in scan_profiles(data_dir):
             target = private_mkdir(stage / "profiles" / info.dir_name)
-            if (info.path / "state.db").exists():
+            problem = profile_problem(info.path)
+            if problem is not None:  # kept as it is, journals and all: `profiles repair` rebuilds it
+                report.setdefault("damaged", {})[info.dir_name] = problem
+                if (info.path / "state.db").is_file():
+                    shutil.copyfile(info.path / "state.db", private_file(target / "state.db"))
+            elif (info.path / "state.db").exists():
                 sqlite_backup(info.path / "state.db", target / "state.db")  # database first, journals after
                 report["databases"].append(f"profiles/{info.dir_name}/state.db")
             copy_profile_files(info.path, target)
@@ -1160,6 +1165,12 @@ def cmd_profiles_path(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_profiles_export(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     info = find_tenant(cfg, args.tenant)
+    problem = profile_problem(info.path)
+    if problem is not None:
+        raise AdminError(
+            f"{info.tenant_id} is damaged ({problem}); repair it first with "
+            f"`hermes-gateway profiles repair {info.tenant_id}` (the damaged files are kept beside it)"
+        )
     out = export_profile(cfg, info, Path(args.output) if args.output else None)
     print(f"exported {info.tenant_id} to {out}")
     return 0
@@ -1232,7 +1243,18 @@ def cmd_backup(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     dest = backup_data_dir(cfg.data_dir, Path(args.dest), keep=args.keep)
     print(f"backup written to {dest}")
+    damaged = scan_damaged(cfg)
+    if damaged:
+        print(
+            f"note: {', '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} damaged and copied as found; "
+            "repair with `hermes-gateway profiles repair TENANT`"
+        )
     return 0
+
+
+def scan_damaged(cfg: Config) -> list[str]:
+    """The tenant ids whose profiles fail the cheap checks."""
+    return [i.tenant_id for i in scan_profiles(cfg.data_dir) if profile_problem(i.path) is not None]
 
 
 def cmd_restore(cfg: Config, args: argparse.Namespace) -> int:

@@ -337,3 +337,26 @@ async def test_doctor_names_each_damaged_profile_and_deep_finds_what_the_cheap_c
     assert len(journal) > 5 and db_uids(bob.parent) == journal  # rebuilt from the journal, whole
     again = await cli("profiles", "repair", "testchat-bob", "-c", str(conf))
     assert again.returncode == 0 and "not damaged" in again.stdout
+
+
+async def test_backup_keeps_a_damaged_profile_as_found_and_export_says_to_repair_it_first(
+    tmp_path, config_for, fake_llm
+):
+    cfg = config_for(limits=LIMITS)
+    conf = write_config(tmp_path / "hermes.yaml", cfg)
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        for who in ("ann", "bob"):
+            await adapter.sink(dm(who, f"hello from {who}"))
+            assert await app.drain(10)
+    finally:
+        await app.stop()
+    damage_header(tenant_dir(cfg.data_dir, "testchat-ann"))
+    backup = await cli("backup", str(tmp_path / "backups"), "-c", str(conf))
+    assert backup.returncode == 0, backup.stderr
+    assert "testchat-ann is damaged and copied as found" in backup.stdout
+    exported = await cli("profiles", "export", "testchat-ann", "-o", str(tmp_path), "-c", str(conf))
+    assert exported.returncode == 1 and "Traceback" not in exported.stderr
+    assert "profiles repair testchat-ann" in exported.stderr, exported.stderr

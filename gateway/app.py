@@ -652,7 +652,12 @@ class GatewayApp:
                 failures += 1
                 delay = min(self.cfg.delivery.retry_initial_s * 2 ** (failures - 1), self.cfg.delivery.retry_max_s)
                 await self._turn_failed(exc, last, failures, delay, tlog)
-                await asyncio.sleep(delay)
+                give_up = time.monotonic() + delay
+                while self._accepting and time.monotonic() < give_up:  # a stop ends the wait
+                    await asyncio.sleep(min(0.25, delay))
+                if not self._accepting:  # stopping: pending in gateway.db, answered after the next start
+                    tlog.info("stopping; the failed turn's messages stay pending for the next start")
+                    return
         outcome, result = answer.outcome, answer.result
         if result is not None and result.kind == "reply" and not result.replayed and not result.interrupted:
             self._after_reply(

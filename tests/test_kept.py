@@ -360,3 +360,38 @@ async def test_backup_keeps_a_damaged_profile_as_found_and_export_says_to_repair
     exported = await cli("profiles", "export", "testchat-ann", "-o", str(tmp_path), "-c", str(conf))
     assert exported.returncode == 1 and "Traceback" not in exported.stderr
     assert "profiles repair testchat-ann" in exported.stderr, exported.stderr
+
+
+async def test_a_held_lane_does_not_hold_up_a_stop_and_its_message_is_answered_after_the_restart(
+    tmp_path, config_for, fake_llm
+):
+    cfg = config_for(limits=LIMITS)  # the default backoff: up to a minute between tries
+    conf = write_config(tmp_path / "hermes.yaml", cfg)
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    ann = tenant_dir(cfg.data_dir, "testchat-ann")
+    try:
+        await adapter.sink(dm("ann", "hello"))
+        assert await app.drain(10)
+        assert await app.profiles.evict("testchat-ann")
+        damage_header(ann)
+        await adapter.sink(dm("ann", "still there?"))
+        await wait_until(lambda: HELD in adapter.texts())
+    finally:
+        started = asyncio.get_running_loop().time()
+        await app.stop()
+        stopped_in = asyncio.get_running_loop().time() - started
+    assert stopped_in < 5, f"stop waited {stopped_in:.1f} s for a lane that cannot be answered"
+    assert await_statuses(cfg.data_dir)[-1] == ("dm-ann", "pending")
+    repaired = await cli("profiles", "repair", "testchat-ann", "-c", str(conf))
+    assert repaired.returncode == 0, repaired.stderr
+    adapter = RecordingAdapter()
+    app = GatewayApp(cfg, [adapter])
+    await app.start()
+    try:
+        await wait_until(lambda: "ok: still there?" in adapter.texts())
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    assert [s for _, s in await_statuses(cfg.data_dir)] == ["done", "done"]

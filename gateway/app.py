@@ -224,6 +224,7 @@ class GatewayApp:
         self.agent.reminder_index = self.reminders.note if cfg.reminders_on else None
         self._started = False
         self._accepting = False
+        self._stopping = asyncio.Event()  # set by stop(): held lanes stop waiting to retry
         self.metrics.bind(
             platforms=self.adapters,
             open_profiles=lambda: self.profiles.open_count,
@@ -298,6 +299,7 @@ class GatewayApp:
         the adapters and close everything. Messages arriving meanwhile are recorded and
         replayed on the next start."""
         self._accepting = False
+        self._stopping.set()
         if self.claims is not None:  # running lanes finish and deliver (bounded), no new claims
             await self.claims.stop(drain_timeout)
             self.claims = None
@@ -652,10 +654,11 @@ class GatewayApp:
                 failures += 1
                 delay = min(self.cfg.delivery.retry_initial_s * 2 ** (failures - 1), self.cfg.delivery.retry_max_s)
                 await self._turn_failed(exc, last, failures, delay, tlog)
-                give_up = time.monotonic() + delay
-                while self._accepting and time.monotonic() < give_up:  # a stop ends the wait
-                    await asyncio.sleep(min(0.25, delay))
-                if not self._accepting:  # stopping: pending in gateway.db, answered after the next start
+                try:  # a stop ends the wait
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                except TimeoutError:
+                    pass
+                if self._stopping.is_set():  # pending in gateway.db, answered after the next start
                     tlog.info("stopping; the failed turn's messages stay pending for the next start")
                     return
         outcome, result = answer.outcome, answer.result

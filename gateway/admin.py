@@ -1,4 +1,4 @@
-"""Operator commands: `profiles list|show|export|delete|restore`, `backup`, `restore`, `health`.
+"""Operator commands: `profiles list|show|export|delete|restore|repair`, `backup`, `restore`, `health`.
 
 Consistency rules:
 - Reads (`list`, `show`, `export`, `backup`) work while the gateway runs. SQLite files are
@@ -10,11 +10,15 @@ Consistency rules:
   gateway.db in memory, and may have the profile open. They refuse with a clear message
   while the lock is held, and hold it themselves while they work, so a gateway cannot
   start halfway through.
+- `profiles repair` works while the gateway runs: it takes the profile's own lock (which a
+  profile the gateway could not open is free of), sets the damaged files aside, and the
+  gateway's next retry opens the repaired profile and answers its held messages.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import fcntl
 import json
 import os
@@ -33,9 +37,18 @@ from urllib.parse import unquote
 
 from agent.fileio import open_private, private_file, private_mkdir, tighten_tree, write_private
 from agent.reminders import ReminderStore
+from agent.sessions import SessionStore
 from gateway.config import Config
 from tenancy.identity import IdentityLinks
-from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir
+from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir, tenant_dir_name
+from tenancy.profiles import (
+    SCHEMA_VERSION,
+    journal_records,
+    manifest_problem,
+    profile_problem,
+    tenant_id_of_dir,
+    write_manifest,
+)
 
 LOCK_NAME = "gateway.lock"
 CONFIG_HELP = "config file (default: hermes-gateway.yaml, or $HERMES_GATEWAY_CONFIG)"
@@ -137,13 +150,15 @@ def tenant_info(path: Path) -> TenantInfo:
     except (OSError, ValueError, AttributeError):
         pass
     raw_tid = manifest.get("tenant_id")
-    tid = raw_tid if isinstance(raw_tid, str) else path.name
+    tid = raw_tid if isinstance(raw_tid, str) else tenant_id_of_dir(path.name) or path.name
     return TenantInfo(
         tenant_id=tid,
         dir_name=path.name,
         path=path,
         kind=str(manifest.get("kind", "person")),
-        principals=[p for p in manifest.get("principals", []) if isinstance(p, str)],
+        principals=[p for p in manifest.get("principals", []) if isinstance(p, str)]
+        if isinstance(manifest.get("principals"), list)
+        else [],
         created_at=manifest.get("created_at"),
         merged_into=merged,
     )
@@ -244,9 +259,12 @@ def disk_usage(path: Path) -> int:
 
 
 def profile_stats(path: Path) -> dict[str, Any]:
+    """Sessions, messages, last activity and disk use; a damaged profile (`damaged` says
+    what) is counted from its journals, which hold every message."""
     stats: dict[str, Any] = {"sessions": 0, "messages": 0, "last_activity": None, "disk_bytes": disk_usage(path)}
+    problem = profile_problem(path)
     db = path / "state.db"
-    if db.exists():
+    if problem is None and db.exists():
         conn = _connect_ro(db)
         try:
             row = conn.execute(
@@ -255,10 +273,22 @@ def profile_stats(path: Path) -> dict[str, Any]:
                 "COALESCE((SELECT max(max(COALESCE(started_at,0), COALESCE(ended_at,0))) FROM sessions), 0))"
             ).fetchone()
             stats.update(sessions=row[0], messages=row[1], last_activity=row[2] or None)
-        except sqlite3.Error as err:
+        except sqlite3.OperationalError as err:
             stats["error"] = f"state.db unreadable: {err}"
+        except sqlite3.DatabaseError as err:
+            problem = f"state.db cannot be read ({err})"
         finally:
             conn.close()
+    if problem is not None:
+        records = journal_records(path)
+        stamps = [r["ts"] for r in records if isinstance(r.get("ts"), (int, float))]
+        stamps += [r["timestamp"] for r in records if isinstance(r.get("timestamp"), (int, float))]
+        stats.update(
+            damaged=problem,
+            sessions=len({r["session_id"] for r in records if isinstance(r.get("session_id"), str)}),
+            messages=len({r["uid"] for r in records if r.get("type") == "message" and isinstance(r.get("uid"), str)}),
+            last_activity=max(stamps, default=None),
+        )
     return stats
 
 
@@ -266,7 +296,10 @@ def session_rows(path: Path) -> list[dict[str, Any]]:
     db = path / "state.db"
     if not db.exists():
         return []
-    conn = _connect_ro(db)
+    try:
+        conn = _connect_ro(db)
+    except sqlite3.Error:
+        return []
     conn.row_factory = sqlite3.Row
     try:
         return [
@@ -276,6 +309,8 @@ def session_rows(path: Path) -> list[dict[str, Any]]:
                 "input_tokens, output_tokens, compressions FROM sessions ORDER BY started_at, id"
             )
         ]
+    except sqlite3.Error:  # damaged: profile_stats says so
+        return []
     finally:
         conn.close()
 
@@ -764,6 +799,130 @@ def _lock_profile(path: Path) -> int:
     return fd
 
 
+# ----- repairing a damaged profile ------------------------------------------------------------
+
+
+@dataclass
+class RepairReport:
+    tenant_id: str
+    path: Path
+    set_aside: list[str] = field(default_factory=list)  # damaged files kept beside their replacements
+    rebuilt: list[str] = field(default_factory=list)  # what was written afresh
+    messages: int = 0  # in the repaired state.db
+
+
+def _set_aside(path: Path, stamp: str) -> str:
+    """Rename a damaged file (or directory) to `<name>.damaged-<stamp>`; its new name."""
+    target = path.with_name(f"{path.name}.damaged-{stamp}")
+    os.replace(path, target)
+    return target.name
+
+
+def _known_manifest(path: Path, tenant_id: str) -> dict[str, Any]:
+    """tenant.json as far as the profile tells: its id, kind, and the principals and
+    earliest time its journals name."""
+    records = journal_records(path)
+    kind = "chat" if "-chat-" in tenant_id else "person"
+    principals: list[str] = []
+    if kind == "person":
+        for r in records:
+            user = r.get("meta", {}).get("user") if isinstance(r.get("meta"), dict) else None
+            if r.get("role") == "user" and isinstance(user, str) and user not in principals:
+                principals.append(user)
+    stamps = [r["ts"] for r in records if isinstance(r.get("ts"), (int, float))]
+    return {
+        "tenant_id": tenant_id,
+        "kind": kind,
+        "principals": principals,
+        "created_at": min(stamps, default=time.time()),
+        "schema_version": SCHEMA_VERSION,
+        "repaired_at": time.time(),
+    }
+
+
+def _repair_tenant_id(info: TenantInfo, ref: str) -> str:
+    if manifest_problem(info.path) is None and read_manifest(info.path).get("tenant_id"):
+        return info.tenant_id
+    for candidate in (ref, tenant_id_of_dir(info.dir_name)):
+        if candidate and tenant_dir_name(candidate) == info.dir_name:
+            return candidate
+    raise AdminError(
+        f"{info.path.name} is a hashed directory name and its tenant.json is damaged; "
+        f"run `profiles repair` with the tenant id itself (e.g. telegram-111)"
+    )
+
+
+def repair_profile(cfg: Config, info: TenantInfo, ref: str) -> RepairReport:
+    """Set a damaged profile's unusable files aside and rebuild them: the layout's
+    directories, tenant.json from what the profile tells, state.db from the journals (the
+    same reconciliation by uid that every open runs). Safe while the gateway runs."""
+    path = info.path
+    tenant_id = _repair_tenant_id(info, ref)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    report = RepairReport(tenant_id, path)
+    sessions = path / "sessions"
+    if sessions.exists() and not sessions.is_dir():  # the profile lock lives in there
+        report.set_aside.append(_set_aside(sessions, stamp))
+    lock_fd = _lock_profile(path)
+    try:
+        for sub in ("memories", "provider"):
+            if (path / sub).exists() and not (path / sub).is_dir():
+                report.set_aside.append(_set_aside(path / sub, stamp))
+            private_mkdir(path / sub)
+        problem = manifest_problem(path)
+        if problem is not None:
+            manifest = path / "tenant.json"
+            aside = manifest.with_name(f"tenant.json.damaged-{stamp}")
+            if manifest.is_dir():
+                os.replace(manifest, aside)
+            else:  # copied, so tenant.json is never absent while the gateway may look
+                shutil.copyfile(manifest, aside)
+            private_file(aside)
+            report.set_aside.append(aside.name)
+            write_manifest(path, _known_manifest(path, tenant_id))
+            report.rebuilt.append(f"tenant.json ({problem})")
+        db = path / "state.db"
+        problem = profile_problem(path, deep=True)
+        if problem is not None and problem.startswith("state.db"):
+            for name in sorted(_STATE_FILES):
+                if (path / name).exists():
+                    report.set_aside.append(_set_aside(path / name, stamp))
+            report.rebuilt.append(f"state.db from the journals ({problem})")
+        store = SessionStore(path, fsync="always", profile_lock=False)  # the lock is held here
+
+        async def reopen() -> None:
+            await store.open()
+            await store.close()
+
+        asyncio.run(reopen())
+        conn = _connect_ro(db)
+        try:
+            report.messages = conn.execute("SELECT count(*) FROM messages").fetchone()[0]
+        finally:
+            conn.close()
+    finally:
+        os.close(lock_fd)
+    left = profile_problem(path, deep=True)
+    if left is not None:
+        raise AdminError(f"{tenant_id} is still damaged after the repair: {left}")
+    return report
+
+
+def check_profiles(cfg: Config, *, deep: bool = False) -> tuple[bool, str]:
+    """Doctor's check of every profile's files (cheap by default; `deep` adds
+    integrity_check): ok, or which are damaged and how to repair them."""
+    profiles = scan_profiles(cfg.data_dir)
+    damaged = [(i.tenant_id, p) for i in profiles if (p := profile_problem(i.path, deep=deep)) is not None]
+    how = "integrity_check included" if deep else "cheap checks; --deep runs integrity_check"
+    if not damaged:
+        return True, f"{_count(len(profiles), 'profile', 'profiles')}, none damaged ({how})"
+    shown = "; ".join(f"{t} ({p})" for t, p in damaged[:5]) + ("; ..." if len(damaged) > 5 else "")
+    return False, (
+        f"{len(damaged)} of {_count(len(profiles), 'profile', 'profiles')} damaged: {shown}; their messages wait. "
+        f"Repair each with `hermes-gateway profiles repair TENANT` (works while the gateway runs)"
+    )
+
+
 # ----- backup / restore of the whole data directory ---------------------------------------------
 
 BACKUP_GLOB = "hermes-backup-*.tar.gz"
@@ -829,7 +988,12 @@ def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> P
                 shutil.copyfile(entry, private_file(stage / name))
         for info in scan_profiles(data_dir):
             target = private_mkdir(stage / "profiles" / info.dir_name)
-            if (info.path / "state.db").exists():
+            problem = profile_problem(info.path)
+            if problem is not None:  # kept as it is, journals and all: `profiles repair` rebuilds it
+                report.setdefault("damaged", {})[info.dir_name] = problem
+                if (info.path / "state.db").is_file():
+                    shutil.copyfile(info.path / "state.db", private_file(target / "state.db"))
+            elif (info.path / "state.db").exists():
                 sqlite_backup(info.path / "state.db", target / "state.db")  # database first, journals after
                 report["databases"].append(f"profiles/{info.dir_name}/state.db")
             copy_profile_files(info.path, target)
@@ -930,7 +1094,9 @@ def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
     header = ("TENANT", "PRINCIPALS", "SESSIONS", "MESSAGES", "DISK", "LAST ACTIVITY (UTC)")
     table = [header] + [
         (
-            r["tenant"] + (f" (merged into {r['merged_into']})" if r.get("merged_into") else ""),
+            r["tenant"]
+            + (f" (merged into {r['merged_into']})" if r.get("merged_into") else "")
+            + (f" (damaged: {r['damaged']})" if r.get("damaged") else ""),
             ",".join(r["principals"]) or "-",
             str(r["sessions"]),
             str(r["messages"]),
@@ -942,6 +1108,12 @@ def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
+    damaged = [r["tenant"] for r in rows if r.get("damaged")]
+    if damaged:
+        print(
+            f"{_count(len(damaged), 'profile is', 'profiles are')} damaged (counted from the journals); "
+            f"repair with `hermes-gateway profiles repair TENANT`"
+        )
     return 0
 
 
@@ -954,7 +1126,7 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
     for target, fname in (("memory", "MEMORY.md"), ("user", "USER.md")):
         try:
             text = (info.path / "memories" / fname).read_text(encoding="utf-8")
-        except OSError:
+        except (OSError, UnicodeDecodeError):
             text = ""
         entries = [e for e in text.split("\n§\n") if e.strip()]
         memory[target] = {"entries": len(entries), "chars": len(text)}
@@ -988,6 +1160,11 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
         print("linked:        " + "; ".join(f"{n}: {', '.join(ps)}" for n, ps in data["links"].items()))
     if info.merged_into:
         print(f"merged into:   {info.merged_into} (left behind by /link; safe to delete)")
+    if stats.get("damaged"):
+        print(
+            f"state:         damaged: {stats['damaged']}; its messages wait; "
+            f"repair with `hermes-gateway profiles repair {info.tenant_id}` (counts below are from the journals)"
+        )
     print(f"created:       {_when(info.created_at)}")
     print(f"last activity: {_when(stats['last_activity'])}")
     print(f"disk use:      {_human_bytes(stats['disk_bytes'])}")
@@ -1025,6 +1202,12 @@ def cmd_profiles_path(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_profiles_export(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     info = find_tenant(cfg, args.tenant)
+    problem = profile_problem(info.path)
+    if problem is not None:
+        raise AdminError(
+            f"{info.tenant_id} is damaged ({problem}); repair it first with "
+            f"`hermes-gateway profiles repair {info.tenant_id}` (the damaged files are kept beside it)"
+        )
     output = Path(args.output) if args.output else None
     if output is not None and args.output.endswith(("/", os.sep)):  # `-o new/dir/`: a directory to create
         private_mkdir(output)
@@ -1081,11 +1264,39 @@ def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profiles_repair(cfg: Config, args: argparse.Namespace) -> int:
+    _check_owner(cfg)
+    info = find_tenant(cfg, args.tenant)
+    if profile_problem(info.path, deep=True) is None:
+        print(f"{info.tenant_id} is not damaged; nothing to repair")
+        return 0
+    report = repair_profile(cfg, info, args.tenant)
+    print(f"repaired {report.tenant_id} in {report.path}: {'; '.join(report.rebuilt) or 'layout'}")
+    if report.set_aside:
+        print(f"  damaged files kept beside it: {', '.join(report.set_aside)}")
+    print(
+        f"  state.db holds {_count(report.messages, 'message', 'messages')}; "
+        f"a running gateway answers the held messages at its next retry"
+    )
+    return 0
+
+
 def cmd_backup(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     dest = backup_data_dir(cfg.data_dir, Path(args.dest), keep=args.keep)
     print(f"backup written to {dest}")
+    damaged = scan_damaged(cfg)
+    if damaged:
+        print(
+            f"note: {', '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} damaged and copied as found; "
+            "repair with `hermes-gateway profiles repair TENANT`"
+        )
     return 0
+
+
+def scan_damaged(cfg: Config) -> list[str]:
+    """The tenant ids whose profiles fail the cheap checks."""
+    return [i.tenant_id for i in scan_profiles(cfg.data_dir) if profile_problem(i.path) is not None]
 
 
 def cmd_restore(cfg: Config, args: argparse.Namespace) -> int:
@@ -1155,6 +1366,9 @@ def register(sub: Any) -> None:
         "archive's own tenant.json does not vouch for",
     )
     p.set_defaults(handler=_guard(cmd_profiles_restore))
+    p = psub.add_parser("repair", help="rebuild a damaged profile from its journals (works while running)")
+    p.add_argument("tenant", help=tenant_help)
+    p.set_defaults(handler=_guard(cmd_profiles_repair))
     for p in psub.choices.values():
         p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)
 

@@ -31,7 +31,7 @@ from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config, ConfigError
 from gateway.delivery import more_key, more_mark, more_offer, page_text, split_text
-from gateway.faults import StartupError, storage_fault
+from gateway.faults import StartupError, damaged_database, damaged_profile, resource_fault, storage_fault
 from gateway.inbox import Inbox
 from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
@@ -239,6 +239,7 @@ class GatewayApp:
         self._accepting = False
         #: platform -> why its adapter's start() raised (it serves nothing in this process)
         self.start_failures: dict[str, str] = {}
+        self._stopping = asyncio.Event()  # set by stop(): held lanes stop waiting to retry
         self.metrics.bind(
             platforms=self.adapters,
             open_profiles=lambda: self.profiles.open_count,
@@ -389,6 +390,7 @@ class GatewayApp:
         replayed on the next start. `drain_timeout` bounds the whole drain, not each step;
         `hint` ends the line that says what the drain waits for."""
         self._accepting = False
+        self._stopping.set()
         deadline = time.monotonic() + drain_timeout
 
         def left() -> float:
@@ -749,7 +751,7 @@ class GatewayApp:
         for job in jobs:
             log_text(tlog, self.cfg.logging.include_text, "inbound text", job.msg.text)
         failures = 0
-        while True:  # a storage fault holds the lane (order) and retries until storage works again
+        while True:  # a failed turn holds the lane (order) and retries until it works (gateway/faults.py)
             try:
                 answer = await self._answer(key, jobs, tlog)
                 # the answer's chunks and the turn's completion commit together; the deliverer sends them
@@ -762,15 +764,16 @@ class GatewayApp:
                 self._fenced_turn(key, lane, lost, tlog)
                 return
             except Exception as exc:
-                fault = storage_fault(exc) or self._database_fault(exc)
-                if fault is None:
-                    raise
                 failures += 1
                 delay = min(self.cfg.delivery.retry_initial_s * 2 ** (failures - 1), self.cfg.delivery.retry_max_s)
-                tlog.error("storage fault (%s); the message stays pending, retrying in %.1f s", fault, delay)
-                if failures == 1:
-                    await self._tell_storage_fault(last.msg, fault)
-                await asyncio.sleep(delay)
+                await self._turn_failed(exc, last, failures, delay, tlog)
+                try:  # a stop ends the wait
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                except TimeoutError:
+                    pass
+                if self._stopping.is_set():  # pending in gateway.db, answered after the next start
+                    tlog.info("stopping; the failed turn's messages stay pending for the next start")
+                    return
         outcome, result = answer.outcome, answer.result
         if result is not None and result.kind == "reply" and not result.replayed and not result.interrupted:
             self._after_reply(
@@ -786,9 +789,37 @@ class GatewayApp:
             extra={"outcome": outcome, "duration_ms": round(seconds * 1000)},
         )
 
+    async def _turn_failed(
+        self, exc: Exception, job: Job, failures: int, delay: float, tlog: logging.LoggerAdapter
+    ) -> None:
+        """Log a failed turn (the traceback once), quarantine a profile found damaged, free
+        descriptors and memory held by idle profiles on a resource fault, and tell the
+        person once that the answer is late."""
+        msg = job.msg
+        fault = storage_fault(exc) or self._database_fault(exc)
+        resource = resource_fault(exc)
+        damaged = damaged_profile(exc)
+        broken_db = damaged_database(exc) if damaged is None else None
+        if broken_db is not None:  # found by the turn, in a profile that opened
+            await self.profiles.quarantine_open(job.lane.tenant_id, broken_db)
+        elif damaged is not None:  # ProfileManager logged it once, with the fix
+            tlog.debug("profile damaged (%s); the message stays pending, retrying in %.1f s", damaged.problem, delay)
+        elif fault is not None:
+            tlog.error("storage fault (%s); the message stays pending, retrying in %.1f s", fault, delay)
+        elif resource is not None:
+            tlog.error("resource fault (%s); the message stays pending, retrying in %.1f s", resource, delay)
+        elif failures == 1:
+            tlog.exception("turn failed; the message stays pending, retrying in %.1f s", delay)
+        else:
+            tlog.warning("turn failed again (%s); retrying in %.1f s", type(exc).__name__, delay)
+        if resource is not None:
+            await self.profiles.shed_idle()
+        if failures == 1:
+            await self._tell_storage_fault(msg, fault)
+
     async def _answer(self, key: str, jobs: list[Job], tlog: logging.LoggerAdapter) -> _Answer:
-        """Run the reminder, command or agent turn of `jobs`. Raises LaneMoved, and storage
-        faults of an agent turn (retried by the caller); other failures become an apology."""
+        """Run the reminder, command or agent turn of `jobs`. Raises LaneMoved, LeaseLost and
+        every other failure: the caller keeps the messages pending and retries the turn."""
         first, last = jobs[0], jobs[-1]
         lane, place = first.lane, self.place_of(first.msg, first.lane)
         platform = first.msg.platform
@@ -877,15 +908,7 @@ class GatewayApp:
         except Exception as exc:
             if _lease_lost(exc):  # a store or tool wrapped it
                 raise LeaseLost(str(exc)) from exc
-            if command is None and storage_fault(exc) is not None:
-                raise
-            tlog.exception("turn failed")
-            return _Answer(
-                "Something went wrong on my side while answering; your message was kept. Please try again.",
-                "error",
-                "error",
-                streamer=streamer,
-            )
+            raise
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
@@ -925,12 +948,15 @@ class GatewayApp:
         self.deliverer.kick(msg.platform, msg.chat_id)
         return ids
 
-    async def _tell_storage_fault(self, msg: InboundMessage, fault: str) -> None:
-        """Say once why the answer is late: through the outbox, or straight to the platform
-        when gateway.db itself cannot take it."""
+    async def _tell_storage_fault(self, msg: InboundMessage, fault: str | None) -> None:
+        """Say once why the answer is late (`fault`: a storage fault, or None for any other
+        failure): through the outbox, or straight to the platform when gateway.db itself
+        cannot take it."""
         text = (
             f"I can't save anything right now ({fault} on my server), so your answer is delayed. "
             "Your message is kept and I'll answer it as soon as storage works again."
+            if fault is not None
+            else "I can't answer right now; your message is kept and I'll answer as soon as I can."
         )
         try:
             await self.send(msg, text, kind="notice", reply=False)

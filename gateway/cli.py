@@ -268,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="talk to the agent on the console (works with piped stdin)")
     chat.add_argument("--user", default=os.environ.get("USER", "me"), help="who is speaking (default: $USER)")
     chat.add_argument("--group", default=None, metavar="ROOM", help="speak in a group room instead of a DM")
-    sub.add_parser("doctor", help="check the config, the data directory, the model and the platforms")
+    doctor = sub.add_parser("doctor", help="check the config, the data directory, the model and the platforms")
+    doctor.add_argument("--deep", action="store_true", help="also run integrity_check on every profile's state.db")
     init = sub.add_parser("init", help="write a commented starter config (parent directories are created)")
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     for extra in _EXTRA_COMMANDS:
@@ -322,7 +323,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from gateway.doctor import run_doctor
 
         setup_logging(cfg, quiet=True)
-        return asyncio.run(run_doctor(cfg))
+        return asyncio.run(run_doctor(cfg, deep=args.deep))
     if args.command == "chat" and cfg.cluster.enabled:
         raise ConfigError(
             f"{args.config}: cluster.postgres_dsn_env is set; `chat` is single-node only "

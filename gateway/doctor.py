@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 
@@ -89,11 +90,16 @@ def check_tokens() -> tuple[bool, str]:
     return False, "no tokenizer encoding; token counts fall back to chars/4"
 
 
-async def run_doctor(cfg: Config) -> int:
-    """Print one line per check ([ok], [warn] or [FAIL]); exit status 1 if any failed."""
+async def run_doctor(cfg: Config, *, deep: bool = False) -> int:
+    """Print one line per check ([ok], [warn] or [FAIL]); exit status 1 if any failed.
+    `deep` runs SQLite's integrity_check on every profile's state.db."""
+    from gateway.admin import check_profiles
+
     results: list[tuple[bool | None, str, str]] = [(True, "config", "valid")]
     ok, detail = check_data_dir(cfg)
     results.append((ok, "data directory", detail))
+    ok, detail = await asyncio.to_thread(check_profiles, cfg, deep=deep)
+    results.append((ok, "profiles", detail))
     ok, detail = check_tokens()
     results.append((ok, "tokenizer", detail))
     ok, detail = await check_llm(cfg)

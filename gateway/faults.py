@@ -1,7 +1,11 @@
-"""Storage faults that pass by themselves: disk full and a database locked by someone else.
+"""How a failed turn is classified, so the gateway says what is true about the message.
 
-A turn that hits one keeps its messages pending and is retried in its lane (order holds)
-until storage works again, instead of failing the person's message for good.
+- A storage fault (disk full, a database locked by someone else) and a resource fault
+  (descriptors, memory) pass by themselves: the turn keeps its messages pending and is
+  retried in its lane (order holds) until it works again.
+- A damaged profile (`ProfileDamaged`) holds its lanes until it is repaired.
+- Anything else that is not the message's own fault is retried the same way; only a
+  message that can never be answered is finished, and the person is told why.
 """
 
 from __future__ import annotations
@@ -9,23 +13,68 @@ from __future__ import annotations
 import errno
 import sqlite3
 
+from tenancy.profiles import ProfileDamaged
+
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+_NO_DESCRIPTORS = {errno.EMFILE, errno.ENFILE}
 _SQLITE_TRANSIENT = ("database is locked", "database or disk is full", "disk is full", "database table is locked")
+
+__all__ = ["ProfileDamaged", "damaged_database", "damaged_profile", "resource_fault", "storage_fault"]
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and what caused it, outermost first (each once)."""
+    seen: set[int] = set()
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
 
 
 def storage_fault(exc: BaseException) -> str | None:
     """ "disk full" or "database locked" when `exc` (or what caused it) is one, else None."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
+    for cur in _chain(exc):
         if isinstance(cur, OSError) and cur.errno in _DISK_FULL:
             return "disk full"
         if isinstance(cur, sqlite3.OperationalError):
             text = str(cur).lower()
             if any(t in text for t in _SQLITE_TRANSIENT):
                 return "disk full" if "full" in text else "database locked"
-        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def resource_fault(exc: BaseException) -> str | None:
+    """ "too many open files" or "out of memory" when `exc` (or its cause) is one, else None.
+
+    SQLite reports a descriptor limit only as "unable to open database file"; that counts
+    too (closing idle profiles is what frees descriptors, and it is harmless otherwise)."""
+    for cur in _chain(exc):
+        if isinstance(cur, MemoryError) or (isinstance(cur, OSError) and cur.errno == errno.ENOMEM):
+            return "out of memory"
+        if isinstance(cur, OSError) and cur.errno in _NO_DESCRIPTORS:
+            return "too many open files"
+        if isinstance(cur, sqlite3.OperationalError) and "unable to open database file" in str(cur).lower():
+            return "too many open files"
+    return None
+
+
+def damaged_database(exc: BaseException) -> str | None:
+    """What SQLite said when `exc` (or its cause) shows a damaged database file ("database
+    disk image is malformed", "file is not a database"), else None."""
+    for cur in _chain(exc):
+        if type(cur) is sqlite3.DatabaseError:  # its subclasses are other failures
+            return f"state.db cannot be read ({cur})"
+    return None
+
+
+def damaged_profile(exc: BaseException) -> ProfileDamaged | None:
+    """The `ProfileDamaged` in `exc`'s cause chain, if any."""
+    for cur in _chain(exc):
+        if isinstance(cur, ProfileDamaged):
+            return cur
     return None
 
 

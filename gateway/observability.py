@@ -14,6 +14,9 @@
   failure of kind unavailable/auth/not_found/config says no; otherwise `GET <base_url>/models`
   is probed (at most every 30 s).
 - `data_dir`: a temp file can be written, fsynced and removed.
+- `profiles`: how many profiles are quarantined as damaged (their lanes wait for a
+  repair). It never fails the check: with one or more, `status` is `degraded` (HTTP 200),
+  since everyone else is served.
 - `cluster` (cluster mode): the database is reachable and migrated, this node's membership
   is alive, and the leases it holds (how many tenants, which ingress roles).
 
@@ -149,8 +152,17 @@ class Observability:
         if self.app.cluster_health is not None:
             cluster_ok, checks["cluster"] = await self.app.cluster_health()
             healthy = healthy and cluster_ok
+        # a damaged profile holds only its own lanes: degraded, not down (the others are served)
+        quarantined = len(self.app.profiles.quarantined)
+        checks["profiles"] = {
+            "ok": True,
+            "quarantined": quarantined,
+            "detail": f"{quarantined} damaged, their messages wait; see `hermes-gateway doctor`"
+            if quarantined
+            else "every profile opened so far opens",
+        }
         body = {
-            "status": "ok" if healthy else "unhealthy",
+            "status": "unhealthy" if not healthy else "degraded" if quarantined else "ok",
             "checks": checks,
             "uptime_s": round(time.time() - self.app.metrics.started_at, 1),
             "open_profiles": self.app.profiles.open_count,

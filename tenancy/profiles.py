@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,8 +26,131 @@ from agent.sessions.db import JournalMode
 from tenancy.keys import tenant_dir
 
 SCHEMA_VERSION = 1
+SQLITE_HEADER = b"SQLite format 3\0"
 
 log = logging.getLogger("hermes.profiles")
+
+
+class ProfileDamaged(Exception):
+    """A profile whose files cannot be opened as they are (`problem` says which and why);
+    its lanes are held until `hermes-gateway profiles repair` (or the operator) fixes it."""
+
+    def __init__(self, tenant_id: str, problem: str) -> None:
+        super().__init__(f"profile {tenant_id} is damaged: {problem}")
+        self.tenant_id, self.problem = tenant_id, problem
+
+
+def manifest_problem(path: Path) -> str | None:
+    """Why `path`/tenant.json cannot be used (None when it is absent or a JSON object
+    whose principals are a list of strings)."""
+    file = path / "tenant.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        return "tenant.json is a directory"
+    except UnicodeDecodeError:
+        return "tenant.json is not UTF-8 text"
+    except json.JSONDecodeError as err:
+        return f"tenant.json is not valid JSON ({err.msg} at line {err.lineno})"
+    if not isinstance(data, dict):
+        return f"tenant.json holds a JSON {type(data).__name__}, not an object"
+    principals = data.get("principals", [])
+    if not isinstance(principals, list) or not all(isinstance(p, str) for p in principals):
+        return "tenant.json: principals is not a list of strings"
+    return None
+
+
+def profile_problem(path: Path, *, deep: bool = False) -> str | None:
+    """What is wrong with the profile directory `path`, or None. Cheap checks of the
+    layout, tenant.json and state.db's header; `deep` adds SQLite's integrity_check
+    (blocking: run it off the event loop)."""
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"{path.name} is not a directory"
+    for sub in ("memories", "sessions", "provider"):
+        if (path / sub).exists() and not (path / sub).is_dir():
+            return f"{sub}/ is not a directory"
+    problem = manifest_problem(path)
+    if problem is not None:
+        return problem
+    db = path / "state.db"
+    if not db.exists():
+        return None
+    if not db.is_file():
+        return "state.db is not a regular file"
+    with db.open("rb") as fh:
+        header = fh.read(len(SQLITE_HEADER))
+    if header and header != SQLITE_HEADER:
+        return "state.db is not a SQLite database (damaged header)"
+    if deep and header:
+        try:
+            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+            try:
+                verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as err:
+            return f"state.db cannot be read ({err})"
+        if verdict != "ok":
+            return f"state.db fails integrity_check ({verdict.splitlines()[0]})"
+    return None
+
+
+def tenant_id_of_dir(name: str) -> str | None:
+    """The tenant id a profile directory name encodes (`tenancy.keys.tenant_dir_name`
+    reversed), or None for a hashed name, which only its tenant.json can tell."""
+    if not name.startswith("x-"):
+        return None if name.startswith("h-") else name
+    body, out, i = name[2:], bytearray(), 0
+    while i < len(body):
+        if body.startswith("__", i):
+            out += b"_"
+            i += 2
+        elif body[i] == "_":
+            try:
+                out.append(int(body[i + 1 : i + 3], 16))
+            except ValueError:
+                return None
+            i += 3
+        else:
+            out += body[i].encode()
+            i += 1
+    try:
+        return out.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+
+
+def journal_records(path: Path) -> list[dict]:
+    """Every whole JSON object line of the profile's journals (blocking; for repairs and
+    reports of a profile whose state.db cannot be read)."""
+    out: list[dict] = []
+    sessions = path / "sessions"
+    if not sessions.is_dir():
+        return out
+    for journal in sorted(sessions.glob("*.jsonl")):
+        with journal.open("rb") as fh:
+            for line in fh:
+                try:
+                    data = json.loads(line)
+                except ValueError:
+                    continue  # a torn or damaged line; reconciliation cuts it
+                if isinstance(data, dict):
+                    out.append(data)
+    return out
+
+
+def _damage_of(exc: BaseException) -> str | None:
+    """The damage an open failure shows (SQLite finding a file that is not a sound
+    database, a layout entry of the wrong type), or None for anything that may pass."""
+    if type(exc) is sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
+        return f"state.db cannot be read ({exc})"
+    if isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)):
+        return f"{Path(exc.filename).name if exc.filename else 'a file'} has the wrong type ({exc.strerror})"
+    return None
 
 
 @dataclass
@@ -164,10 +288,46 @@ class ProfileManager:
         self._opening: dict[str, asyncio.Lock] = {}
         self._closing: dict[str, asyncio.Task] = {}
         self._lock = asyncio.Lock()
+        self.quarantined: dict[str, str] = {}  # tenant id -> what is damaged; its lanes wait
 
     @property
     def open_count(self) -> int:
         return len(self._open)
+
+    def _quarantine(self, tenant_id: str, problem: str) -> ProfileDamaged:
+        """Note a damaged profile (said once, with the fix) and the error that holds its lanes."""
+        if self.quarantined.get(tenant_id) != problem:
+            log.error(
+                "profile %s is damaged (%s): its messages stay pending and everyone else is served; "
+                "repair it with `hermes-gateway profiles repair %s`",
+                tenant_id,
+                problem,
+                tenant_id,
+                extra={"event": "profile_quarantined", "tenant": tenant_id},
+            )
+        self.quarantined[tenant_id] = problem
+        return ProfileDamaged(tenant_id, problem)
+
+    async def quarantine_open(self, tenant_id: str, problem: str) -> None:
+        """A turn found the open profile damaged: quarantine it and close it once idle, so
+        the next turn reopens it through the checks (integrity_check included)."""
+        self._quarantine(tenant_id, problem)
+        async with self._lock:
+            profile = self._open.get(tenant_id)
+            if profile is None or profile.users:
+                return
+            del self._open[tenant_id]
+        self._close_soon(profile)
+
+    async def shed_idle(self) -> int:
+        """Close every open profile nobody is using (a descriptor or memory limit was hit);
+        how many."""
+        async with self._lock:
+            idle = [t for t, p in self._open.items() if p.users == 0]
+            victims = [self._open.pop(t) for t in idle]
+        for victim in victims:
+            self._close_soon(victim)
+        return len(victims)
 
     @asynccontextmanager
     async def use(self, tenant_id: str, *, kind: str = "person") -> AsyncIterator[Profile]:
@@ -245,16 +405,27 @@ class ProfileManager:
         try:
             if guard is not None:
                 guard()
-            path, principals = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
-            sessions = SessionStore(
-                path,
-                fsync=self._fsync,
-                pool=self.pool,
-                guard=guard,
-                journal_mode=self.journal_mode,
-                profile_lock=gate is None,  # under a gate its lease is the one-writer rule
-            )
-            await sessions.open()
+            # a quarantined profile opens again only once integrity_check passes too
+            deep = tenant_id in self.quarantined
+            problem = await asyncio.to_thread(profile_problem, tenant_dir(self.data_dir, tenant_id), deep=deep)
+            if problem is not None:
+                raise self._quarantine(tenant_id, problem)
+            try:
+                path, principals = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
+                sessions = SessionStore(
+                    path,
+                    fsync=self._fsync,
+                    pool=self.pool,
+                    guard=guard,
+                    journal_mode=self.journal_mode,
+                    profile_lock=gate is None,  # under a gate its lease is the one-writer rule
+                )
+                await sessions.open()
+            except Exception as exc:
+                damage = _damage_of(exc)
+                if damage is None:
+                    raise
+                raise self._quarantine(tenant_id, damage) from exc
         except BaseException:
             if gate is not None:
                 await gate.closed(tenant_id)
@@ -278,6 +449,12 @@ class ProfileManager:
             except BaseException:
                 await profile.close()
                 raise
+        if self.quarantined.pop(tenant_id, None) is not None:
+            log.info(
+                "profile %s opens again; its held messages are answered now",
+                tenant_id,
+                extra={"event": "profile_released", "tenant": tenant_id},
+            )
         profile.principals = principals
         return profile
 

@@ -176,9 +176,9 @@ class SessionStore:
             self._guard()
         if self._profile_lock:
             self._take_profile_lock()
-        private_file(self.db_path)  # SQLite gives -wal/-shm the database file's mode
         db: sqlite3.Connection | None = None
-        try:
+        try:  # whatever fails (a descriptor limit too) releases the profile lock again
+            private_file(self.db_path)  # SQLite gives -wal/-shm the database file's mode
             db = q.connect(self.db_path, self.fsync, self._journal_mode)
             reconcile(db, self._journal)
             return db

@@ -82,8 +82,7 @@ class LLMTimeout(LLMUnavailable):
 
     kind = "timeout"
     default_user_message = (
-        "The assistant's model did not finish its answer in time; your message was kept — "
-        "please try again, perhaps with a shorter request."
+        "The assistant's model did not finish its answer in time; please send it again, perhaps as a shorter request."
     )
 
 
@@ -94,7 +93,7 @@ class LLMAnswerTimeout(LLMTimeout):
     kind = "answer_timeout"
     default_user_message = (
         "The assistant's model kept working without finishing an answer, so it was stopped; "
-        "your message was kept — please try again, perhaps with a shorter request."
+        "please send it again, perhaps as a shorter request."
     )
 
 

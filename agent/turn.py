@@ -81,6 +81,7 @@ class TurnResult:
     replayed: bool = False
     tool_iterations: int = 0  # model requests of this turn that called tools (skill nudges)
     interrupted: bool = False  # stopped by /stop or busy_mode interrupt; `text` is the partial answer
+    error: str | None = None  # kind "error": the LLMError kind ("unavailable", "bad_request", ...)
 
 
 @dataclass
@@ -372,7 +373,7 @@ class Agent:
                 earlier = await self._tool_loop(ctx, history)
             except LLMError as err:
                 log.warning("turn failed: llm %s", err.kind)
-                return TurnResult(err.user_message, "error", ctx.session_id)
+                return TurnResult(err.user_message, "error", ctx.session_id, error=err.kind)
             if ctx.interrupted:
                 return TurnResult(
                     earlier, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True
@@ -391,7 +392,7 @@ class Agent:
             text = await self._tool_loop(ctx, history)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
-            return TurnResult(_joined(earlier, err.user_message), "error", ctx.session_id)
+            return TurnResult(_joined(earlier, err.user_message), "error", ctx.session_id, error=err.kind)
         if ctx.interrupted:
             text = _joined(earlier, text)
             return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True)

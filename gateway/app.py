@@ -31,7 +31,15 @@ from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
 from gateway.config import Config, ConfigError
 from gateway.delivery import more_key, more_mark, more_offer, page_text, split_text
-from gateway.faults import StartupError, damaged_database, damaged_profile, resource_fault, storage_fault
+from gateway.faults import (
+    MODEL_DOWN_KINDS,
+    ModelDown,
+    StartupError,
+    damaged_database,
+    damaged_profile,
+    resource_fault,
+    storage_fault,
+)
 from gateway.inbox import Inbox
 from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
@@ -808,6 +816,8 @@ class GatewayApp:
             tlog.error("storage fault (%s); the message stays pending, retrying in %.1f s", fault, delay)
         elif resource is not None:
             tlog.error("resource fault (%s); the message stays pending, retrying in %.1f s", resource, delay)
+        elif isinstance(exc, ModelDown):  # agent/llm.py logged the cause
+            tlog.warning("%s; the message stays pending, retrying in %.1f s", exc, delay)
         elif failures == 1:
             tlog.exception("turn failed; the message stays pending, retrying in %.1f s", delay)
         else:
@@ -815,7 +825,7 @@ class GatewayApp:
         if resource is not None:
             await self.profiles.shed_idle()
         if failures == 1:
-            await self._tell_storage_fault(msg, fault)
+            await self._tell_storage_fault(msg, fault, model_down=isinstance(exc, ModelDown))
 
     async def _answer(self, key: str, jobs: list[Job], tlog: logging.LoggerAdapter) -> _Answer:
         """Run the reminder, command or agent turn of `jobs`. Raises LaneMoved, LeaseLost and
@@ -897,6 +907,9 @@ class GatewayApp:
                 if result.kind == "covered":  # a replayed part of a coalesced batch: answered already
                     return _Answer("", "reply", "coalesced", result=result)
                 if result.kind == "error":
+                    if result.error in MODEL_DOWN_KINDS and platform != "console":
+                        # not the message's fault: held and retried (the console's person reads the error)
+                        raise ModelDown(result.error or "", result.text)
                     return _Answer(result.text, "error", "llm_error", result=result, streamer=streamer)
                 if result.interrupted:  # the partial answer (if any) is shown marked as stopped
                     text = f"{result.text}\n\n(stopped)" if result.text else ""
@@ -948,16 +961,21 @@ class GatewayApp:
         self.deliverer.kick(msg.platform, msg.chat_id)
         return ids
 
-    async def _tell_storage_fault(self, msg: InboundMessage, fault: str | None) -> None:
+    async def _tell_storage_fault(self, msg: InboundMessage, fault: str | None, *, model_down: bool = False) -> None:
         """Say once why the answer is late (`fault`: a storage fault, or None for any other
         failure): through the outbox, or straight to the platform when gateway.db itself
         cannot take it."""
-        text = (
-            f"I can't save anything right now ({fault} on my server), so your answer is delayed. "
-            "Your message is kept and I'll answer it as soon as storage works again."
-            if fault is not None
-            else "I can't answer right now; your message is kept and I'll answer as soon as I can."
-        )
+        if fault is not None:
+            text = (
+                f"I can't save anything right now ({fault} on my server), so your answer is delayed. "
+                "Your message is kept and I'll answer it as soon as storage works again."
+            )
+        elif model_down:
+            text = (
+                "I can't reach my language model right now; your message is kept and I'll answer as soon as it is back."
+            )
+        else:
+            text = "I can't answer right now; your message is kept and I'll answer as soon as I can."
         try:
             await self.send(msg, text, kind="notice", reply=False)
             return

@@ -4,8 +4,11 @@
   (descriptors, memory) pass by themselves: the turn keeps its messages pending and is
   retried in its lane (order holds) until it works again.
 - A damaged profile (`ProfileDamaged`) holds its lanes until it is repaired.
-- Anything else that is not the message's own fault is retried the same way; only a
-  message that can never be answered is finished, and the person is told why.
+- The model that cannot answer now (unreachable, over its rate limit, our credentials
+  refused: `ModelDown`) is retried the same way; so is anything else that is not the
+  message's own fault. Only a message that can never be answered (its conversation
+  refused by the provider, too long for the model's window, an answer that ran past its
+  deadline) is finished, and the person is told why.
 """
 
 from __future__ import annotations
@@ -19,7 +22,28 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NO_DESCRIPTORS = {errno.EMFILE, errno.ENFILE}
 _SQLITE_TRANSIENT = ("database is locked", "database or disk is full", "disk is full", "database table is locked")
 
-__all__ = ["ProfileDamaged", "damaged_database", "damaged_profile", "resource_fault", "storage_fault"]
+__all__ = [
+    "MODEL_DOWN_KINDS",
+    "ModelDown",
+    "ProfileDamaged",
+    "damaged_database",
+    "damaged_profile",
+    "resource_fault",
+    "storage_fault",
+]
+
+#: LLMError kinds that say nothing about the message: asking again later can succeed
+MODEL_DOWN_KINDS = frozenset({"unavailable", "rate_limited", "auth"})
+
+
+class ModelDown(Exception):
+    """The model cannot answer now for a reason that is not the message's own: the turn
+    keeps its messages pending and is retried with backoff, like a storage fault."""
+
+    def __init__(self, kind: str, user_message: str) -> None:
+        super().__init__(f"the model cannot answer ({kind}: {user_message})")
+        self.kind = kind
+        self.user_message = user_message
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

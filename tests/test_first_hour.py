@@ -320,7 +320,7 @@ def test_a_slow_model_times_out_once_and_says_so(tmp_path):
         config = write_config(tmp_path / "gw.yaml", llm.base_url, timeout_s=0.5, max_retries=3)
         proc = cli("chat", "-c", str(config), "--user", "zed", stdin="write me an epic\n")
         assert len(llm.requests) == 1  # never asked to generate the same answer again
-    assert "did not finish its answer in time; your message was kept" in proc.stdout
+    assert "did not finish its answer in time; please send it again" in proc.stdout
     assert "timed out after 0.5 s" in proc.stdout and "unreachable" not in proc.stdout
 
 

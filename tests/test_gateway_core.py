@@ -206,21 +206,57 @@ async def test_too_long_message_is_refused_and_not_sent_to_model(config_for, fak
         await app.stop()
 
 
-async def test_dead_llm_gives_one_clear_sentence_and_keeps_input(config_for, fake_llm, tmp_path):
-    cfg = config_for(llm={"base_url": "http://127.0.0.1:9/v1", "max_retries": 0})
+async def wait_for_text(adapter: RecordingAdapter, part: str, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if any(part in t for t in adapter.texts()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{part!r} never sent; sent: {adapter.texts()}")
+
+
+async def test_a_model_that_is_down_holds_the_message_tells_once_and_answers_when_it_is_back(
+    config_for, fake_llm, tmp_path
+):
+    from tests.fakes.llm import error
+
+    # three answers of 503 (not the message's fault), then the model is back
+    fake_llm.script(error(503, "overloaded"), error(503, "overloaded"), error(503, "overloaded"))
+    cfg = config_for(llm={"max_retries": 0}, delivery={"retry_initial_s": 0.05, "retry_max_s": 0.1})
     adapter = RecordingAdapter()
     app = await started(cfg, adapter)
     try:
-        out = await say(app, adapter, dm("gus", "are you there?"))
-        assert out == [
-            "The assistant's model is unreachable right now; your message was kept — please try again in a minute."
-        ] or (len(out) == 1 and "unreachable" in out[0])
-        assert adapter.sent[-1].kind == "error"
+        await adapter.sink(dm("gus", "are you there?"))
+        assert await app.drain(20)
+        texts = adapter.texts()
+        # told once, truly, then answered: nothing was finished while the model was down
+        assert texts == [
+            "I can't reach my language model right now; your message is kept and I'll answer as soon as it is back.",
+            "ok: are you there?",
+        ]
+        assert len(fake_llm.requests) == 4
+        rows = await app.inbox.db.execute_fetchall("SELECT status, outcome FROM inbound")
+        assert rows == [("done", "replied")]
     finally:
         await app.stop()
     async with SessionStore(tenant_dir(cfg.data_dir, "testchat-gus")) as store:
         sid = await store.route("agent:main:testchat:dm:dm-gus")
         assert [m.content for m in await store.history(sid) if m.role == "user"] == ["are you there?"]
+
+
+async def test_a_conversation_the_provider_refuses_is_finished_with_the_reason(config_for, fake_llm):
+    from tests.fakes.llm import error
+
+    refused = error(400, {"error": {"message": "this content is not allowed"}})
+    fake_llm.script(refused, refused)  # a streaming request, then the plain one (agent/llm.py falls back)
+    adapter = RecordingAdapter()
+    app = await started(config_for(llm={"max_retries": 0}), adapter)
+    try:
+        out = await say(app, adapter, dm("gia", "hello"))
+        assert len(out) == 1 and "refused this conversation; send /new" in out[0]
+        assert adapter.sent[-1].kind == "error"
+        assert len(fake_llm.requests) == 2  # the message's own fault: not asked again later
+    finally:
+        await app.stop()
 
 
 async def test_full_lane_answers_busy(config_for, fake_llm):
@@ -279,16 +315,23 @@ async def test_unknown_dm_user_gets_pairing_code_and_admin_approves(config_for, 
         await app.stop()
 
 
-async def test_wrong_api_key_gives_one_clear_sentence(config_for, fake_llm, monkeypatch):
+async def test_a_refused_api_key_holds_the_message_says_so_to_the_operator_and_answers_once_fixed(
+    config_for, fake_llm, monkeypatch, caplog
+):
     monkeypatch.setenv("HG_FAKE_KEY", "sk-wrong-key-123")
     fake_llm.set_api_key("sk-right")
     adapter = RecordingAdapter()
-    app = await started(config_for(llm={"api_key_env": "HG_FAKE_KEY"}), adapter)
+    cfg = config_for(llm={"api_key_env": "HG_FAKE_KEY"}, delivery={"retry_initial_s": 0.05, "retry_max_s": 0.1})
+    app = await started(cfg, adapter)
     try:
-        out = await say(app, adapter, dm("kim", "hello?"))
-        assert out == ["The assistant's model provider rejected our credentials; an operator needs to fix the API key."]
-        assert "sk-wrong" not in out[0]
-        assert len(fake_llm.requests) == 1  # an auth failure is not retried
+        await adapter.sink(dm("kim", "hello?"))
+        await wait_for_text(adapter, "I can't reach my language model")
+        assert "an operator needs to fix the API key" in caplog.text  # the operator is told what to fix
+        assert "sk-wrong" not in caplog.text and all("sk-wrong" not in t for t in adapter.texts())
+        fake_llm.set_api_key("sk-wrong-key-123")  # the operator fixed the key at the provider
+        assert await app.drain(20)
+        assert adapter.texts()[-1] == "ok: hello?"
+        assert sum("I can't reach my language model" in t for t in adapter.texts()) == 1  # told once
     finally:
         await app.stop()
 

@@ -195,16 +195,18 @@ async def test_flapping_model_endpoint_is_ridden_out_and_an_outage_is_told_witho
     config_for, fake_llm
 ):
     adapter = RecordingAdapter(max_message_length=30000)
-    app = GatewayApp(config_for(llm={"max_retries": 3}), [adapter])
+    app = GatewayApp(config_for(llm={"max_retries": 3}, delivery=FAST), [adapter])
     await app.start()
     try:
         fake_llm.script(
             error(500, "boom"), error(429, "slow", headers={"Retry-After": "0.1"}), disconnect(), reply("steady again")
         )
         assert await say(app, adapter, dm("di", "are you there")) == ["steady again"]
-        fake_llm.script(*[error(503, "down")] * 4)
+        fake_llm.script(*[error(503, "down")] * 4)  # every retry of one call: an outage
         out = await say(app, adapter, dm("di", "my plant is called Fern"))
-        assert len(out) == 1 and "Fern" not in out[0] and "try again" in out[0].lower()
+        # told once that the answer waits, then answered when the model is back
+        assert len(out) == 2 and "Fern" not in out[0] and "I'll answer as soon as it is back" in out[0]
+        assert out[1] == "ok: my plant is called Fern"
         n = len(fake_llm.requests)
         await say(app, adapter, dm("di", "what is my plant called?"))
         assert "my plant is called Fern" in str(fake_llm.requests[n]["messages"])  # the input was kept

@@ -76,7 +76,9 @@ class StatusAdapter(RecordingAdapter):
 
 async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
     cfg = config_for(
-        observability={"listen": "127.0.0.1:0", "unhealthy_after_s": 0}, limits={"rate_limit_per_minute": 3}
+        observability={"listen": "127.0.0.1:0", "unhealthy_after_s": 0},
+        limits={"rate_limit_per_minute": 3},
+        delivery={"retry_initial_s": 0.05, "retry_max_s": 0.2},
     )
     tg, dc = RecordingAdapter("telegram"), StatusAdapter("discord")
     app = GatewayApp(cfg, [tg, dc])
@@ -88,7 +90,8 @@ async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
         out = await say(app, tg, dm("u-5550001", "one too many", platform="telegram"))
         assert "faster than I can answer" in out[0]
         await app.drain()
-        fake_llm.script(error(401, {"error": {"message": "bad key"}}))
+        refused = error(400, {"error": {"message": "not allowed"}})  # finished: the message's own fault
+        fake_llm.script(refused, refused)  # the streaming request, then the plain one
         await say(app, dc, dm("u-7770002", "this one fails", platform="discord"))
         await say(app, dc, dm("u-7770002", "/status", platform="discord"))
 
@@ -113,7 +116,7 @@ async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
             if n == "hermes_turn_duration_seconds_bucket" and dict(labels)["platform"] == "telegram"
         )
         assert [v for _, v in buckets] == sorted(v for _, v in buckets), "buckets must be cumulative"
-        assert value(samples, "hermes_llm_errors_total", kind="auth") == 1
+        assert value(samples, "hermes_llm_errors_total", kind="bad_request") == 1
         assert value(samples, "hermes_llm_requests_total", outcome="ok") == 3
         assert value(samples, "hermes_rate_limit_refusals_total", platform="telegram") == 1
         assert value(samples, "hermes_refusals_total", platform="telegram", kind="rate_limited") == 1
@@ -129,6 +132,15 @@ async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
         for secret_id in ("5550001", "7770002", "u-555", "dm-u"):
             assert secret_id not in resp.text
         # --- health ---
+        assert health.status_code == 200  # a refused conversation says nothing about the model's health
+        fake_llm.set_api_key("sk-nobody-has")  # from now on our key is refused: the model is down for us
+        await dc.sink(dm("u-7770002", "this one waits", platform="discord"))
+        for _ in range(500):  # until the turn was held: the person is told the answer waits
+            if any("I'll answer as soon as it is back" in t for t in dc.texts()):
+                break
+            await asyncio.sleep(0.02)
+        async with httpx.AsyncClient(timeout=10) as client:
+            health = await client.get(f"{base}/healthz")
         assert health.status_code == 503  # the last LLM call failed with a bad key
         body = health.json()
         assert body["checks"]["llm"]["reachable"] is False
@@ -136,6 +148,9 @@ async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
         assert body["checks"]["adapters"]["discord"] == {"ok": True, "connected": True, "status": "connected"}
         assert body["checks"]["adapters"]["telegram"]["status"] == "unknown"
 
+        fake_llm.set_api_key(None)  # the key works again: the held message is answered
+        assert await app.drain(20)
+        assert dc.texts()[-1].endswith("this one waits")  # (with the refused one before it, kept in history)
         await say(app, dc, dm("u-7770002", "works again", platform="discord"))
         async with httpx.AsyncClient(timeout=10) as client:
             health = await client.get(f"{base}/healthz")

@@ -40,6 +40,17 @@ async def run_later(cfg, offset_s: float) -> tuple[GatewayApp, RecordingAdapter]
     return app, adapter
 
 
+async def delivered_later(cfg, offset_s: float, *, count: int = 1) -> RecordingAdapter:
+    """Start the gateway `offset_s` later, wait for `count` deliveries, drain and stop it."""
+    app, adapter = await run_later(cfg, offset_s)
+    try:
+        await until(lambda: len(adapter.sent) >= count)
+        assert await app.drain(10)
+    finally:
+        await app.stop()
+    return adapter
+
+
 async def set_reminder(cfg, fake_llm, who, text: str, **args) -> None:
     """One turn in which the model sets a reminder of `text` through the tool."""
     fake_llm.script(create(text=text, **args), reply("Okay, I'll remind you."))
@@ -56,12 +67,7 @@ async def set_reminder(cfg, fake_llm, who, text: str, **args) -> None:
 async def test_reminder_set_before_a_restart_is_delivered_once_after_it(config_for, fake_llm):
     cfg = config_for()
     await set_reminder(cfg, fake_llm, lambda t: dm("hal", t), text="water the plants", in_minutes=30)
-    app, adapter = await run_later(cfg, 31 * 60)
-    try:
-        await until(lambda: adapter.sent)
-        assert await app.drain(10)
-    finally:
-        await app.stop()
+    adapter = await delivered_later(cfg, 31 * 60)
     assert [(m.chat_id, m.text, m.reply_to_message_id) for m in adapter.sent] == [
         ("dm-hal", "⏰ Reminder: water the plants", None)
     ]
@@ -81,12 +87,7 @@ async def test_reminder_set_before_a_restart_is_delivered_once_after_it(config_f
 async def test_a_late_reminder_says_it_is_late(config_for, fake_llm):
     cfg = config_for()
     await set_reminder(cfg, fake_llm, lambda t: dm("ida", t), text="stretch", in_minutes=10)
-    app, adapter = await run_later(cfg, 3 * 3600)
-    try:
-        await until(lambda: adapter.sent)
-        assert await app.drain(10)
-    finally:
-        await app.stop()
+    adapter = await delivered_later(cfg, 3 * 3600)
     (sent,) = adapter.texts()
     assert sent.startswith("⏰ Reminder: stretch")
     assert "late" in sent and "2 hours ago" in sent
@@ -130,12 +131,7 @@ async def test_group_reminder_is_delivered_into_the_group_and_listed_only_there(
         assert done.startswith("Cancelled: #1") and "dentist" in done
     finally:
         await app.stop()
-    app, adapter = await run_later(cfg, 21 * 60)
-    try:
-        await until(lambda: adapter.sent)
-        assert await app.drain(10)
-    finally:
-        await app.stop()
+    adapter = await delivered_later(cfg, 21 * 60)
     assert [(m.chat_id, m.text) for m in adapter.sent] == [("g9", "⏰ Reminder for kai: team standup")]
 
 
@@ -185,12 +181,7 @@ def private_thread(user: str, text: str) -> InboundMessage:
 async def test_a_reminder_set_in_a_private_thread_is_delivered_and_kept_in_that_thread_only(config_for, fake_llm):
     cfg = config_for()
     await set_reminder(cfg, fake_llm, lambda t: private_thread("mia", t), text="secret plan", in_minutes=15)
-    app, adapter = await run_later(cfg, 16 * 60)
-    try:
-        await until(lambda: adapter.sent)
-        assert await app.drain(10)
-    finally:
-        await app.stop()
+    adapter = await delivered_later(cfg, 16 * 60)
     assert [(m.chat_id, m.thread_id, m.text) for m in adapter.sent] == [
         ("chan", "pt1", "⏰ Reminder for mia: secret plan")
     ]
@@ -230,12 +221,7 @@ async def test_two_members_reminders_for_the_same_minute_in_one_group_are_both_d
     at = datetime.fromtimestamp(time.time() + 7200, ZoneInfo("UTC")).strftime("%Y-%m-%d %H:%M")
     for who, text in (("ann", "ann's call"), ("bob", "bob's call")):
         await set_reminder(cfg, fake_llm, lambda t, w=who: group("g7", w, t), text=text, at=at, timezone="UTC")
-    app, adapter = await run_later(cfg, 7200 + 30)  # due at most a minute and a half before
-    try:
-        await until(lambda: len(adapter.sent) >= 2)
-        assert await app.drain(10)
-    finally:
-        await app.stop()
+    adapter = await delivered_later(cfg, 7200 + 30, count=2)  # due at most a minute and a half before
     assert sorted(adapter.texts("g7")) == ["⏰ Reminder for ann: ann's call", "⏰ Reminder for bob: bob's call"]
 
 
@@ -356,12 +342,7 @@ async def test_deleting_a_person_removes_the_reminders_they_set_in_a_shared_thre
     assert sorted(r.text for r in await ReminderStore(shared).all()) == ["alice in thread", "bob in thread"]
     await asyncio.to_thread(delete_tenant, cfg, find_tenant(cfg, "testchat:alice"))
     assert [r.text for r in await ReminderStore(shared).all()] == ["bob in thread"]
-    app, adapter = await run_later(cfg, 45 * 60)
-    try:
-        await until(lambda: adapter.sent)
-        assert await app.drain(10)
-    finally:
-        await app.stop()
+    adapter = await delivered_later(cfg, 45 * 60)
     assert [m.text.split("\n")[0] for m in adapter.sent] == ["⏰ Reminder for bob: bob in thread"]
 
 
@@ -374,12 +355,7 @@ async def test_a_private_thread_reminder_stored_before_the_flag_was_kept_still_g
         r["chat"].pop("private_thread")
         r["chat"].pop("lane")
     store.write_text(json.dumps(data), "utf-8")
-    app, adapter = await run_later(cfg, 16 * 60)
-    try:
-        await until(lambda: adapter.sent)
-        assert await app.drain(10)
-    finally:
-        await app.stop()
+    await delivered_later(cfg, 16 * 60)
     kept = [m.content for m in await stored(cfg, "testchat-chat-pt1") if m.meta.get("reminder")]
     assert kept == ["⏰ Reminder for mia: old plan"]
     assert not tenant_dir(cfg.data_dir, "testchat-chat-chan").exists()

@@ -336,9 +336,10 @@ class Storm:
         return {tok for mid, tok in self.discord_pushed.items() if mid in ids}
 
     async def _settle(self, data: Path) -> None:
-        """Let the last gateway answer everything it took in (no progress for 20 s: stop)."""
+        """Let the last gateway answer everything it took in (no progress for 70 s: stop;
+        longer than Telegram's per-group window, which the adapter paces a backlog by)."""
         last, since = -1, time.monotonic()
-        while time.monotonic() - since < 20:
+        while time.monotonic() - since < 70:
             await asyncio.sleep(0.5)
             if not (data / "gateway.db").exists():
                 continue

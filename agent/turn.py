@@ -339,23 +339,25 @@ class Agent:
             history = await store.history(session_id)
         known = {m.uid for m in history} | {m.meta.get("copied_from") for m in history}
         fresh = [i for i in inputs if i.uid not in known]
-        if not fresh:
-            if self._followed_by_user(history, inputs[-1].uid):
-                # a replayed part of a coalesced batch: the batch's last message carries its answer
-                return TurnResult("", "covered", session_id, replayed=True)
-            replay = self._answer_after(history, inputs[-1].uid)
-            if replay is not None:
-                return TurnResult(replay, "reply", session_id, replayed=True)
-        earlier, resume = "", False
-        if fresh and len(fresh) < len(inputs):
-            # the first inputs were taken by a turn that crashed before its answer was
-            # recorded (so nothing was sent), and new ones were collected with them: that
-            # turn's stored answer goes out ahead of the new one; if it crashed before
-            # answering (mid tool loop), it is finished first, then the new ones are answered
-            last_known = [i for i in inputs if i.uid in known][-1].uid
-            stored = self._answer_after(history, last_known)
-            earlier = stored or ""
-            resume = stored is None and not self._followed_by_user(history, last_known)
+        taken = [i.uid for i in inputs if i.uid in known]
+        # the inputs stored before were taken by turns that crashed before their answers were
+        # recorded (an input is only replayed while pending, and an answer is recorded with its
+        # input's completion), so every answer stored after them is unsent: all go out, in order
+        earlier = "\n\n".join(self._stored_answers(history, set(taken)))
+        resume = False
+        if taken and not fresh:
+            if self._followed_by_user(history, taken[-1]):
+                # the batch's last message was collected with a later one, whose turn answers it
+                if not earlier:
+                    return TurnResult("", "covered", session_id, replayed=True)
+                return TurnResult(earlier, "reply", session_id, replayed=True)
+            if self._answer_after(history, taken[-1]) is not None:
+                return TurnResult(earlier, "reply", session_id, replayed=True)
+            # the last one was never answered (crashed mid-turn): answered below, after `earlier`
+        elif taken:
+            # new inputs were collected with the stored ones: if the last stored one was never
+            # answered (crashed mid tool loop), it is finished first, then the new ones answered
+            resume = self._answer_after(history, taken[-1]) is None and not self._followed_by_user(history, taken[-1])
         ctx = TurnContext(
             profile=profile,
             lane=lane,
@@ -370,10 +372,10 @@ class Agent:
         )
         if resume:
             try:
-                earlier = await self._tool_loop(ctx, history)
+                earlier = _joined(earlier, await self._tool_loop(ctx, history))
             except LLMError as err:
                 log.warning("turn failed: llm %s", err.kind)
-                return TurnResult(err.user_message, "error", ctx.session_id, error=err.kind)
+                return TurnResult(_joined(earlier, err.user_message), "error", ctx.session_id, error=err.kind)
             if ctx.interrupted:
                 return TurnResult(
                     earlier, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True
@@ -441,6 +443,19 @@ class Agent:
             elif seen and m.role == "assistant" and not m.tool_calls and m.content:
                 return False
         return False
+
+    @staticmethod
+    def _stored_answers(history: list[StoredMessage], uids: set[str]) -> list[str]:
+        """The final answers stored after any of the messages `uids`, in history order: for
+        each, the last one before the next user message (as `_answer_after` finds it)."""
+        answers: dict[int, str] = {}
+        owner: int | None = None
+        for i, m in enumerate(history):
+            if m.role == "user":
+                owner = i if (m.uid in uids or m.meta.get("copied_from") in uids) else None
+            elif owner is not None and m.role == "assistant" and not m.tool_calls and m.content:
+                answers[owner] = m.content
+        return list(answers.values())
 
     @staticmethod
     def _answer_after(history: list[StoredMessage], uid: str) -> str | None:

@@ -1,15 +1,21 @@
 """Kill storm: the real `hermes-gateway run` under steady traffic, SIGKILLed at random
 moments and restarted, then audited.
 
-    python -m bench.killstorm [--cycles 100] [--people 24] [--seed 1] [--json out.json]
+    python -m bench.killstorm [--cycles 100] [--people 24] [--seed 1] [--aim 0.5] [--json out.json]
 
 Telegram (fake Bot API, polling), Discord (fake REST + gateway websocket) and the model
 (fake OpenAI-compatible server, slow, sometimes writing memory) run in this process; the
-gateway is a subprocess. People send steadily from DMs and two Telegram groups. After the
-last cycle the gateway runs until everything is answered, then the audit counts:
+gateway is a subprocess, in the default `busy_mode: collect` (messages that arrive during a
+turn, and a replayed backlog, are answered together). People send steadily from DMs and two
+Telegram groups. A share of the kills (`--aim`) is aimed at the answer window: after the new
+process's first model answer (mostly its replay's), a watcher thread spins on that person's
+session journal and kills the process as the answer is written there, up to `--aim-ms` later,
+so before the outbox records it: replays meet answers stored but never sent, again and again. After the last cycle the
+gateway runs until everything is answered, then the audit counts:
 
 - lost: inputs the gateway took in (every Telegram update; Discord messages it recorded)
-  that never got an answer;
+  whose answer never reached the platform (the fake model names in each answer the
+  messages it answers, so an answer lost in a replay shows here);
 - duplicated answers, split into "window" (the copies come from different process lives:
   the platform accepted the send and the process died before marking it sent) and "other";
 - per-chat order violations (per person and chat: answers in the order of the inputs);
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -41,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.storm_audit import TOKEN_RE, order_violations, profile_problems, responder, spread  # noqa: E402
+from tenancy.keys import person_tenant_id, tenant_dir  # noqa: E402
 from tests.fakes.discord_api import FakeDiscord  # noqa: E402
 from tests.fakes.llm import FakeLLM  # noqa: E402
 from tests.fakes.telegram_api import FakeTelegram  # noqa: E402
@@ -53,12 +61,14 @@ BIN = Path(sys.executable).parent / "hermes-gateway"
 @dataclass
 class StormResult:
     cycles: int = 0
+    aimed_kills: int = 0  # kills that landed just after the model answered
     people: int = 0
     inputs: int = 0
     inputs_telegram: int = 0
     inputs_discord: int = 0
     discord_missed: int = 0
     answers: int = 0
+    answered_again: int = 0  # inputs the model answered more than once (a replay asked again)
     lost: int = 0
     dup_window_telegram: int = 0
     dup_window_discord: int = 0
@@ -89,7 +99,7 @@ def _config(path: Path, data: Path, llm: FakeLLM, tg: FakeTelegram, dc: FakeDisc
                 "data_dir": str(data),
                 "llm": {"base_url": llm.base_url, "model": "fake", "timeout_s": 10, "max_retries": 2},
                 "storage": {"fsync": "batch"},
-                "limits": {"rate_limit_per_minute": 10_000, "max_queued_turns": 1000},
+                "limits": {"rate_limit_per_minute": 10_000, "max_queued_turns": 1000, "busy_mode": "collect"},
                 "delivery": {"retry_initial_s": 0.2, "retry_max_s": 1.0},
                 "logging": {"level": "WARNING"},
                 "platforms": {
@@ -123,10 +133,16 @@ class Storm:
         min_up: float,
         max_up: float,
         interval: float,
+        aim: float = 0.0,
+        aim_ms: float = 2.0,
         say=print,
     ) -> None:
         self.workdir, self.cycles, self.people, self.seed = workdir, cycles, people, seed
         self.min_up, self.max_up, self.interval, self.say = min_up, max_up, interval, say
+        self.aim, self.aim_ms = aim, aim_ms
+        self._answered: asyncio.Event | None = None  # armed by an aimed kill: the model just answered
+        self._journals: tuple[Path, dict[Path, int]] | None = None  # the answered person's, before the answer
+        self.model_answers: dict[str, int] = defaultdict(int)  # token -> final answers the model gave
         self.rng = random.Random(seed)
         self._restart_timers: set[asyncio.Task] = set()  # referenced until done
         self.result = StormResult(cycles=cycles, people=people)
@@ -142,7 +158,7 @@ class Storm:
         started = time.monotonic()
         data, config = self.workdir / "data", self.workdir / "gw.yaml"
         async with FakeLLM() as llm, FakeTelegram(token=TG_TOKEN, bot_username=BOT) as tg, FakeDiscord() as dc:
-            llm.responder = responder(random.Random(self.seed + 1))
+            llm.responder = responder(random.Random(self.seed + 1), on_answer=self._model_answered)
             _config(config, data, llm, tg, dc)
             env = dict(os.environ, HERMES_STORM_TG=TG_TOKEN, HERMES_STORM_DC=dc.token, PYTHONPATH=str(ROOT))
             self.tg, self.dc = tg, dc
@@ -156,11 +172,17 @@ class Storm:
             log = open(self.workdir / "gateway.log", "ab")  # noqa: ASYNC230, SIM115 (the children's log for the whole storm; closed below)
             try:
                 for cycle in range(self.cycles):
+                    aimed = self.rng.random() < self.aim
                     proc = await self._spawn(env, config, log)
-                    if self.rng.random() < 0.9:  # mostly while serving, sometimes mid-start or mid-replay
-                        await self._wait_up(proc)
-                    await asyncio.sleep(self.rng.uniform(self.min_up, self.max_up))
-                    proc.send_signal(signal.SIGKILL)
+                    if aimed:
+                        self.result.aimed_kills += await self._kill_as_an_answer_is_stored(proc)
+                    else:
+                        if self.rng.random() < 0.9:  # mostly while serving, sometimes mid-start or mid-replay
+                            await self._wait_up(proc)
+                        await asyncio.sleep(self.rng.uniform(self.min_up, self.max_up))
+                    if proc.returncode is None:  # an aimed kill may have come already
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(signal.SIGKILL)
                     await proc.wait()
                     self.kills.append(time.monotonic())
                     self.tg_bounds.append(len(tg.sent))
@@ -186,6 +208,43 @@ class Storm:
             self._audit(data)
         self.result.seconds = round(time.monotonic() - started, 1)
         return self.result
+
+    def _model_answered(self, tokens: list[str]) -> None:
+        for token in dict.fromkeys(tokens):
+            self.model_answers[token] += 1
+        known = [t for t in tokens if t in self.pushed]
+        if self._answered is not None and known:
+            # measured now, while the answer is not yet sent, so its journal line comes after
+            platform, _key, sender, _idx = self.pushed[known[0]]
+            tenant = person_tenant_id("telegram" if platform == "tg" else "discord", sender)
+            sessions = tenant_dir(self.workdir / "data", tenant) / "sessions"
+            self._journals = (sessions, _journal_sizes(sessions))
+            self._answered.set()
+
+    async def _kill_as_an_answer_is_stored(self, proc: asyncio.subprocess.Process) -> int:
+        """Wait (bounded) for this process's next model answer to a person, then SIGKILL it
+        as that answer reaches the person's session journal (plus 0..aim_ms): the profile
+        holds it, the outbox may not. 1 when the kill was aimed so (else it is left to the
+        caller's kill)."""
+        # armed while the new process starts (about a second), after the killed one's last
+        # requests are answered (up to the model's latency): its first answer is mostly a replay's
+        await asyncio.sleep(0.3)
+        self._answered = answered = asyncio.Event()
+        try:
+            await asyncio.wait_for(answered.wait(), self.max_up + 5)
+        except TimeoutError:
+            return 0
+        finally:
+            self._answered = None
+        assert self._journals is not None
+        sessions, before = self._journals
+        delay = self.rng.uniform(0, self.aim_ms / 1000)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(0.0002)  # the watcher gets the GIL within the window, not 5 ms later
+        try:
+            return int(await asyncio.to_thread(_kill_when_written, sessions, before, proc.pid, delay, 2.0))
+        finally:
+            sys.setswitchinterval(interval)
 
     async def _spawn(self, env: dict[str, str], config: Path, log) -> asyncio.subprocess.Process:
         t0, calls = time.monotonic(), len(self.tg.calls)
@@ -277,9 +336,10 @@ class Storm:
         return {tok for mid, tok in self.discord_pushed.items() if mid in ids}
 
     async def _settle(self, data: Path) -> None:
-        """Let the last gateway answer everything it took in (no progress for 20 s: stop)."""
+        """Let the last gateway answer everything it took in (no progress for 70 s: stop;
+        longer than Telegram's per-group window, which the adapter paces a backlog by)."""
         last, since = -1, time.monotonic()
-        while time.monotonic() - since < 20:
+        while time.monotonic() - since < 70:
             await asyncio.sleep(0.5)
             if not (data / "gateway.db").exists():
                 continue
@@ -304,6 +364,7 @@ class Storm:
         r.inputs = r.inputs_telegram + r.inputs_discord
         answers = self._answers()
         r.answers = len(answers)
+        r.answered_again = sum(1 for n in self.model_answers.values() if n > 1)
         copies: dict[str, list[tuple[str, int, float | None]]] = defaultdict(list)
         for platform, token, life, at in answers:
             copies[token].append((platform, life, at))
@@ -340,11 +401,46 @@ async def storm(
     min_up: float = 0.4,
     max_up: float = 2.5,
     interval: float = 0.15,
+    aim: float = 0.5,
+    aim_ms: float = 2.0,
     say=print,
 ) -> StormResult:
     return await Storm(
-        workdir, cycles=cycles, people=people, seed=seed, min_up=min_up, max_up=max_up, interval=interval, say=say
+        workdir,
+        cycles=cycles,
+        people=people,
+        seed=seed,
+        min_up=min_up,
+        max_up=max_up,
+        interval=interval,
+        aim=aim,
+        aim_ms=aim_ms,
+        say=say,
     ).run()
+
+
+def _journal_sizes(sessions: Path) -> dict[Path, int]:
+    try:
+        return {p: p.stat().st_size for p in sessions.glob("*.jsonl")}
+    except OSError:
+        return {}
+
+
+def _kill_when_written(sessions: Path, before: dict[Path, int], pid: int, delay: float, timeout: float) -> bool:
+    """Spin until a journal in `sessions` differs from `before`, then SIGKILL `pid` `delay`
+    seconds later (busy-waited: sleeps are too coarse for a window of about a millisecond)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _journal_sizes(sessions) != before:
+            until = time.perf_counter() + delay
+            while time.perf_counter() < until:
+                pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return False
+            return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--people", type=int, default=24)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--interval", type=float, default=0.15, help="seconds between two messages (all people)")
+    ap.add_argument("--aim", type=float, default=0.5, help="share of the kills aimed just after a model answer")
+    ap.add_argument("--aim-ms", type=float, default=2.0, help="aimed kills land 0..this many ms after the answer")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     import logging
@@ -360,11 +458,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # a killed gateway's half requests
     with tempfile.TemporaryDirectory(prefix="killstorm-") as tmp:
         r = asyncio.run(
-            storm(Path(tmp), cycles=args.cycles, people=args.people, seed=args.seed, interval=args.interval)
+            storm(
+                Path(tmp),
+                cycles=args.cycles,
+                people=args.people,
+                seed=args.seed,
+                interval=args.interval,
+                aim=args.aim,
+                aim_ms=args.aim_ms,
+            )
         )
     print(
-        f"kills {r.cycles}, people {r.people}, inputs {r.inputs} (telegram {r.inputs_telegram}, discord "
-        f"{r.inputs_discord}; discord missed while down {r.discord_missed}), answers {r.answers}, {r.seconds} s"
+        f"kills {r.cycles} ({r.aimed_kills} aimed after a model answer), people {r.people}, inputs {r.inputs} (telegram {r.inputs_telegram}, discord "
+        f"{r.inputs_discord}; discord missed while down {r.discord_missed}), answers {r.answers}, "
+        f"answered by the model more than once {r.answered_again}, {r.seconds} s"
     )
     print(
         f"lost {r.lost}; duplicated: window telegram {r.dup_window_telegram}, window discord "

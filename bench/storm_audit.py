@@ -15,7 +15,7 @@ import random
 import re
 import sqlite3
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,17 @@ from tests.fakes.llm import last_user_text, reply, tool_call
 TOKEN_RE = re.compile(r"\b([td]k\d+x\d+)\b")
 
 
-def responder(rng: random.Random, *, max_latency_s: float = 0.15, slow: dict[str, float] | None = None):
+def responder(
+    rng: random.Random,
+    *,
+    max_latency_s: float = 0.15,
+    slow: dict[str, float] | None = None,
+    on_answer: Callable[[list[str]], None] | None = None,
+):
     """A fake model with random latency (up to `max_latency_s`) that answers
     "ok: <tokens>" and sometimes writes memory (when asked to "remember"). `slow` maps a
-    word to an extra delay for requests whose last user text contains it."""
+    word to an extra delay for requests whose last user text contains it; `on_answer` is
+    told the tokens of every final answer as it is sent (a storm aims kills with it)."""
 
     async def respond(request: dict[str, Any]):
         text = last_user_text(request)
@@ -38,12 +45,16 @@ def responder(rng: random.Random, *, max_latency_s: float = 0.15, slow: dict[str
         # the client merges their user turns into one, and the answer names every token in it
         tokens = TOKEN_RE.findall(text)
         token = " ".join(dict.fromkeys(tokens)) if tokens else "none"
-        if messages and messages[-1].get("role") == "tool":
-            return reply(f"ok: {token} (noted)")
         offered = {t.get("function", {}).get("name") for t in request.get("tools") or []}
-        if "remember" in text and "memory" in offered:
+        if messages and messages[-1].get("role") == "tool":
+            answer = f"ok: {token} (noted)"
+        elif "remember" in text and "memory" in offered:
             return tool_call("memory", {"action": "add", "target": "memory", "content": f"note {token}"})
-        return reply(f"ok: {token}")
+        else:
+            answer = f"ok: {token}"
+        if on_answer is not None:
+            on_answer(tokens)
+        return reply(answer)
 
     return respond
 

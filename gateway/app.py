@@ -909,7 +909,7 @@ class GatewayApp:
                 if result.kind == "error":
                     if result.error in MODEL_DOWN_KINDS and platform != "console":
                         # not the message's fault: held and retried (the console's person reads the error)
-                        raise ModelDown(result.error or "", result.text)
+                        raise ModelDown(result.error or "")
                     return _Answer(result.text, "error", "llm_error", result=result, streamer=streamer)
                 if result.interrupted:  # the partial answer (if any) is shown marked as stopped
                     text = f"{result.text}\n\n(stopped)" if result.text else ""

@@ -36,14 +36,21 @@ __all__ = [
 MODEL_DOWN_KINDS = frozenset({"unavailable", "rate_limited", "auth"})
 
 
+_MODEL_DOWN_WHY = {
+    "unavailable": "the model server is unreachable or failing",
+    "rate_limited": "the model provider's rate limit",
+    "auth": "the model provider refused our credentials; an operator needs to fix the API key",
+}
+
+
 class ModelDown(Exception):
     """The model cannot answer now for a reason that is not the message's own: the turn
-    keeps its messages pending and is retried with backoff, like a storage fault."""
+    keeps its messages pending and is retried with backoff, like a storage fault. It names
+    only the kind: no text of the turn (a replay's stored answers) reaches the log."""
 
-    def __init__(self, kind: str, user_message: str) -> None:
-        super().__init__(f"the model cannot answer ({kind}: {user_message})")
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"the model cannot answer ({_MODEL_DOWN_WHY.get(kind, kind)})")
         self.kind = kind
-        self.user_message = user_message
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -19,11 +19,20 @@ from agent.messages import StoredMessage
 from agent.sessions import SessionStore, StoragePool
 
 _real_fsync = os.fsync
+_out = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One whole line on stdout: `print` writes the text and the newline apart, so lines from
+    the syncer thread and the loop could run into each other (`...uidFSYNC`)."""
+    with _out:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def stalling_fsync(fd: int) -> None:
     if threading.current_thread().name == "hermes-fsync":
-        print("FSYNC", flush=True)
+        say("FSYNC")
         time.sleep(0.3)
     _real_fsync(fd)
 
@@ -39,7 +48,7 @@ async def main(profile: str) -> None:
             batch = [StoredMessage(sid, "user", f"q{i}"), StoredMessage(sid, "assistant", f"a{i}")]
             await asyncio.gather(store.append(batch[0]), store.add_usage(sid, 3, 1))
             await store.append(batch[1])
-            print(f"STORED {batch[0].uid} {batch[1].uid}", flush=True)
+            say(f"STORED {batch[0].uid} {batch[1].uid}")
             i += 1
 
 

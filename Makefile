@@ -20,8 +20,8 @@ run: install
 
 # Lint, format and types: the same checks CI runs before the suite.
 check: install
-	$(VENV)/bin/ruff check gateway adapters tenancy agent tests bench
-	$(VENV)/bin/ruff format --check gateway adapters tenancy agent tests bench
+	$(VENV)/bin/ruff check core gateway adapters tenancy agent tests bench
+	$(VENV)/bin/ruff format --check core gateway adapters tenancy agent tests bench
 	$(VENV)/bin/mypy
 
 test: check

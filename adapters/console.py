@@ -13,8 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TextIO
 
-from adapters.base import InboundMessage, InboundSink, OutboundMessage, SentMessage
 from adapters.console_input import LineSource, PipedLines, PromptLines
+from core.messages import InboundMessage, InboundSink, OutboundMessage, SentMessage
 
 THINKING = "thinking… (Ctrl-C quits)"
 

@@ -46,7 +46,8 @@ from discord import app_commands
 from discord.gateway import DiscordWebSocket
 from discord.http import Route
 
-from adapters.base import (
+from core.commands import COMMAND_SPECS, CommandSpec, find_command
+from core.messages import (
     Attachment,
     DeliveryDeferred,
     DownloadError,
@@ -56,8 +57,8 @@ from adapters.base import (
     OverheardHook,
     SentMessage,
 )
-from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
-from gateway.config import ConfigError, DiscordConfig
+from core.redact import RedactingFilter, Redactor
+from core.settings import ConfigError, DiscordConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,41 +123,18 @@ def _redact_url_tokens(text: str) -> str:
     return re.sub(r"""(['"]token['"]\s*:\s*['"])[^'"]+""", r"\1<redacted>", text)
 
 
-class _RedactSecrets(logging.Filter):
-    """Removes the bot token (and interaction/webhook tokens in URLs) from log records."""
-
-    def __init__(self) -> None:
-        super().__init__("hermes-discord-redact")
-        self.secrets: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            msg = record.getMessage()
-        except Exception:  # a broken record: leave it to the handler
-            return True
-        clean = msg
-        for secret in self.secrets:
-            if secret and secret in clean:
-                clean = clean.replace(secret, "<redacted>")
-        if "/webhooks/" in clean or "/interactions/" in clean or "token" in clean:
-            clean = _redact_url_tokens(clean)
-        if clean != msg:
-            record.msg, record.args = clean, ()
-        return True
-
-
-_REDACTOR = _RedactSecrets()
+# the bot token, and interaction/webhook tokens in URLs and logged gateway payloads
+_REDACTOR = RedactingFilter(
+    "hermes-discord-redact", Redactor(mark="<redacted>", patterns=False, min_len=1), extra=_redact_url_tokens
+)
 
 
 def _install_redactor(token: str) -> None:
     """Attach the redacting filter to every discord.py logger and ours (logger filters
     are not inherited, so each existing logger gets it)."""
-    _REDACTOR.secrets.add(token)
+    _REDACTOR.redactor.add(token)
     names = [n for n in logging.root.manager.loggerDict if n == "discord" or n.startswith("discord.")]
-    for name in [*names, "discord", __name__]:
-        lg = logging.getLogger(name)
-        if _REDACTOR not in lg.filters:
-            lg.addFilter(_REDACTOR)
+    _REDACTOR.attach([*names, "discord", __name__])
 
 
 def _attachment_kind(content_type: str | None) -> str:
@@ -243,7 +221,7 @@ class _ShardClient(discord.Client):
 
 
 class DiscordAdapter:
-    """A Discord bot connection implementing `adapters.base.Adapter`.
+    """A Discord bot connection implementing `core.protocols.Adapter`.
 
     Sharded (`shard_count` > 1, or `elected=True` in a cluster): the adapter's client only
     logs in (REST: replies, edits, lookups) and each gateway shard is a connection of its

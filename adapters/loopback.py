@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from adapters.base import InboundMessage, InboundSink, OutboundMessage, SentMessage
+from core.messages import InboundMessage, InboundSink, OutboundMessage, SentMessage
 
 
 class LoopbackAdapter:

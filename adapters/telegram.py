@@ -37,7 +37,10 @@ from telegram.error import (
 from telegram.request import HTTPXRequest
 from telegram.warnings import PTBDeprecationWarning, PTBUserWarning
 
-from adapters.base import (
+from adapters.telegram_flood import FloodGate, FloodLimits
+from adapters.telegram_format import markdown_to_telegram_html
+from core.commands import COMMAND_SPECS
+from core.messages import (
     Attachment,
     DeliveryDeferred,
     DownloadError,
@@ -47,11 +50,9 @@ from adapters.base import (
     OverheardHook,
     SentMessage,
 )
-from adapters.telegram_flood import FloodGate, FloodLimits
-from adapters.telegram_format import markdown_to_telegram_html
-from gateway.command_specs import COMMAND_SPECS
-from gateway.config import ConfigError, TelegramConfig
-from gateway.delivery import split_text, utf16_len
+from core.redact import RedactingFilter, Redactor
+from core.settings import ConfigError, TelegramConfig
+from core.text import split_text, utf16_len
 
 log = logging.getLogger("adapters.telegram")
 
@@ -68,39 +69,25 @@ _ATTACHMENT_KINDS = ("photo", "document", "audio", "voice", "video", "video_note
 # --------------------------------------------------------------------------- logging
 
 
-class _Redactor(logging.Filter):
-    """Keeps bot tokens (PTB and httpx log URLs containing `/bot<token>/`) and message
-    payloads (PTB logs every call's parameters and results at DEBUG) out of the logs."""
-
-    def __init__(self) -> None:
-        super().__init__("telegram-redactor")
-        self.secrets: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            if record.name == "telegram.Bot" and isinstance(record.msg, str) and record.args:
-                # PTB's telegram.Bot logs with positional args (a tuple); a mapping would raise
-                # on [0] and be caught below, exactly as without the cast
-                args = cast(tuple[object, ...], record.args)
-                if record.msg.startswith("Calling Bot API endpoint"):
-                    record.msg, record.args = "Calling Bot API endpoint `%s`", (args[0],)
-                elif record.msg.startswith("Call to Bot API endpoint"):
-                    record.msg, record.args = "Call to Bot API endpoint `%s` finished", (args[0],)
-            if not self.secrets:
-                return True
-            message = record.getMessage()
-            redacted = message
-            for secret in self.secrets:
-                redacted = redacted.replace(secret, "<redacted>")
-                redacted = redacted.replace(secret.replace(":", "%3A"), "<redacted>")
-            if redacted != message:
-                record.msg, record.args = redacted, None
-        except Exception:  # a filter must never break logging
-            return True
-        return True
+def _shorten_bot_calls(record: logging.LogRecord) -> bool:
+    """PTB's telegram.Bot logs every call's parameters and results at DEBUG: keep only the
+    endpoint name, so message payloads never reach the logs."""
+    try:
+        if record.name == "telegram.Bot" and isinstance(record.msg, str) and record.args:
+            # PTB's telegram.Bot logs with positional args (a tuple); a mapping would raise
+            # on [0] and be caught below, exactly as without the cast
+            args = cast(tuple[object, ...], record.args)
+            if record.msg.startswith("Calling Bot API endpoint"):
+                record.msg, record.args = "Calling Bot API endpoint `%s`", (args[0],)
+            elif record.msg.startswith("Call to Bot API endpoint"):
+                record.msg, record.args = "Call to Bot API endpoint `%s` finished", (args[0],)
+    except Exception:  # noqa: S110 (a filter must never break logging)
+        pass
+    return True
 
 
-_REDACTOR = _Redactor()
+# bot tokens: PTB and httpx log URLs containing `/bot<token>/`
+_REDACTOR = RedactingFilter("telegram-redactor", Redactor(mark="<redacted>", patterns=False, min_len=1))
 _REDACTED_LOGGERS = (
     "adapters.telegram",
     "httpx",
@@ -115,11 +102,12 @@ _REDACTED_LOGGERS = (
 def _register_secret(secret: str | None) -> None:
     if not secret:
         return
-    _REDACTOR.secrets.add(secret)
+    _REDACTOR.redactor.add(secret)
     for name in _REDACTED_LOGGERS:
         logger = logging.getLogger(name)
-        if _REDACTOR not in logger.filters:
-            logger.addFilter(_REDACTOR)
+        if _shorten_bot_calls not in logger.filters:
+            logger.addFilter(_shorten_bot_calls)
+    _REDACTOR.attach(_REDACTED_LOGGERS)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -234,7 +222,7 @@ def telegram_commands() -> list[BotCommand]:
 
 
 class TelegramAdapter:
-    """One bot account on Telegram (see `adapters.base.Adapter`)."""
+    """One bot account on Telegram (see `core.protocols.Adapter`)."""
 
     platform = "telegram"
     max_message_length = 4096

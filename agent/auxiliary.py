@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from agent.llm import LLMClient
 
 if TYPE_CHECKING:
-    from gateway.config import AuxModelConfig, LLMConfig
+    from core.settings import AuxModelConfig, LLMConfig
 
 
 @dataclass

@@ -71,7 +71,7 @@ from agent.sessions import StaleRouteError
 from agent.tokens import MESSAGE_OVERHEAD, TokenCounter
 
 if TYPE_CHECKING:
-    from gateway.config import Config
+    from core.settings import Config
 
 log = logging.getLogger("hermes.compression")
 

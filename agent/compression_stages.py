@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.redact import redact_secrets
+from core.redact import redact_secrets
 
 Item = dict[str, Any]
 TokenFn = Callable[[Item], int]

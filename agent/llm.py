@@ -22,9 +22,10 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from agent.http_pool import llm_transport
+from core.redact import Redactor
 
 if TYPE_CHECKING:
-    from gateway.config import LLMConfig
+    from core.settings import LLMConfig
 
 _log = logging.getLogger(__name__)
 
@@ -644,8 +645,7 @@ class LLMClient:
         )
 
     def _redact(self, text: str) -> str:
-        if self._api_key and self._api_key in text:
-            text = text.replace(self._api_key, "***")
+        text = Redactor([self._api_key or ""], mark="***", patterns=False, min_len=1)(text)
         if self.base_url != self._safe_base and self.base_url in text:
             text = text.replace(self.base_url, self._safe_base)
         return text

@@ -22,6 +22,7 @@ from typing import Any
 
 from agent.fileio import open_private, private_mkdir
 from agent.visibility import Scope, Visibility
+from core.settings import MEMORY_PROVIDERS
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class LocalNotesProvider(MemoryProvider):
 
 
 PROVIDERS: dict[str, Callable[[], MemoryProvider]] = {"local": LocalNotesProvider}
+assert tuple(PROVIDERS) == MEMORY_PROVIDERS, "core.settings.MEMORY_PROVIDERS names what is built here"
 
 
 def make_provider(kind: str) -> MemoryProvider | None:

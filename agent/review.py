@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 from agent.auxiliary import aux_target
 from agent.llm import LLMClient, LLMError
 from agent.messages import StoredMessage
-from agent.redact import redact_secrets
 from agent.tools import ToolBox
+from core.redact import redact_secrets
 
 if TYPE_CHECKING:
+    from agent.profile import Profile
     from agent.prompt import ChatPlace
-    from gateway.config import Config
-    from tenancy.keys import Lane
-    from tenancy.profiles import Profile
+    from core.lanes import Lane
+    from core.settings import Config
 
 log = logging.getLogger("hermes.review")
 
@@ -97,20 +97,20 @@ class _LaneCounts:
 
 class Reviewer:
     """Schedules and runs reviews for any tenant; per-lane counters and per-tenant locks are
-    keyed explicitly by (tenant_id, session_key) and tenant_id."""
+    keyed explicitly by `Lane.key` and tenant_id."""
 
     def __init__(self, cfg: Config, llm: LLMClient, *, wire: Wire, toolbox: Toolbox) -> None:
         self.cfg = cfg
         self.llm = llm
         self._wire = wire
         self._toolbox = toolbox
-        self._lanes: OrderedDict[tuple[str, str], _LaneCounts] = OrderedDict()
+        self._lanes: OrderedDict[str, _LaneCounts] = OrderedDict()
         self._tenant_locks: dict[str, asyncio.Lock] = {}
         self.on_outcome: Callable[[str, str], None] | None = None  # (trigger, outcome), e.g. /metrics
 
     # ----- triggers ------------------------------------------------------------------------
     def _counts(self, lane: Lane) -> _LaneCounts:
-        key = (lane.tenant_id, lane.session_key)
+        key = lane.key
         counts = self._lanes.get(key)
         if counts is None:
             counts = self._lanes[key] = _LaneCounts()
@@ -138,7 +138,7 @@ class Reviewer:
         return memory, skills
 
     def has_unreviewed(self, lane: Lane) -> bool:
-        counts = self._lanes.get((lane.tenant_id, lane.session_key))
+        counts = self._lanes.get(lane.key)
         return counts is not None and counts.unreviewed > 0
 
     def flush_due(self, lane: Lane, history: list[StoredMessage]) -> bool:
@@ -146,13 +146,13 @@ class Reviewer:
         need = self.cfg.memory.flush_min_turns
         if need <= 0 or lane.personal_memory != "full":
             return False
-        counts = self._lanes.get((lane.tenant_id, lane.session_key))
+        counts = self._lanes.get(lane.key)
         turns = counts.unreviewed if counts is not None and counts.reviewed else user_turns(history)
         return turns >= need
 
     def session_ended(self, lane: Lane) -> None:
         """The lane starts afresh: nothing of the new session is unreviewed yet."""
-        counts = self._lanes.get((lane.tenant_id, lane.session_key))
+        counts = self._lanes.get(lane.key)
         if counts is not None:
             counts.unreviewed, counts.reviewed = 0, True
 

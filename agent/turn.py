@@ -17,6 +17,7 @@ from agent.llm import ContextLengthExceeded, LLMClient, LLMError
 from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
+from agent.profile import Profile
 from agent.prompt import ChatPlace, build_system_prompt
 from agent.providers import NO_ACCESS, ProviderAccess, provider_access
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool
@@ -25,9 +26,8 @@ from agent.skills import SkillStore, render_skill_index
 from agent.tokens import TokenCounter
 from agent.tools import ToolBox
 from agent.visibility import RULES_VERSION, lane_scope
-from gateway.config import Config
-from tenancy.keys import Lane
-from tenancy.profiles import Profile
+from core.lanes import Lane
+from core.settings import Config
 
 log = logging.getLogger("hermes.agent")
 

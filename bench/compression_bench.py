@@ -58,7 +58,7 @@ from agent.compression_stages import (
 )
 from agent.messages import StoredMessage
 from agent.tokens import TokenCounter
-from gateway.config import parse_config
+from core.settings import parse_config
 
 WORDS = [
     "the",

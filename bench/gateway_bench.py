@@ -78,9 +78,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from adapters.base import InboundMessage, OutboundMessage  # noqa: E402
 from adapters.loopback import LoopbackAdapter  # noqa: E402
 from agent.llm import LLMClient  # noqa: E402
+from core.messages import InboundMessage, OutboundMessage  # noqa: E402
 
 PLATFORM = "bench"
 
@@ -280,8 +280,8 @@ class WarnCounter(logging.Handler):
 
 
 async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -> dict[str, Any]:
+    from core.settings import parse_config
     from gateway.app import GatewayApp
-    from gateway.config import parse_config
     from tenancy import profiles as profiles_mod
 
     cfg = parse_config(

@@ -11,7 +11,7 @@ import json
 import secrets
 import time
 
-from gateway.config import AccessConfig
+from core.settings import AccessConfig
 from gateway.kv import KeyValue
 
 _CODE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no 0/O/1/I

@@ -36,19 +36,13 @@ from typing import Any
 from urllib.parse import unquote
 
 from agent.fileio import open_private, private_file, private_mkdir, tighten_tree, write_private
+from agent.profile import write_manifest
 from agent.reminders import ReminderStore
 from agent.sessions import SessionStore
-from gateway.config import Config
+from core.settings import Config
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir, tenant_dir_name
-from tenancy.profiles import (
-    SCHEMA_VERSION,
-    journal_records,
-    manifest_problem,
-    profile_problem,
-    tenant_id_of_dir,
-    write_manifest,
-)
+from tenancy.profiles import SCHEMA_VERSION, journal_records, manifest_problem, profile_problem, tenant_id_of_dir
 
 LOCK_NAME = "gateway.lock"
 CONFIG_HELP = "config file (default: hermes-gateway.yaml, or $HERMES_GATEWAY_CONFIG)"

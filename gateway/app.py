@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from adapters.base import Adapter, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from agent.fileio import private_mkdir
 from agent.llm import LLMClient
 from agent.prompt import ChatPlace
@@ -26,11 +25,16 @@ from agent.reminders import ReminderChat
 from agent.sessions import StoragePool
 from agent.tokens import TokenCounter
 from agent.turn import Agent, TurnResult, UserInput
+from core.errors import LaneMoved, LeaseLost, caused_by
+from core.lanes import Lane, tenant_of_key
+from core.messages import InboundMessage, OutboundKind, OutboundMessage, SentMessage
+from core.protocols import Adapter, ChatAdmins, Closable, Overhears, SkipsEvents
+from core.redact import Redactor
+from core.settings import Config, ConfigError
+from core.text import page_text, split_text
 from gateway.access import Access
-from gateway.cluster.fencing import LeaseLost
 from gateway.commands import CommandContext, parse_command, run_command
-from gateway.config import Config, ConfigError
-from gateway.delivery import more_key, more_mark, more_offer, page_text, split_text
+from gateway.delivery import more_key, more_mark, more_offer
 from gateway.faults import (
     MODEL_DOWN_KINDS,
     ModelDown,
@@ -44,15 +48,15 @@ from gateway.inbox import Inbox
 from gateway.kv import SqliteKV
 from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
-from gateway.linking import LaneMoved, Linking
-from gateway.logs import Redactor, log_text, secrets_from_config, turn_logger
+from gateway.linking import Linking
+from gateway.logs import log_text, secrets_from_config, turn_logger
 from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
 from gateway.outbox import Deliverer, Draft, Outbox
 from gateway.reminders import ReminderScheduler, delivered_message, delivery_text, is_reminder
 from gateway.streaming import StreamingReply
 from tenancy.identity import IdentityLinks
-from tenancy.keys import Lane, resolve_lane
+from tenancy.keys import resolve_lane
 from tenancy.profiles import ProfileManager
 
 if TYPE_CHECKING:
@@ -99,18 +103,6 @@ def _without_nul(value: Any) -> Any:
     if isinstance(value, dict):
         return {_without_nul(k): _without_nul(v) for k, v in value.items()}
     return value
-
-
-def _lease_lost(exc: BaseException) -> bool:
-    """Whether `exc` was caused by a lost tenant lease (cluster mode)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, LeaseLost):
-            return True
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return False
 
 
 def _unopenable_db(path: Any, exc: sqlite3.DatabaseError) -> str:
@@ -259,7 +251,7 @@ class GatewayApp:
         self._idle_closer: asyncio.Task | None = None  # cluster mode
         self._election: IngressElection | None = None  # cluster mode: who receives what
         # lanes that ran turns in this process, newest last: flushed at shutdown (bounded)
-        self._active_lanes: OrderedDict[tuple[str, str], tuple[InboundMessage, Lane, ChatPlace]] = OrderedDict()
+        self._active_lanes: OrderedDict[str, tuple[InboundMessage, Lane, ChatPlace]] = OrderedDict()
 
     # ----- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -328,7 +320,7 @@ class GatewayApp:
                     f"({exc.strerror or exc}); free the address or set observability.listen to another one"
                 ) from None
         for adapter in self.adapters.values():
-            if hasattr(adapter, "overheard"):  # group text the adapter drops unanswered is still screened
+            if isinstance(adapter, Overhears):  # group text the adapter drops unanswered is still screened
                 adapter.overheard = self._overheard
             try:
                 await adapter.start(self.handle_inbound)
@@ -440,9 +432,8 @@ class GatewayApp:
         for adapter in self.adapters.values():
             try:
                 await adapter.stop()
-                aclose = getattr(adapter, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+                if isinstance(adapter, Closable):
+                    await adapter.aclose()
             except Exception:
                 log.exception("%s adapter failed to stop cleanly", adapter.platform)
         await self._close_step("the profiles", self.profiles.close_all())
@@ -533,7 +524,7 @@ class GatewayApp:
             await self.links_refresh()
         try:
             lane = resolve_lane(msg, self.cfg.tenancy, self.links)
-            tenant, lane_key = lane.tenant_id, f"{lane.tenant_id}/{lane.session_key}"
+            tenant, lane_key = lane.tenant_id, lane.key
         except ValueError:  # refused ("bad_ids") by whichever node runs it, like on one node
             tenant = lane_key = f"unplaceable/{msg.platform}/{msg.chat_id}"
             lane = None
@@ -549,7 +540,7 @@ class GatewayApp:
         if lane is not None and not is_reminder(msg):
             command = parse_command(msg.text)
             if command is not None and command[0].name == "stop":  # reaches a turn running on this node
-                running = self._turn_stops.get(f"{lane.tenant_id}\0{lane.session_key}")
+                running = self._turn_stops.get(lane.key)
                 if running is not None and not running.is_set():
                     running.set()
                     self._stopped_here.add(input_uid(msg))
@@ -610,7 +601,7 @@ class GatewayApp:
             log.warning("cannot place a %s message: %s", msg.platform, err)
             await self._refuse(msg, "bad_ids", "Sorry, I can't handle messages from this chat.")
             return None
-        key = f"{lane.tenant_id}\0{lane.session_key}"
+        key = lane.key
         command = None if is_reminder(msg) else parse_command(msg.text)
         if command is not None and command[0].name == "stop":  # handled now, not behind the lane's queue
             await self._stop_turn(msg, key, replay)
@@ -919,7 +910,7 @@ class GatewayApp:
         except (LaneMoved, LeaseLost):
             raise
         except Exception as exc:
-            if _lease_lost(exc):  # a store or tool wrapped it
+            if caused_by(exc, LeaseLost):  # a store or tool wrapped it
                 raise LeaseLost(str(exc)) from exc
             raise
         finally:
@@ -1007,7 +998,7 @@ class GatewayApp:
     ) -> None:
         """The reply is recorded: count the turn and start a review in the background when
         due; it waits until the reply's last chunk was sent, so it never delays the answer."""
-        key = (lane.tenant_id, lane.session_key)
+        key = lane.key
         self._active_lanes[key] = (msg, lane, place)
         self._active_lanes.move_to_end(key)
         while len(self._active_lanes) > 1000:
@@ -1058,9 +1049,10 @@ class GatewayApp:
 
     def _chat_admin_check(self, msg: InboundMessage):
         """The adapter's `is_chat_admin` for this message's sender, if the platform has one."""
-        check = getattr(self.adapters.get(msg.platform), "is_chat_admin", None)
-        if check is None:
+        adapter = self.adapters.get(msg.platform)
+        if not isinstance(adapter, ChatAdmins):
             return None
+        check = adapter.is_chat_admin
 
         async def is_admin() -> bool:
             try:
@@ -1074,7 +1066,7 @@ class GatewayApp:
     async def _move_jobs(self, jobs: list[Job], lane: Lane) -> None:
         """Queue jobs whose tenant changed (a /link or /unlink) on the lane they belong to now."""
         for job in jobs:
-            if not self.lanes.submit(f"{lane.tenant_id}\0{lane.session_key}", Job(job.msg, lane)):
+            if not self.lanes.submit(lane.key, Job(job.msg, lane)):
                 await self._refuse(
                     job.msg,
                     "busy",
@@ -1085,8 +1077,11 @@ class GatewayApp:
         return {platform: connected for platform, (connected, _) in self.platform_states().items()}
 
     def _skipped_events(self) -> dict[str, int]:
-        counts = {platform: getattr(adapter, "skipped_events", None) for platform, adapter in self.adapters.items()}
-        return {platform: n for platform, n in counts.items() if isinstance(n, int)}
+        return {
+            platform: adapter.skipped_events
+            for platform, adapter in self.adapters.items()
+            if isinstance(adapter, SkipsEvents)
+        }
 
     async def _keep_typing(self, msg: InboundMessage) -> None:
         adapter = self.adapters.get(msg.platform)
@@ -1253,9 +1248,8 @@ class GatewayApp:
 
     def _lease_lost(self, tenant: str) -> None:
         """The node lost `tenant`'s lease: stop its running turns now and close its profile."""
-        prefix = f"{tenant}\0"
         for key, stop in self._turn_stops.items():
-            if key.startswith(prefix):
+            if tenant_of_key(key) == tenant:
                 stop.set()
         self._in_background(self._close_profile(tenant))
 

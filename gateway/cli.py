@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.settings import Config, ConfigError, load_config
 from gateway.admin import CONFIG_HELP, AdminError
-from gateway.config import Config, ConfigError, load_config
 from gateway.faults import StartupError
 
 if TYPE_CHECKING:
-    from adapters.base import Adapter
     from agent.llm import LLMError
+    from core.protocols import Adapter
 
 DEFAULT_CONFIG = "hermes-gateway.yaml"
 

@@ -11,20 +11,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from adapters.base import InboundMessage
 from agent.compression import CompressionState, Compressor
 from agent.fileio import private_mkdir, write_private
 from agent.memory import MemoryStore
 from agent.memory_approval import PendingWrites
 from agent.prompt import ChatPlace
 from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks, Visibility
-from gateway.command_specs import COMMAND_SPECS, CommandSpec, find_command
-from gateway.delivery import more_key, more_mark, more_offer, page_text, read_more_mark
-from tenancy.keys import Lane
+from core.commands import COMMAND_SPECS, CommandSpec, find_command
+from core.lanes import Lane
+from core.messages import InboundMessage
+from core.text import page_text
+from gateway.delivery import more_key, more_mark, more_offer, read_more_mark
 
 if TYPE_CHECKING:
+    from agent.profile import Profile
     from gateway.app import GatewayApp
-    from tenancy.profiles import Profile
 
 
 def parse_command(text: str) -> tuple[CommandSpec, str] | None:

@@ -9,7 +9,7 @@ import tempfile
 import httpx
 
 from agent.fileio import private_mkdir
-from gateway.config import Config
+from core.settings import Config
 
 
 def _line(ok: bool | None, what: str, detail: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import sqlite3
 
+from core.errors import cause_chain
 from tenancy.profiles import ProfileDamaged
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -53,21 +54,9 @@ class ModelDown(Exception):
         self.kind = kind
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    """`exc` and what caused it, outermost first (each once)."""
-    seen: set[int] = set()
-    out: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        out.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return out
-
-
 def storage_fault(exc: BaseException) -> str | None:
     """ "disk full" or "database locked" when `exc` (or what caused it) is one, else None."""
-    for cur in _chain(exc):
+    for cur in cause_chain(exc):
         if isinstance(cur, OSError) and cur.errno in _DISK_FULL:
             return "disk full"
         if isinstance(cur, sqlite3.OperationalError):
@@ -82,7 +71,7 @@ def resource_fault(exc: BaseException) -> str | None:
 
     SQLite reports a descriptor limit only as "unable to open database file"; that counts
     too (closing idle profiles is what frees descriptors, and it is harmless otherwise)."""
-    for cur in _chain(exc):
+    for cur in cause_chain(exc):
         if isinstance(cur, MemoryError) or (isinstance(cur, OSError) and cur.errno == errno.ENOMEM):
             return "out of memory"
         if isinstance(cur, OSError) and cur.errno in _NO_DESCRIPTORS:
@@ -95,7 +84,7 @@ def resource_fault(exc: BaseException) -> str | None:
 def damaged_database(exc: BaseException) -> str | None:
     """What SQLite said when `exc` (or its cause) shows a damaged database file ("database
     disk image is malformed", "file is not a database"), else None."""
-    for cur in _chain(exc):
+    for cur in cause_chain(exc):
         if type(cur) is sqlite3.DatabaseError:  # its subclasses are other failures
             return f"state.db cannot be read ({cur})"
     return None
@@ -103,7 +92,7 @@ def damaged_database(exc: BaseException) -> str | None:
 
 def damaged_profile(exc: BaseException) -> ProfileDamaged | None:
     """The `ProfileDamaged` in `exc`'s cause chain, if any."""
-    for cur in _chain(exc):
+    for cur in cause_chain(exc):
         if isinstance(cur, ProfileDamaged):
             return cur
     return None

@@ -25,8 +25,8 @@ from typing import Generic, TypeVar, cast
 
 import aiosqlite
 
-from adapters.base import InboundMessage
 from agent.fileio import private_file, private_mkdir
+from core.messages import InboundMessage
 
 T = TypeVar("T")
 log = logging.getLogger("hermes.inbox")

@@ -63,23 +63,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from adapters.base import InboundMessage
 from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
 from agent.memory_files import BASELINE_FILE, Baselines, digest
+from agent.profile import write_manifest
 from agent.reminders import FILE as REMINDERS_FILE
 from agent.reminders import Reminder, ReminderStore
 from agent.reminders import merge_files as merge_reminders
 from agent.sessions import SessionStore
 from agent.visibility import VISIBILITY_FILE, Marks, entry_key
+from core.errors import LaneMoved
+from core.lanes import Lane
+from core.messages import InboundMessage
 from gateway.admin import dm_chats
 from gateway.kv import KeyValue, SqliteKV
-from tenancy.keys import Lane, link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
-from tenancy.profiles import SCHEMA_VERSION, write_manifest
+from tenancy.keys import link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
+from tenancy.profiles import SCHEMA_VERSION
 
 if TYPE_CHECKING:  # pragma: no cover
+    from agent.profile import Profile
     from gateway.app import GatewayApp
-    from tenancy.profiles import Profile
 
 log = logging.getLogger("hermes.linking")
 
@@ -98,15 +101,6 @@ _MEMORY_FILES = {"memory": "MEMORY.md", "user": "USER.md"}
 MergeGuard = Callable[[list[str]], AbstractAsyncContextManager[None]]
 """Cluster mode: `guard(tenants)` holds every tenant's lease for this node while a merge
 runs (waiting until other nodes let go of them) and gives them back afterwards."""
-
-
-class LaneMoved(Exception):
-    """A queued job's tenant changed (an account was linked or unlinked) before it ran;
-    the job belongs to `lane` now."""
-
-    def __init__(self, lane: Lane) -> None:
-        super().__init__(lane.tenant_id)
-        self.lane = lane
 
 
 def _hash(code: str) -> str:

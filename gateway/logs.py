@@ -20,47 +20,19 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from gateway.config import Config
+from core.redact import Redactor
 
-REDACTED = "[REDACTED]"
-_PATTERNS = (
-    # Telegram bot token: <bot id>:<35 chars>
-    (re.compile(r"\d+:[A-Za-z0-9_-]{30,}"), REDACTED),
-    # Authorization: Bearer <anything>
-    (re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]{8,}"), r"\1 " + REDACTED),
-    # Discord bot token: base64 id . timestamp . hmac
-    (re.compile(r"[A-Za-z0-9_-]{23,28}\.[A-Za-z0-9_-]{6,7}\.[A-Za-z0-9_-]{27,}"), REDACTED),
-    # OpenAI-style keys
-    (re.compile(r"sk-[A-Za-z0-9_-]{16,}"), REDACTED),
-    # api_key=..., token=..., secret=... in URLs or key=value text
-    (re.compile(r"(?i)\b(api[_-]?key|token|secret|password)=([^\s&\"']{6,})"), r"\1=" + REDACTED),
-)
+if TYPE_CHECKING:  # pragma: no cover
+    from core.settings import Config
+
 _CODE_COMMAND = re.compile(r"(?i)^(\s*/(?:link|pair|start)(?:@\S+)?\s+)\S.*$", re.S)
 
 # LogRecord attributes that are not "extra" fields
 _STANDARD = frozenset(vars(logging.LogRecord("x", 0, "x", 0, "", (), None))) | {"message", "asctime", "taskName"}
 CONTEXT_FIELDS = ("turn_id", "platform", "tenant")
 _HANDLER_MARK = "_hermes_gateway_handler"
-
-
-class Redactor:
-    """Replaces secrets in text: known secret values first, then secret-looking patterns."""
-
-    def __init__(self, secrets: Iterable[str] = ()) -> None:
-        # longest first, so a secret containing another is removed whole
-        self.secrets = sorted({s for s in secrets if s and len(s) >= 6}, key=len, reverse=True)
-
-    def __call__(self, text: str) -> str:
-        for secret in self.secrets:
-            if secret in text:
-                text = text.replace(secret, REDACTED)
-        for pattern, repl in _PATTERNS:
-            text = pattern.sub(repl, text)
-        return text
 
 
 def secrets_from_config(cfg: Config | None) -> list[str]:

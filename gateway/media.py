@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.base import Attachment, DownloadError, InboundMessage
 from agent.attachments import Kind, extract_text, kind_of, sniff_image
 from agent.media import MEDIA_DIR, save_media
 from agent.transcription import Transcriber, TranscriptionError
-from gateway.config import Config
+from core.messages import Attachment, DownloadError, InboundMessage
+from core.protocols import Downloads
+from core.settings import Config
 
 log = logging.getLogger("hermes.media")
 
@@ -138,7 +139,7 @@ class MediaIntake:
         if kind == "other":
             work.notes.append(f"[attached {att.type}: {label} (not read: this kind of file isn't supported)]")
             return True
-        if getattr(adapter, "download", None) is None:
+        if not isinstance(adapter, Downloads):
             work.notes.append(f"[attached {att.type}: {label} (not read: files can't be fetched here)]")
             return True
         data = await self._fetch(att, label, adapter, work)
@@ -154,7 +155,7 @@ class MediaIntake:
             return await self._audio(att, name, label, data, work)
         return await self._document(kind, label, data, work)
 
-    async def _fetch(self, att: Attachment, label: str, adapter: Any, work: _Work) -> bytes | None:
+    async def _fetch(self, att: Attachment, label: str, adapter: Downloads, work: _Work) -> bytes | None:
         """The attachment's bytes through the adapter, or None (and a notice) when it is too
         large or the download failed. Errors are reduced to safe words (no URLs)."""
         limit = self.cfg.limits.max_attachment_bytes

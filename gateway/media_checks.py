@@ -10,7 +10,7 @@ import zlib
 import httpx
 
 from agent.llm import LLMClient, LLMError
-from gateway.config import Config
+from core.settings import Config
 
 
 def tiny_png() -> bytes:

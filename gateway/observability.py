@@ -32,6 +32,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from core.protocols import ReportsConnected, ReportsStatus, TracksDowntime
+from core.settings import parse_listen
+
 if TYPE_CHECKING:  # pragma: no cover
     from gateway.app import GatewayApp
 
@@ -41,18 +44,6 @@ RECENT_S = 120.0
 PROBE_TTL_S = 30.0
 UNREACHABLE_KINDS = frozenset({"unavailable", "auth", "not_found", "config"})
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """`host:port`, `[v6]:port` or `:port` (all interfaces) -> (host, port)."""
-    text = listen.strip()
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-    else:
-        host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"observability.listen: {listen!r} must look like 127.0.0.1:9464")
-    return host or "0.0.0.0", int(port)  # noqa: S104 ("":port asks for every interface)
 
 
 def local_url(listen: str, path: str = "/healthz") -> str:
@@ -70,16 +61,10 @@ def local_url(listen: str, path: str = "/healthz") -> str:
 def adapter_state(adapter: Any) -> tuple[bool | None, str]:
     """(connected?, status text) of an adapter; (None, "unknown") when it doesn't say."""
     try:
-        status = getattr(adapter, "status", None)
-        if callable(status):
-            status = status()
-        if isinstance(status, str):
-            return status.startswith("connected"), status
-        connected = getattr(adapter, "is_connected", None)
-        if callable(connected):
-            connected = connected()
-        if isinstance(connected, bool):
-            return connected, "connected" if connected else "disconnected"
+        if isinstance(adapter, ReportsStatus) and isinstance(adapter.status, str):
+            return adapter.status.startswith("connected"), adapter.status
+        if isinstance(adapter, ReportsConnected) and isinstance(adapter.is_connected, bool):
+            return adapter.is_connected, "connected" if adapter.is_connected else "disconnected"
     except Exception as err:  # a broken property must not break /healthz
         return False, f"status unavailable ({type(err).__name__})"
     return None, "unknown"
@@ -177,7 +162,8 @@ class Observability:
         for platform, (connected, status) in self.app.platform_states().items():
             entry: dict[str, Any] = {"ok": True, "connected": connected, "status": status}
             if connected is False:
-                since = getattr(self.app.adapters[platform], "down_since", None)
+                adapter = self.app.adapters[platform]
+                since = adapter.down_since if isinstance(adapter, TracksDowntime) else None
                 if not isinstance(since, float):
                     since = self._seen_down.setdefault(platform, now)
                 down_s = max(now - since, 0.0)

@@ -27,8 +27,9 @@ from typing import Protocol, TypeVar, cast
 
 import aiosqlite
 
-from adapters.base import Adapter, DeliveryDeferred, InboundMessage, OutboundKind, OutboundMessage, SentMessage
-from gateway.config import DeliveryConfig
+from core.messages import DeliveryDeferred, InboundMessage, OutboundKind, OutboundMessage, SentMessage
+from core.protocols import Adapter
+from core.settings import DeliveryConfig
 from gateway.inbox import Inbox
 from gateway.metrics import Metrics
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import aiosqlite
 
-from adapters.base import InboundMessage
 from agent.messages import StoredMessage
 from agent.reminders import Reminder, ReminderStore
+from core.messages import InboundMessage
 from tenancy.keys import chat_tenant_id, tenant_dir
 
 log = logging.getLogger("hermes.reminders")

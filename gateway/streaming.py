@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from adapters.base import SentMessage
+from core.messages import SentMessage
 
 log = logging.getLogger("hermes.streaming")
 

@@ -30,7 +30,7 @@ from agent.fileio import atomic_write, private_mkdir
 from tenancy.keys import link_tenant_id
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gateway.config import TenancyConfig
+    from core.settings import TenancyConfig
 
 __all__ = ["IdentityLinks", "LinkStore", "validate_link_name", "validate_principal"]
 

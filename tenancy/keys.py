@@ -59,13 +59,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from core.lanes import Lane, LaneKind, PersonalMemory
 
 if TYPE_CHECKING:  # pragma: no cover
-    from adapters.base import InboundMessage
-    from gateway.config import TenancyConfig
+    from core.messages import InboundMessage
+    from core.settings import TenancyConfig
     from tenancy.identity import IdentityLinks
 
 __all__ = [
@@ -82,9 +83,6 @@ __all__ = [
     "tenant_dir",
     "tenant_dir_name",
 ]
-
-LaneKind = Literal["person", "chat"]
-PersonalMemory = Literal["full", "read", "off"]
 
 _KEY_PREFIX = "agent:main"
 _PLAIN_DIR_RE = re.compile(r"[a-z0-9_]{1,64}")
@@ -190,37 +188,6 @@ def link_tenant_id(name: str) -> str:
 
 
 # --- lanes ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Lane:
-    """One conversation lane and the tenant whose profile it lives in.
-
-    `kind` is "person" for DMs and per-user group/thread lanes (tenant = the person, or
-    their linked identity) and "chat" for shared lanes (tenant = the chat itself).
-
-    `personal_memory` says how the lane uses its tenant's memory:
-    - DMs: "full";
-    - per-user group/thread lanes: `tenancy.personal_memory_in_groups` ("full" read and
-      write, "read" snapshot loaded but no writes, "off" nothing loaded or written; the
-      lane's history is still stored in the person's profile);
-    - shared lanes: "full" -- the tenant *is* the chat, so this is the group's own memory,
-      read and written; no member's personal memory is ever loaded into a shared lane.
-
-    A lane is identified by `(tenant_id, session_key)` (see the module docstring).
-    """
-
-    session_key: str
-    tenant_id: str
-    kind: LaneKind
-    principal: str  # "<platform>:<user_id>" of the sender
-    personal_memory: PersonalMemory
-
-    @property
-    def private(self) -> bool:
-        """True for a one-to-one chat with the bot (DM, console): nobody else reads it.
-        (The key's fourth part is the chat kind; components are escaped, so never ":dm:".)"""
-        return self.kind == "person" and self.session_key.split(":")[3:4] == ["dm"]
 
 
 def resolve_lane(msg: InboundMessage, cfg: TenancyConfig, links: IdentityLinks) -> Lane:

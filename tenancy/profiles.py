@@ -12,15 +12,15 @@ import logging
 import sqlite3
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from agent.fileio import atomic_write, private_mkdir
+from agent.fileio import private_mkdir
 from agent.memory import MemoryStore
-from agent.providers import MemoryProvider, make_provider
+from agent.profile import Profile, write_manifest
+from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
 from tenancy.keys import tenant_dir
@@ -151,54 +151,6 @@ def _damage_of(exc: BaseException) -> str | None:
     if isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)):
         return f"{Path(exc.filename).name if exc.filename else 'a file'} has the wrong type ({exc.strerror})"
     return None
-
-
-@dataclass
-class Profile:
-    """One tenant's open profile: its directory and the stores that live in it."""
-
-    tenant_id: str
-    path: Path
-    sessions: SessionStore
-    memory: MemoryStore
-    provider: MemoryProvider | None = None
-    principals: set[str] = field(default_factory=set)
-    users: int = 0  # turns currently using it; never closed while > 0
-    last_used: float = field(default_factory=time.monotonic)
-    guard: Callable[[], None] | None = None  # raises when writing is no longer allowed (ProfileGate)
-    on_close: Callable[[], Awaitable[None]] | None = None  # after the stores are closed
-
-    async def close(self) -> None:
-        try:
-            await self.sessions.close()
-            if self.provider is not None:
-                await self.provider.shutdown()
-        finally:
-            if self.on_close is not None:
-                on_close, self.on_close = self.on_close, None
-                await on_close()
-
-    def read_manifest(self) -> dict:
-        try:
-            return json.loads((self.path / "tenant.json").read_text(encoding="utf-8"))
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
-
-    def add_principal(self, principal: str) -> None:
-        """Record in tenant.json that `principal` lives in this profile."""
-        manifest = self.read_manifest()
-        principals = manifest.setdefault("principals", [])
-        if principal not in principals:
-            if self.guard is not None:
-                self.guard()
-            principals.append(principal)
-            write_manifest(self.path, manifest)
-        self.principals.add(principal)
-
-
-def write_manifest(path: Path, manifest: dict) -> None:
-    """Write tenant.json atomically."""
-    atomic_write(path / "tenant.json", json.dumps(manifest, ensure_ascii=False, indent=2))
 
 
 def remove_principal(path: Path, principal: str) -> None:

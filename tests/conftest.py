@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from adapters.base import InboundMessage
 from adapters.loopback import LoopbackAdapter
-from gateway.config import Config, parse_config
+from core.messages import InboundMessage
+from core.settings import Config, parse_config
 from tests.fakes.llm import FakeLLM
 from tests.pg import pool, schema  # noqa: F401 (fixtures: a fresh PostgreSQL schema per test)
 

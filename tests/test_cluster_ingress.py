@@ -11,13 +11,13 @@ import functools
 import time
 from collections.abc import Callable
 
-from adapters.base import InboundMessage, OutboundMessage
 from adapters.discord_bot import DiscordAdapter
 from adapters.telegram import TelegramAdapter
+from core.messages import InboundMessage, OutboundMessage
+from core.settings import DiscordConfig
 from gateway.cluster.db import Pool
 from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressElection, Role, discord_shard
 from gateway.cluster.leases import leave, register_node
-from gateway.config import DiscordConfig
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.telegram_api import FakeTelegram
 from tests.pg import require_postgres, second_pool

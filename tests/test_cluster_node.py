@@ -21,11 +21,12 @@ import pytest
 from adapters.telegram import TelegramAdapter
 from adapters.telegram_flood import FloodLimits
 from agent.sessions import SessionStore
+from core.errors import LeaseLost
+from core.redact import Redactor
+from core.settings import ConfigError
 from gateway.app import GatewayApp
-from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.leases import FencedOut
-from gateway.config import ConfigError
-from gateway.logs import JsonFormatter, Redactor
+from gateway.logs import JsonFormatter
 from tests.fakes.llm import hang, memory_saving_responder
 from tests.fakes.telegram_api import FakeTelegram
 from tests.pg import DSN, require_postgres

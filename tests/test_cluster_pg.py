@@ -14,6 +14,7 @@ from urllib.parse import quote
 import psycopg
 import pytest
 
+from core.settings import parse_config
 from gateway.cli import main as cli_main
 from gateway.cluster.codes import (
     get_identity_link,
@@ -45,7 +46,6 @@ from gateway.cluster.leases import (
 from gateway.cluster.migrations import LATEST, migrate, schema_version
 from gateway.cluster.outbox import finish_turn, mark_sent, unsent_replies
 from gateway.cluster.wakeups import InboxWakeups
-from gateway.config import parse_config
 from tests.pg import DSN, ensure_server_running, pg_cluster, require_postgres, second_pool
 
 TTL = 15.0

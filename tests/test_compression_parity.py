@@ -15,8 +15,8 @@ from agent.compression_stages import (
 )
 from agent.tokens import TokenCounter
 from agent.turn import Agent
+from core.settings import ConfigError, parse_config
 from gateway.app import GatewayApp
-from gateway.config import ConfigError, parse_config
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import reply
 

@@ -389,7 +389,7 @@ def test_block_reason_cooldown_block_and_probe():
 
 
 def _compressor() -> Compressor:
-    from gateway.config import parse_config
+    from core.settings import parse_config
 
     cfg = parse_config({"llm": {"context_length": 4000}})
 
@@ -473,7 +473,7 @@ def test_summary_failure_cooldowns_follow_the_seed_ladder(monkeypatch):
 
 def test_agent_threshold_uses_per_model_thresholds_and_the_cap():
     from agent.turn import Agent
-    from gateway.config import parse_config
+    from core.settings import parse_config
 
     cfg = parse_config(
         {

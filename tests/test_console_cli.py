@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.settings import ConfigError, load_config, parse_config
 from gateway.cli import main
-from gateway.config import ConfigError, load_config, parse_config
 from tests.fakes.llm import memory_saving_responder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.delivery import _fence_state, split_text
+from core.text import _fence_state, split_text
 
 FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 

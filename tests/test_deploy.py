@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.settings import load_config
 from gateway.cli import main as cli_main
-from gateway.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

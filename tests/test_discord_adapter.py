@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from adapters.base import InboundMessage, OutboundMessage, SentMessage
 from adapters.discord_bot import EPHEMERAL_IN_SERVERS, INTENT_HINT, DiscordAdapter, doctor, resolve_api_base
-from gateway.command_specs import COMMAND_SPECS
-from gateway.config import ConfigError, DiscordConfig
+from core.commands import COMMAND_SPECS
+from core.messages import InboundMessage, OutboundMessage, SentMessage
+from core.settings import ConfigError, DiscordConfig
 from tests.fakes.discord_api import FakeDiscord
 
 

@@ -522,7 +522,7 @@ def test_profiles_path_gives_the_hermes_home_of_a_principal(tmp_path):
 
 
 def test_yaml_merge_keys_may_still_be_overridden():
-    from gateway.config import parse_yaml
+    from core.settings import parse_yaml
 
     doc = parse_yaml("base: &b {timeout_s: 1, model: a}\nllm:\n  <<: *b\n  model: b\n")
     assert doc["llm"] == {"timeout_s": 1, "model": "b"}  # an override, not a duplicate

@@ -7,7 +7,7 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
-from adapters.base import InboundMessage
+from core.messages import InboundMessage
 from gateway.inbox import Inbox
 from gateway.outbox import Draft, Outbox
 from gateway.reminders import ReminderScheduler

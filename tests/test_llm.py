@@ -25,7 +25,7 @@ from agent.llm import (
     LLMUnavailable,
     Usage,
 )
-from gateway.config import LLMConfig
+from core.settings import LLMConfig
 from tests.fakes.llm import (
     FakeLLM,
     assistant_message,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from adapters.base import Attachment, DownloadError, InboundMessage
 from agent.attachments import kind_of
 from agent.compression_stages import compute_threshold_tokens, is_summary_request
 from agent.media import IMAGE_TOKENS, resolve
 from agent.messages import StoredMessage
 from agent.tokens import TokenCounter
+from core.messages import Attachment, DownloadError, InboundMessage
 from gateway.admin import backup_data_dir, delete_tenant, export_profile, find_tenant
 from gateway.app import GatewayApp
 from gateway.media import MediaIntake

@@ -12,11 +12,13 @@ import re
 import httpx
 import pytest
 
+from core.redact import Redactor
+from core.settings import parse_listen
 from gateway.app import GatewayApp
 from gateway.cli import main as cli_main
-from gateway.logs import JsonFormatter, Redactor, TextFormatter, configure_logging, redact_commands
+from gateway.logs import JsonFormatter, TextFormatter, configure_logging, redact_commands
 from gateway.metrics import ALLOWED_LABELS, Metrics, label_value
-from gateway.observability import adapter_state, local_url, parse_listen
+from gateway.observability import adapter_state, local_url
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import error
 
@@ -246,7 +248,7 @@ def test_redaction_of_tokens_and_secrets(monkeypatch):
     tg_token = "123456789:AAH" + "x" * 32
     discord_token = "MTA" + "a" * 23 + ".Gabcde." + "b" * 30
     monkeypatch.setenv("MY_LLM_KEY", "s3cret-value-without-pattern")
-    from gateway.config import parse_config
+    from core.settings import parse_config
     from gateway.logs import secrets_from_config
 
     cfg = parse_config({"llm": {"api_key_env": "MY_LLM_KEY"}})

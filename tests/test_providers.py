@@ -34,7 +34,7 @@ async def test_local_provider_is_per_tenant_and_sees_turns_and_memory_writes(con
 def test_unknown_provider_is_a_clear_error(config_for):
     import pytest
 
-    from gateway.config import ConfigError
+    from core.settings import ConfigError
 
     with pytest.raises(ConfigError, match=r"memory\.provider: unknown memory provider 'nope'"):
         config_for(memory={"provider": "nope"})  # refused in the config model, before anything starts

@@ -9,8 +9,8 @@ import time
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from adapters.base import InboundMessage
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool, next_occurrence
+from core.messages import InboundMessage
 from gateway.app import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, group, say

@@ -9,7 +9,7 @@ import tarfile
 
 import pytest
 
-from adapters.base import InboundMessage
+from core.messages import InboundMessage
 from gateway.app import GatewayApp
 from tests.conftest import RecordingAdapter, dm, group, say
 

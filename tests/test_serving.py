@@ -18,12 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.base import InboundMessage
 from adapters.discord_bot import DiscordAdapter
 from adapters.telegram import TelegramAdapter
+from core.messages import InboundMessage
+from core.settings import DiscordConfig, TelegramConfig
 from gateway.app import GatewayApp
 from gateway.cli import main as cli_main
-from gateway.config import DiscordConfig, TelegramConfig
 from tests.conftest import RecordingAdapter
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.telegram_api import FakeTelegram

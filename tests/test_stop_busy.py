@@ -10,8 +10,8 @@ import pytest
 
 from agent.sessions import SessionStore
 from agent.turn import STOPPED_MARKER
+from core.settings import ConfigError
 from gateway.app import GatewayApp
-from gateway.config import ConfigError
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, make_config
 from tests.fakes.llm import default_responder, last_user_text, tool_call

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from agent.sessions import SessionStore
+from core.text import split_text
 from gateway.app import GatewayApp
-from gateway.delivery import split_text
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, make_config
 from tests.fakes.llm import FakeLLM, paused, reply, tool_call
@@ -182,7 +182,7 @@ async def test_streamed_reply_is_edited_in_place_on_discord(fake_llm, config_for
 async def test_a_final_text_that_cannot_be_edited_in_is_sent_anew():
     import asyncio
 
-    from adapters.base import SentMessage
+    from core.messages import SentMessage
     from gateway.streaming import StreamingReply
 
     sent: list[str] = []

@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from telegram.warnings import PTBUserWarning
 
-from adapters.base import DeliveryDeferred, InboundMessage, OutboundMessage, SentMessage
 from adapters.telegram import TelegramAdapter, doctor, telegram_commands
 from adapters.telegram_flood import FloodGate, FloodLimits
 from adapters.telegram_format import markdown_to_telegram_html
-from gateway.config import ConfigError, TelegramConfig
-from gateway.delivery import utf16_len
+from core.messages import DeliveryDeferred, InboundMessage, OutboundMessage, SentMessage
+from core.settings import ConfigError, TelegramConfig
+from core.text import utf16_len
 from tests.fakes.telegram_api import FakeTelegram, _parse_html
 
 TOKEN = "123456:AAEfakeTOKENfakeTOKENfake_-xyz"

@@ -14,8 +14,8 @@ import pytest
 
 from adapters.telegram import TelegramAdapter
 from adapters.telegram_flood import FloodLimits
+from core.text import utf16_len
 from gateway.app import GatewayApp
-from gateway.delivery import utf16_len
 from tests.fakes.llm import last_user_text, memory_saving_responder, reply
 from tests.fakes.telegram_api import FakeTelegram
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from adapters.telegram_format import markdown_to_telegram_html
-from gateway.delivery import utf16_len
+from core.text import utf16_len
 from tests.fakes.telegram_api import _parse_html
 
 CORPUS = Path(__file__).parent / "data" / "model_replies"

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters.base import InboundMessage
-from gateway.config import TenancyConfig
+from core.lanes import Lane
+from core.messages import InboundMessage
+from core.settings import TenancyConfig
 from tenancy.identity import IdentityLinks
 from tenancy.keys import (
-    Lane,
     chat_tenant_id,
     escape_key_component,
     link_tenant_id,

@@ -14,7 +14,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
-from gateway.cluster.fencing import LeaseLost
+from core.errors import LeaseLost
 from gateway.cluster.inbox import Claim, NotClaimed, claim_lane, release_lane
 from gateway.cluster.node import ClusterNode, HeldLease, LeaseBusy
 from gateway.cluster.wakeups import InboxWakeups

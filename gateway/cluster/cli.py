@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import sys
 
-from gateway.config import Config
+from core.settings import Config
 
 # psycopg and the rest of gateway/cluster are imported only when a cluster command runs:
 # every other command (and a single node) neither pays for nor needs them.

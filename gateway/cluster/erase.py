@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 
+from core.settings import Config
 from gateway.admin import kv_principals
 from gateway.cluster.db import Pool, dsn_from_env, open_pool
-from gateway.config import Config
 from tenancy.keys import link_tenant_id
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
+from core.errors import LeaseLost
 from gateway.cluster.db import ClusterError, Conn, Pool
-from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.wakeups import NOTIFY_SQL
 
 

@@ -16,8 +16,8 @@ from datetime import datetime
 
 from psycopg.rows import DictRow
 
+from core.errors import LeaseLost
 from gateway.cluster.db import ClusterError, Conn, Pool
-from gateway.cluster.fencing import LeaseLost
 
 
 class FencedOut(ClusterError, LeaseLost):

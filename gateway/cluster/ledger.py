@@ -21,9 +21,9 @@ import psycopg
 import psycopg_pool
 from psycopg.types.json import Jsonb
 
-from adapters.base import InboundMessage, SentMessage
+from core.errors import LeaseLost
+from core.messages import InboundMessage, SentMessage
 from gateway.cluster.db import Conn, fetch_one
-from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.inbox import NotClaimed, lock_claimed_lane, refresh_lane_head
 from gateway.cluster.leases import fenced
 from gateway.cluster.node import ClusterNode

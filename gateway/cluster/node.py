@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from core.errors import LeaseLost
+from core.settings import ClusterConfig
 from gateway.cluster.db import ClusterError, Pool, open_pool
-from gateway.cluster.fencing import LeaseLost
 from gateway.cluster.leases import (
     Lease,
     NodeHolder,
@@ -36,7 +37,6 @@ from gateway.cluster.leases import (
     retire_leases,
 )
 from gateway.cluster.migrations import migrate
-from gateway.config import ClusterConfig
 from gateway.metrics import ClusterMetrics
 
 log = logging.getLogger("hermes.cluster")

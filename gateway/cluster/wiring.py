@@ -8,10 +8,10 @@ from collections.abc import Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from core.settings import Config
 from gateway.cluster.health import ClusterHealth
 from gateway.cluster.identity import share_identity
 from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressElection, Role, discord_shard
-from gateway.config import Config
 
 if TYPE_CHECKING:  # pragma: no cover
     from gateway.app import GatewayApp

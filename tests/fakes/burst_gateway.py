@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from adapters.base import InboundMessage
 from adapters.loopback import LoopbackAdapter
+from core.messages import InboundMessage
+from core.settings import load_config
 from gateway.app import GatewayApp
-from gateway.config import load_config
 
 
 async def main(config_path: str, n: int) -> None:

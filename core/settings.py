@@ -15,6 +15,21 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+#: the external memory providers `memory.provider` may name; agent/providers.py builds them
+MEMORY_PROVIDERS = ("local",)
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` or `:port` (all interfaces) -> (host, port)."""
+    text = listen.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"observability.listen: {listen!r} must look like 127.0.0.1:9464")
+    return host or "0.0.0.0", int(port)  # noqa: S104 ("":port asks for every interface)
+
 
 class ConfigError(Exception):
     """A config file that cannot be used; the message names the file and the key."""
@@ -124,10 +139,8 @@ class MemoryConfig(_Section):
     @field_validator("provider")
     @classmethod
     def _known_provider(cls, kind: str) -> str:
-        from agent.providers import PROVIDERS
-
-        if kind and kind not in PROVIDERS:
-            known = ", ".join(repr(k) for k in ["", *PROVIDERS])
+        if kind and kind not in MEMORY_PROVIDERS:
+            known = ", ".join(repr(k) for k in ["", *MEMORY_PROVIDERS])
             raise ValueError(f"unknown memory provider {kind!r} (known: {known})")
         return kind
 
@@ -288,8 +301,6 @@ class ObservabilityConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, listen: str | None) -> str | None:
-        from gateway.observability import parse_listen
-
         if listen is not None:
             try:
                 parse_listen(listen)

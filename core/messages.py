@@ -1,14 +1,15 @@
-"""The normalized message types and the adapter interface every platform implements.
+"""The normalized message types every platform adapter speaks: `InboundMessage` in,
+`OutboundMessage` out, and what a send or download answers.
 
-An adapter turns platform events into `InboundMessage` and sends `OutboundMessage`;
-it never touches storage and never decides anything about tenants or sessions.
+An adapter turns platform events into these; it never touches storage and never decides
+anything about tenants or sessions (docs/development.md#layers).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -150,51 +151,3 @@ InboundSink = Callable[[InboundMessage], Awaitable[None]]
 #: (platform, text) of a group message the adapter drops unanswered (no mention): the gateway
 #: still looks at it (a link code posted where others read it is burnt); set by the gateway
 OverheardHook = Callable[[str, str], Awaitable[None]]
-
-
-class Adapter(Protocol):
-    """A platform connection. `send` delivers one chunk; splitting is the gateway's job."""
-
-    platform: str
-    #: the platform's per-message limit, measured with `measure`
-    max_message_length: int
-    #: whether `edit` works (progress notices are edited in place where it does)
-    can_edit: bool
-
-    def measure(self, text: str) -> int:
-        """Length of `text` in the platform's unit (UTF-16 units on Telegram, chars on Discord)."""
-        ...
-
-    async def start(self, sink: InboundSink) -> None:
-        """Connect and begin feeding inbound messages to `sink`; returns once running."""
-        ...
-
-    async def stop(self) -> None: ...
-
-    async def send(self, message: OutboundMessage) -> SentMessage | None:
-        """Send one chunk (already within the limit); None when the chat is gone or refuses
-        it for good (never retried); raises when it may work later (retried by the outbox)."""
-        ...
-
-    async def edit(self, sent: SentMessage, text: str) -> bool: ...
-
-    async def typing(self, chat_id: str, thread_id: str | None) -> None:
-        """Show the typing indicator once (the gateway repeats it while a turn runs)."""
-        ...
-
-    # Optional (what /healthz and /metrics show, see gateway/observability.py): `status: str`
-    # (`connected...`, `connecting...`, `failed: <what to do>` when no retry can help,
-    # `stopped`), `down_since: float | None` (`time.monotonic()` since it is not connected)
-    # and `skipped_events: int` (platform events it could not parse and skipped).
-
-    # Optional (platforms with files): `async def download(attachment, max_bytes) -> bytes`
-    # fetches one attachment through the platform's client library, raising `DownloadError`
-    # (too_big when over `max_bytes`). The gateway calls it; the inbound path never does.
-
-
-class ChatAdmins(Protocol):
-    """Optional adapter capability: whether a user moderates a chat on the platform
-    (Telegram chat administrators, Discord members with Manage Messages). Adapters
-    without it have no chat admins; only the gateway's own admins count there."""
-
-    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool: ...

@@ -1,0 +1,66 @@
+"""One tenant's open profile: its directory and the stores that live in it.
+
+The agent works on a `Profile` it is handed; opening, closing and quarantining profiles is
+`tenancy.profiles.ProfileManager`'s job (docs/concepts.md#profiles).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.fileio import atomic_write
+from agent.memory import MemoryStore
+from agent.providers import MemoryProvider
+from agent.sessions import SessionStore
+
+
+@dataclass
+class Profile:
+    """One tenant's open profile: its directory and the stores that live in it."""
+
+    tenant_id: str
+    path: Path
+    sessions: SessionStore
+    memory: MemoryStore
+    provider: MemoryProvider | None = None
+    principals: set[str] = field(default_factory=set)
+    users: int = 0  # turns currently using it; never closed while > 0
+    last_used: float = field(default_factory=time.monotonic)
+    guard: Callable[[], None] | None = None  # raises when writing is no longer allowed (ProfileGate)
+    on_close: Callable[[], Awaitable[None]] | None = None  # after the stores are closed
+
+    async def close(self) -> None:
+        try:
+            await self.sessions.close()
+            if self.provider is not None:
+                await self.provider.shutdown()
+        finally:
+            if self.on_close is not None:
+                on_close, self.on_close = self.on_close, None
+                await on_close()
+
+    def read_manifest(self) -> dict:
+        try:
+            return json.loads((self.path / "tenant.json").read_text(encoding="utf-8"))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def add_principal(self, principal: str) -> None:
+        """Record in tenant.json that `principal` lives in this profile."""
+        manifest = self.read_manifest()
+        principals = manifest.setdefault("principals", [])
+        if principal not in principals:
+            if self.guard is not None:
+                self.guard()
+            principals.append(principal)
+            write_manifest(self.path, manifest)
+        self.principals.add(principal)
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Write tenant.json atomically."""
+    atomic_write(path / "tenant.json", json.dumps(manifest, ensure_ascii=False, indent=2))

@@ -1,0 +1,111 @@
+"""The adapter interface every platform implements, and the small capability protocols
+an adapter may add (chat admins, overheard group text, downloads, status, close).
+
+The gateway asks `isinstance(adapter, ChatAdmins)` and the like instead of probing
+attributes, so what an adapter can do is written in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from core.messages import Attachment, InboundSink, OutboundMessage, OverheardHook, SentMessage
+
+
+class Adapter(Protocol):
+    """A platform connection. `send` delivers one chunk; splitting is the gateway's job."""
+
+    platform: str
+    #: the platform's per-message limit, measured with `measure`
+    max_message_length: int
+    #: whether `edit` works (progress notices are edited in place where it does)
+    can_edit: bool
+
+    def measure(self, text: str) -> int:
+        """Length of `text` in the platform's unit (UTF-16 units on Telegram, chars on Discord)."""
+        ...
+
+    async def start(self, sink: InboundSink) -> None:
+        """Connect and begin feeding inbound messages to `sink`; returns once running."""
+        ...
+
+    async def stop(self) -> None: ...
+
+    async def send(self, message: OutboundMessage) -> SentMessage | None:
+        """Send one chunk (already within the limit); None when the chat is gone or refuses
+        it for good (never retried); raises when it may work later (retried by the outbox)."""
+        ...
+
+    async def edit(self, sent: SentMessage, text: str) -> bool: ...
+
+    async def typing(self, chat_id: str, thread_id: str | None) -> None:
+        """Show the typing indicator once (the gateway repeats it while a turn runs)."""
+        ...
+
+
+@runtime_checkable
+class ChatAdmins(Protocol):
+    """Whether a user moderates a chat on the platform (Telegram chat administrators,
+    Discord members with Manage Messages). Adapters without it have no chat admins; only
+    the gateway's own admins count there."""
+
+    async def is_chat_admin(self, chat_id: str, user_id: str) -> bool: ...
+
+
+@runtime_checkable
+class Overhears(Protocol):
+    """Group text the adapter drops unanswered (no mention) is still handed to the gateway
+    (a link code posted where others read it is burnt). The gateway sets the hook before
+    `start`, never after."""
+
+    overheard: OverheardHook | None
+
+
+@runtime_checkable
+class Downloads(Protocol):
+    """Platforms with files: fetch one attachment through the platform's client library,
+    raising `DownloadError` (too_big when over `max_bytes`). The gateway calls it; the
+    inbound path never does."""
+
+    async def download(self, attachment: Attachment, max_bytes: int) -> bytes: ...
+
+
+@runtime_checkable
+class ReportsStatus(Protocol):
+    """What /healthz and /metrics show of a platform (docs/operator-guide.md#health-and-metrics):
+    `connected...`, `connecting...`, `failed: <what to do>` when no retry can help, or `stopped`."""
+
+    @property
+    def status(self) -> str: ...
+
+
+@runtime_checkable
+class ReportsConnected(Protocol):
+    """A simpler platform state than `ReportsStatus`: only whether it is connected."""
+
+    @property
+    def is_connected(self) -> bool: ...
+
+
+@runtime_checkable
+class TracksDowntime(Protocol):
+    """`time.monotonic()` since the platform is not connected (None while it is): /healthz
+    turns red once that is longer than `observability.unhealthy_after_s`."""
+
+    @property
+    def down_since(self) -> float | None: ...
+
+
+@runtime_checkable
+class SkipsEvents(Protocol):
+    """Counts platform events it could not parse and skipped."""
+
+    @property
+    def skipped_events(self) -> int: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """Has resources to release after `stop` (an HTTP client, a webhook server)."""
+
+    async def aclose(self) -> None: ...

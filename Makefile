@@ -6,9 +6,10 @@ CHAT_USER ?= me
 
 .PHONY: install run check test bench clean
 
-$(VENV)/.installed: pyproject.toml
+# the tested versions (constraints.txt); the cluster extra too, for the PostgreSQL tests
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,cluster]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -23,6 +24,8 @@ check: install
 	$(VENV)/bin/ruff check core gateway adapters tenancy agent tests bench
 	$(VENV)/bin/ruff format --check core gateway adapters tenancy agent tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/vulture --min-confidence 80 core gateway adapters tenancy agent
 
 test: check
 	$(VENV)/bin/python -m pytest -q

@@ -1,7 +1,7 @@
 """One tenant's open profile: its directory and the stores that live in it.
 
 The agent works on a `Profile` it is handed; opening, closing and quarantining profiles is
-`tenancy.profiles.ProfileManager`'s job (docs/concepts.md#profiles).
+`tenancy.profiles.ProfileManager`'s job (docs/concepts.md#how-people-map-to-profiles).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Errors more than one layer raises or catches, and the one walk along a cause chain.
 
 `LeaseLost` is importable without psycopg: single-node code catches it around a turn,
-the cluster's fenced writes raise it (docs/cluster.md#fencing).
+the cluster's fenced writes raise it (docs/cluster.md#how-a-node-runs).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class Lane:
     def key(self) -> str:
         """The one string that names this lane across tenants (queues, locks, stop
         handles, the cluster inbox): `<tenant_id>/<session_key>`. A session key alone is not
-        unique across tenants (docs/concepts.md#session-keys). Tenant ids never contain `:`
+        unique across tenants (docs/concepts.md#session-keys-and-tenants). Tenant ids never contain `:`
         and session keys start with `agent:`, so `tenant_of_key` splits it back."""
         return f"{self.tenant_id}/{self.session_key}"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from gateway.config import Config
+from core.settings import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DOC = ROOT / "docs" / "configuration.md"

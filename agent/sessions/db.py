@@ -291,18 +291,6 @@ def get_compression_state(db: sqlite3.Connection, sid: str) -> str | None:
     return None if row is None else row[0]
 
 
-def meta_get(db: sqlite3.Connection, key: str) -> str | None:
-    row = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-    return None if row is None else row[0]
-
-
-def meta_put(db: sqlite3.Connection, key: str, value: str | None) -> None:
-    if value is None:
-        db.execute("DELETE FROM meta WHERE key=?", (key,))
-    else:
-        db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
-
-
 class Transaction:
     """`with Transaction(db):` BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception."""
 
@@ -313,7 +301,7 @@ class Transaction:
         self.db.execute("BEGIN IMMEDIATE")
         return self.db
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, _tb: Any) -> None:
         if exc_type is None:
             self.db.execute("COMMIT")
         elif self.db.in_transaction:

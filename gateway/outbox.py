@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import secrets
 import sqlite3
 import time
@@ -27,6 +26,7 @@ from typing import Protocol, TypeVar, cast
 
 import aiosqlite
 
+from core.backoff import backoff_delay
 from core.messages import DeliveryDeferred, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from core.protocols import Adapter
 from core.settings import DeliveryConfig
@@ -399,8 +399,7 @@ class Deliverer:
     def _backoff(self, failures: int, retry_after: float | None) -> float:
         if retry_after is not None and retry_after > 0:
             return float(retry_after)
-        base = min(self.cfg.retry_initial_s * 2 ** (failures - 1), self.cfg.retry_max_s)
-        return base * (0.8 + 0.4 * random.random())
+        return backoff_delay(failures, self.cfg.retry_initial_s, self.cfg.retry_max_s, jitter=0.2)
 
     async def _deliver(self, adapter: Adapter, chunk: Chunk) -> SentMessage | None:
         """One attempt: send the chunk, or edit the message it edits (falling back to a

@@ -3,7 +3,7 @@
 Why: httpcore's pool checks every idle connection (a `getpeername` and a `poll` each) each
 time a request starts or ends, and with many requests in flight it hands one idle
 connection to several waiting requests, which then retry the whole check; at 64 turns in
-flight that bookkeeping was the largest cost on the event loop (BENCHMARKS.md, issue 13).
+flight that bookkeeping was the largest cost on the event loop (docs/benchmarks/2026-12-01-notes.md#second-pass-cpu-per-turn-issue-13).
 `httpx-aiohttp` (a maintained transport) keeps httpx's requests, responses, streaming and
 exceptions and lets aiohttp's pool and C parser carry the bytes: measured, the gateway's
 CPU per turn fell by about a third. Same limits as httpx's defaults (100 connections, 20 kept

@@ -12,7 +12,7 @@ as the raw ceiling. No tenancy, inbox, outbox, prompt building, tokenizer, memor
 metrics. With `--max-open` below `--tenants` the least recently used tenant's connection is
 closed and reopened like the gateway's profile LRU does.
 
-What it tells: issue 13's CPU-per-turn target (1.5 ms, the whole gateway) against the CPU
+What it tells: the gateway's CPU-per-turn target (1.5 ms, the whole gateway) against the CPU
 this bare loop needs on the same machine. Prints one line per run; `--json` for a dict.
 """
 

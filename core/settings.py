@@ -49,8 +49,8 @@ class LLMConfig(_Section):
     context_length: int = Field(default=32768, ge=512)
     max_tokens: int | None = Field(default=None, ge=1)
     timeout_s: float = Field(default=120.0, gt=0)
-    # the whole answer, streaming included: a model still writing then is cut (README
-    # "Runaway answers and long replies")
+    # the whole answer, streaming included: a model still writing then is cut
+    # (docs/operator-guide.md#runaway-answers-and-long-replies)
     answer_timeout_s: float = Field(default=300.0, gt=0)
     max_retries: int = Field(default=3, ge=0, le=10)
     vision: bool = False  # images go to the model as inline image parts (doctor checks it accepts one)
@@ -232,7 +232,7 @@ class TranscriptionConfig(_Section):
 class DeliveryConfig(_Section):
     """How replies reach the chat. `streaming` edits one message as the answer is generated
     (`dm`: in private chats only, `all`: everywhere, `off`: send the finished answer); the
-    outbox retries an unsent chunk for `max_age_s` with backoff (README "Delivery")."""
+    outbox retries an unsent chunk for `max_age_s` with backoff (docs/concepts.md#delivery)."""
 
     streaming: Literal["dm", "all", "off"] = "dm"
     # the least time between two edits of a streamed message (Telegram and Discord allow
@@ -244,7 +244,7 @@ class DeliveryConfig(_Section):
     # a longer answer sends this much, and the rest when the person asks for it (/more)
     max_reply_chars: int = Field(default=12000, ge=500)
     # on SIGTERM / Ctrl-C: how long running turns may finish and deliver before the process
-    # exits anyway (README "Stopping")
+    # exits anyway (docs/operator-guide.md#stopping)
     drain_timeout_s: float = Field(default=30.0, ge=0, le=3600)
 
 
@@ -316,7 +316,7 @@ class LoggingConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    """Several nodes on one PostgreSQL (README "Cluster mode"): set `postgres_dsn_env` and
+    """Several nodes on one PostgreSQL (docs/cluster.md#turning-it-on): set `postgres_dsn_env` and
     `hermes-gateway run` is one node of the cluster; unset, the gateway is a single node."""
 
     postgres_dsn_env: str | None = None  # env var holding the DSN; None = single node (the default)

@@ -364,7 +364,7 @@ class Deliverer:
                     continue
                 failures = 0
                 # the platform has it: mark it at once (a crash before this line is the window
-                # README "Delivery" documents); a failing database is retried, never the send
+                # docs/concepts.md#delivery documents); a failing database is retried, never the send
                 if sent is None:
                     marked = await self._db(partial(self.outbox.give_up, chunk.id, "refused"), key)
                     self.metrics.deliveries.inc(platform=platform, outcome="refused")

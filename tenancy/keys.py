@@ -3,7 +3,7 @@
 Everything here is a pure function of its arguments: no module state, no I/O (except
 `tenant_dir`, which only resolves a path to check it stays inside `profiles/`).
 
-Session keys (DESIGN.md, "Session keys and tenants"):
+Session keys (docs/concepts.md#session-keys-and-tenants):
 
 | where                                   | key                                                  |
 | --------------------------------------- | ---------------------------------------------------- |

@@ -204,7 +204,7 @@ def _cluster_runtime_missing() -> str | None:
         except subprocess.TimeoutExpired:
             return None
     if "cluster mode is not available" in out.stderr:
-        return "`hermes-gateway run` still refuses cluster configs (the cluster run loop, issue 15, is not merged)"
+        return "`hermes-gateway run` still refuses cluster configs (the cluster run loop is missing)"
     return None
 
 

@@ -1,4 +1,4 @@
-"""Compression behaviours checked against the upstream Hermes compressor (issue 11):
+"""Compression behaviours checked against the upstream Hermes compressor (docs/concepts.md#context-compression):
 redaction of the static fallback, the cooldown's cause, the threshold floor, usage reset."""
 
 from __future__ import annotations

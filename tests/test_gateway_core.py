@@ -516,7 +516,7 @@ async def test_a_collected_turn_cut_short_after_a_tool_call_is_finished_after_re
 
 
 async def test_a_warm_turn_costs_two_storage_calls_and_its_last_gives_back_the_page_cache(config_for, fake_llm):
-    """Issue 13: one call stores the person's message, one the answer (with usage and
+    """Two storage calls a turn (docs/concepts.md#session-storage): one call stores the person's message, one the answer (with usage and
     compression state); the answer's call also frees the connection's page cache, so idle
     open profiles hold little memory."""
     fake_llm.script(reply("first"), reply("second"))

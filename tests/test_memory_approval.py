@@ -1,4 +1,4 @@
-"""memory.write_approval (issue 11, seed 2.9): `stage` holds model writes until the person
+"""memory.write_approval (seed 2.9; docs/concepts.md#how-memory-grows): `stage` holds model writes until the person
 approves them (/memory pending|approve N|reject N), `block` refuses them with a reason."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Memory store behaviours checked against the upstream Hermes memory tool (issue 11):
+"""Memory store behaviours checked against the upstream Hermes memory tool (docs/concepts.md#memory):
 drift, exact matches, BOM and undecodable files, tool ergonomics, lock file mode."""
 
 from __future__ import annotations

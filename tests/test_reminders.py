@@ -1,4 +1,4 @@
-"""Reminders (issue 14, requirement 8): set through the `reminders` tool, kept in the
+"""Reminders (docs/concepts.md#reminders): set through the `reminders` tool, kept in the
 tenant's profile, delivered once into the chat they were set in, after restarts too."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Answers across crashes (README "Answers across crashes"): an answer the model gave and
+"""Answers across crashes (docs/operator-guide.md#answers-across-crashes): an answer the model gave and
 the profile stored, whose delivery a crash kept from being recorded, is sent exactly once,
 in order, however many crashes come between, and whatever the replay collects it with."""
 

@@ -1,5 +1,5 @@
 """Background memory review, flush and skill review end to end: GatewayApp + RecordingAdapter
-+ the fake model, which answers review requests with scripted tool calls (issue 11)."""
++ the fake model, which answers review requests with scripted tool calls (docs/concepts.md#how-memory-grows)."""
 
 from __future__ import annotations
 

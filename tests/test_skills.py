@@ -1,4 +1,4 @@
-"""Skills (issue 11, seed 2.5): skills/<name>/SKILL.md per tenant, the skill_manage tool, the
+"""Skills (seed 2.5; docs/concepts.md#how-memory-grows): skills/<name>/SKILL.md per tenant, the skill_manage tool, the
 index in the system prompt (only shared skills in a group lane), export and delete."""
 
 from __future__ import annotations

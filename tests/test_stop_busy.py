@@ -1,4 +1,4 @@
-"""/stop and busy behaviour (issue 14, requirement 6): /stop ends the lane's running turn
+"""/stop and busy behaviour (docs/concepts.md#stopping-and-busy-lanes): /stop ends the lane's running turn
 without leaving anything half-written; limits.busy_mode decides what happens to messages
 that arrive while a turn runs (collect, queue, interrupt)."""
 

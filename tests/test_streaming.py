@@ -1,4 +1,4 @@
-"""Streaming replies (issue 14, requirement 5): the model streams over SSE, the answer is
+"""Streaming replies (docs/concepts.md#streaming-replies): the model streams over SSE, the answer is
 edited into one chat message as it grows and ends formatted; /stop mid-stream keeps the
 partial answer flagged `interrupted`; servers that cannot stream still answer."""
 

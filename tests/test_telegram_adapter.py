@@ -693,7 +693,7 @@ async def test_ambiguous_timeout_is_not_resent_by_the_adapter(tg):
     async with running(tg, kwargs={"send_timeout_s": 0.5}) as adapter:
         tg.add_chat(111, "private")
         tg.delay_next("sendMessage", 1.5)
-        with pytest.raises(DeliveryDeferred):  # the outbox decides (README "Delivery": the Telegram window)
+        with pytest.raises(DeliveryDeferred):  # the outbox decides (docs/concepts.md#delivery: the Telegram window)
             await adapter.send(OutboundMessage(chat_id="111", text="maybe delivered"))
         await asyncio.sleep(1.2)
     assert len(tg.calls_of("sendMessage")) == 1

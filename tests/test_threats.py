@@ -1,4 +1,4 @@
-"""The threat scan's gaps closed in issue 11: every malicious text is refused, and every
+"""The threat scan (docs/concepts.md#memory): every malicious text is refused, and every
 benign look-alike (what people really ask the bot to remember) passes."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ tenant the account maps to: its own, or its link's):
 - A group lane of A may show what was said in that lane, and A's store's *shared* entries
   (none under `personal_memory_in_groups: off`). Its system prompt holds only those.
 - An entry keeps its visibility through a link's merge (shared stays shared).
-- Unlink (README "Unlinking" table): the departed account starts over with a fresh,
+- Unlink (docs/operator-guide.md#linking-your-accounts, the unlink table): the departed account starts over with a fresh,
   empty profile, so from then on its model sees nothing of the link: no entry and no
   conversation from before the unlink, and nothing the link writes after it; it may see
   only what it says itself from then on. The remaining accounts keep everything of the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import IO, Any
 
 
 def fsync_dir(path: Path) -> None:
@@ -86,7 +87,7 @@ def private_file(path: Path) -> Path:
     return path
 
 
-def open_private(path: Path, mode: str = "a", encoding: str | None = "utf-8"):
+def open_private(path: Path, mode: str = "a", encoding: str | None = "utf-8") -> IO[Any]:
     """`open(path, mode)` ("w", "a", "wb", "ab") creating a missing file as 0600."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
     fd = os.open(path, flags, PRIVATE_FILE)

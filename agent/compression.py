@@ -71,7 +71,7 @@ from agent.sessions import StaleRouteError
 from agent.tokens import MESSAGE_OVERHEAD, TokenCounter
 
 if TYPE_CHECKING:
-    from core.settings import Config
+    from core.settings import AgentSettings
 
 log = logging.getLogger("hermes.compression")
 
@@ -238,8 +238,10 @@ def classify_failure(err: LLMError) -> str:
 class Compressor:
     """Compression for any session; holds configuration only (no per-session state)."""
 
-    def __init__(self, cfg: Config, llm: LLMClient, tokens: TokenCounter, *, system_factory: SystemFactory) -> None:
-        self.cfg = cfg
+    def __init__(
+        self, settings: AgentSettings, llm: LLMClient, tokens: TokenCounter, *, system_factory: SystemFactory
+    ) -> None:
+        self.settings = settings
         self.llm = llm
         self.tokens = tokens
         self._system_factory = system_factory
@@ -250,10 +252,10 @@ class Compressor:
     # ----- configuration -----------------------------------------------------------------
     @property
     def enabled(self) -> bool:
-        return self.cfg.compression.enabled
+        return self.settings.compression.enabled
 
     def threshold_tokens(self) -> int:
-        c, llm = self.cfg.compression, self.cfg.llm
+        c, llm = self.settings.compression, self.settings.llm
         return compute_threshold_tokens(
             context_length=llm.context_length,
             threshold=c.threshold,
@@ -264,7 +266,7 @@ class Compressor:
         )
 
     def tail_budget(self) -> int:
-        return tail_token_budget(self.threshold_tokens(), self.cfg.compression.target_ratio)
+        return tail_token_budget(self.threshold_tokens(), self.settings.compression.target_ratio)
 
     # ----- tokens --------------------------------------------------------------------------
     def _tok(self, item: Item) -> int:
@@ -354,7 +356,7 @@ class Compressor:
     def _wire_item(self, it: Item) -> dict[str, Any]:
         """The wire form of an item: with `llm.vision`, a message's stored images become
         image parts (placeholder URLs that `agent.media.inline_images` fills in)."""
-        if it.get("_images") and self.cfg.llm.vision:
+        if it.get("_images") and self.settings.llm.vision:
             it = {**it, "content": image_parts(text_of(it.get("content")), it["_images"])}
         return strip_private(it)
 
@@ -480,7 +482,7 @@ class Compressor:
     ) -> Outcome:
         """One compression. `trigger`: "auto" (threshold), "context" (the server said the
         prompt is too long) or "manual" (/compress: ignores cooldown and blocks)."""
-        ccfg = self.cfg.compression
+        ccfg = self.settings.compression
         store = ctx.profile.sessions
         state = await self.state(ctx)
         manual = trigger == "manual"
@@ -760,7 +762,7 @@ class Compressor:
                 serialize_for_summary(turns),
                 previous_summary=previous,
                 focus=focus,
-                budget_tokens=summary_budget(middle_tokens, self.cfg.llm.context_length),
+                budget_tokens=summary_budget(middle_tokens, self.settings.llm.context_length),
             )
             text, failure = await self._ask_summary(prompt, state)
             if text is not None:
@@ -770,10 +772,10 @@ class Compressor:
                 state.last_error = None
                 return text, False, None
         assert failure is not None
-        if failure.abort or self.cfg.compression.abort_on_summary_failure:
+        if failure.abort or self.settings.compression.abort_on_summary_failure:
             failure.abort = True
             return None, False, failure
-        limit = fallback_summary_limit(self.cfg.llm.context_length)
+        limit = fallback_summary_limit(self.settings.llm.context_length)
         return (
             build_fallback_summary(turns, previous_summary=previous, reason=failure.message, max_chars=limit),
             True,
@@ -781,7 +783,7 @@ class Compressor:
         )
 
     def _summary_target(self) -> AuxTarget:
-        return aux_target(self.cfg.auxiliary.compression, self.cfg.llm, self.llm)
+        return aux_target(self.settings.auxiliary.compression, self.settings.llm, self.llm)
 
     @staticmethod
     async def _ask(client: LLMClient, model: str | None, prompt: str) -> str:

@@ -27,7 +27,7 @@ from agent.tokens import TokenCounter
 from agent.tools import ToolBox
 from agent.visibility import RULES_VERSION, lane_scope
 from core.lanes import Lane
-from core.settings import Config
+from core.settings import AgentSettings
 
 log = logging.getLogger("hermes.agent")
 
@@ -109,13 +109,13 @@ class TurnContext:
 class Agent:
     """Runs turns for any tenant; holds no per-tenant state itself."""
 
-    def __init__(self, cfg: Config, llm: LLMClient, tokens: TokenCounter) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: AgentSettings, llm: LLMClient, tokens: TokenCounter) -> None:
+        self.settings = settings
         self.llm = llm
         self.tokens = tokens
-        self.compression = Compressor(cfg, llm, tokens, system_factory=self._system_for)
+        self.compression = Compressor(settings, llm, tokens, system_factory=self._system_for)
         self.compression.on_flush = self._flush_before_compression
-        self.reviewer = Reviewer(cfg, llm, wire=self.compression.wire, toolbox=self._review_toolbox)
+        self.reviewer = Reviewer(settings, llm, wire=self.compression.wire, toolbox=self._review_toolbox)
         # set by the gateway: records a tenant's next reminder due time in its index
         self.reminder_index: Callable[[str, float | None, bool], Awaitable[None]] | None = None
 
@@ -123,7 +123,7 @@ class Agent:
     def lane_memory(self, profile: Profile, lane: Lane) -> MemoryStore | None:
         """The memory store this lane may use: the profile's, a view limited to the entries
         the lane's audience may see (read-only under `read`), or none."""
-        mem_cfg = self.cfg.memory
+        mem_cfg = self.settings.memory
         if not (mem_cfg.memory_enabled or mem_cfg.user_profile_enabled):
             return None
         if lane.personal_memory == "off":
@@ -142,7 +142,7 @@ class Agent:
 
     def lane_skills(self, profile: Profile, lane: Lane) -> SkillStore | None:
         """Skills follow the lane's memory mode: written in `full`, only read in `read`, none in `off`."""
-        if lane.personal_memory == "off" or not self.cfg.skills.enabled:
+        if lane.personal_memory == "off" or not self.settings.skills.enabled:
             return None
         return SkillStore(profile.path, read_only=lane.personal_memory != "full", guard=profile.guard)
 
@@ -162,20 +162,20 @@ class Agent:
             search_lane=lane.session_key if group else None,
             skills=self.lane_skills(profile, lane),
             shared=group or place.shared,
-            write_approval=self.cfg.memory.write_approval,
+            write_approval=self.settings.memory.write_approval,
             reminders=self._reminder_tool(profile, chat, group),
         )
 
     def _reminder_tool(self, profile: Profile, chat: ReminderChat | None, group: bool) -> ReminderTool | None:
         hook = self.reminder_index
-        if chat is None or hook is None or not self.cfg.reminders.enabled:
+        if chat is None or hook is None or not self.settings.reminders.enabled:
             return None
         tenant = profile.tenant_id
 
         async def index(due: float | None, lower_only: bool) -> None:
             await hook(tenant, due, lower_only)
 
-        return ReminderTool(ReminderStore(profile.path), chat, self.cfg.reminders.max_per_tenant, index, group)
+        return ReminderTool(ReminderStore(profile.path), chat, self.settings.reminders.max_per_tenant, index, group)
 
     def _review_toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, only: frozenset[str]) -> ToolBox:
         box = self.toolbox(profile, lane, place, self.lane_memory(profile, lane))
@@ -190,7 +190,7 @@ class Agent:
         changes (memory mode, visibility rule, audience) the session's prompt is rebuilt."""
         mode = "off" if memory is None else "read" if memory.read_only else "full"
         scope = memory.scope.name if memory is not None else "-"
-        mem = self.cfg.memory
+        mem = self.settings.memory
         place_hash = hashlib.sha256(place.describe().encode("utf-8", "surrogatepass")).hexdigest()[:12]
         return (
             f"v{RULES_VERSION}|{mode}|{scope}|m{int(mem.memory_enabled)}u{int(mem.user_profile_enabled)}|{place_hash}"
@@ -201,23 +201,24 @@ class Agent:
     ) -> StoredMessage:
         """A fresh system prompt with a frozen snapshot of the memory files (and the skill
         index this place may see) as they are now."""
+        mem = self.settings.memory
         snapshot = await memory.load_snapshot() if memory is not None else None
         if snapshot is not None:
             snapshot = type(snapshot)(
-                memory=snapshot.memory if self.cfg.memory.memory_enabled else (),
-                user=snapshot.user if self.cfg.memory.user_profile_enabled else (),
+                memory=snapshot.memory if mem.memory_enabled else (),
+                user=snapshot.user if mem.user_profile_enabled else (),
                 keys=snapshot.keys,
             )
         skill_index = None
         if skills is not None:
             skill_index = render_skill_index(await skills.index(shared_only=place.chat_type != "dm"))
         text = build_system_prompt(
-            agent_name=self.cfg.agent_name,
+            agent_name=self.settings.agent_name,
             place=place,
             snapshot=snapshot,
-            memory_char_limit=self.cfg.memory.memory_char_limit,
-            user_char_limit=self.cfg.memory.user_char_limit,
-            memory_writable=memory is not None and not memory.read_only and self.cfg.memory.write_approval != "block",
+            memory_char_limit=mem.memory_char_limit,
+            user_char_limit=mem.user_char_limit,
+            memory_writable=memory is not None and not memory.read_only and mem.write_approval != "block",
             skill_index=skill_index,
             skills_writable=skills is not None and not skills.read_only,
         )
@@ -232,7 +233,7 @@ class Agent:
     async def open_session(self, profile: Profile, lane: Lane, place: ChatPlace) -> str:
         """The lane's live session, started (with its system prompt) if there is none."""
         session_id, created = await profile.sessions.get_or_start(
-            lane.session_key, source=place.platform, user_id=lane.principal, model=self.cfg.llm.model
+            lane.session_key, source=place.platform, user_id=lane.principal, model=self.settings.llm.model
         )
         if created:
             await profile.sessions.append(await self._fresh_system(session_id, profile, lane, place))
@@ -273,7 +274,7 @@ class Agent:
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:
         """End the lane's session (if any) and route the lane to a fresh one (/new)."""
         old = await profile.sessions.route(lane.session_key)
-        kwargs: dict[str, Any] = {"source": place.platform, "user_id": lane.principal, "model": self.cfg.llm.model}
+        kwargs: dict[str, Any] = {"source": place.platform, "user_id": lane.principal, "model": self.settings.llm.model}
         if old is None:
             session_id = await profile.sessions.start_session(lane.session_key, **kwargs)
         else:
@@ -475,7 +476,7 @@ class Agent:
     async def _tool_loop(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
         toolbox = self.toolbox(ctx.profile, ctx.lane, ctx.place, ctx.memory, ctx.chat)
         store = ctx.profile.sessions
-        max_iter = self.cfg.limits.max_tool_iterations
+        max_iter = self.settings.max_tool_iterations
         for iteration in range(max_iter + 1):
             tools = toolbox.schemas() if iteration < max_iter else None
             try:
@@ -505,7 +506,7 @@ class Agent:
                 await store.append(assistant, idle=True)  # the turn's last write
                 history.append(assistant)
                 if result.cut:
-                    return f"{text}\n\n{cut_notice(self.cfg.llm.answer_timeout_s)}"
+                    return f"{text}\n\n{cut_notice(self.settings.llm.answer_timeout_s)}"
                 return text
             ctx.tool_iterations += 1
             outputs = [assistant]
@@ -558,7 +559,7 @@ class Agent:
 
             kwargs["on_text"] = on_text
         call = asyncio.ensure_future(
-            self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.answer_max_tokens(), **kwargs)
+            self.llm.chat(request, tools=tools, max_tokens=self.settings.llm.answer_max_tokens(), **kwargs)
         )
         if ctx.stop is None:
             return await call
@@ -599,7 +600,7 @@ class Agent:
         most `compression.max_attempts` compressions per turn. `history` is replaced in place
         by the compressed one (and `ctx.session_id` moves when a child session starts)."""
         comp = self.compression
-        max_attempts = self.cfg.compression.max_attempts
+        max_attempts = self.settings.compression.max_attempts
         while True:
             wire = self._wire(ctx, history)
             if ctx.compressions < max_attempts:

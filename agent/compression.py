@@ -55,6 +55,7 @@ from agent.compression_stages import (
     unwrap_summary,
     wrap_summary,
 )
+from agent.context import TurnContext
 from agent.llm import (
     LLMAuthError,
     LLMBadResponse,
@@ -66,7 +67,7 @@ from agent.llm import (
 )
 from agent.media import IMAGE_TOKENS, image_parts, image_refs
 from agent.messages import StoredMessage
-from agent.prompt import COMPACTION_NOTE
+from agent.prompt import COMPACTION_NOTE, ChatPlace
 from agent.sessions import StaleRouteError
 from agent.tokens import MESSAGE_OVERHEAD, TokenCounter
 
@@ -207,7 +208,7 @@ class _Failure:
     message: str
 
 
-SystemFactory = Callable[[str, Any, Any], Awaitable[StoredMessage]]
+SystemFactory = Callable[[str, ChatPlace, TurnContext], Awaitable[StoredMessage]]
 
 
 def classify_failure(err: LLMError) -> str:
@@ -247,7 +248,7 @@ class Compressor:
         self._system_factory = system_factory
         self.on_outcome: Callable[[str], None] | None = None  # e.g. a metrics counter
         # the memory flush (agent/review.py): runs before on_pre_compress, as the seed orders it
-        self.on_flush: Callable[[Any, list[StoredMessage]], Awaitable[None]] | None = None
+        self.on_flush: Callable[[TurnContext, list[StoredMessage]], Awaitable[None]] | None = None
 
     # ----- configuration -----------------------------------------------------------------
     @property
@@ -364,21 +365,21 @@ class Compressor:
         return self.finalize(self.view(history))
 
     # ----- state -------------------------------------------------------------------------
-    async def state(self, ctx: Any) -> CompressionState:
-        if getattr(ctx, "compression_state", None) is None:
+    async def state(self, ctx: TurnContext) -> CompressionState:
+        if ctx.compression_state is None:
             ctx.compression_state = CompressionState.from_dict(
                 await ctx.profile.sessions.compression_state(ctx.session_id)
             )
         return ctx.compression_state
 
-    async def _save(self, ctx: Any, state: CompressionState) -> None:
+    async def _save(self, ctx: TurnContext, state: CompressionState) -> None:
         try:
             await ctx.profile.sessions.set_compression_state(ctx.session_id, state.to_dict())
         except Exception:  # soft state: never break a turn over it
             log.exception("could not save compression state")
 
     @staticmethod
-    async def _notify(ctx: Any, kind: str, text: str) -> None:
+    async def _notify(ctx: TurnContext, kind: str, text: str) -> None:
         try:
             await ctx.notify(kind, text)
         except Exception:
@@ -415,7 +416,7 @@ class Compressor:
 
     # ----- triggers ----------------------------------------------------------------------
     async def before_request(
-        self, ctx: Any, history: list[StoredMessage], wire: list[dict[str, Any]]
+        self, ctx: TurnContext, history: list[StoredMessage], wire: list[dict[str, Any]]
     ) -> Outcome | None:
         """Compress when the prompt (estimate, or the server's last count) reached the threshold."""
         if not self.enabled:
@@ -441,7 +442,7 @@ class Compressor:
         return await self.compress_guarded(ctx, history, trigger="auto")
 
     async def compress_guarded(
-        self, ctx: Any, history: list[StoredMessage], *, trigger: str, focus: str | None = None
+        self, ctx: TurnContext, history: list[StoredMessage], *, trigger: str, focus: str | None = None
     ) -> Outcome:
         """`compress`, but an unexpected error leaves the conversation as it was (and says so)
         instead of failing the turn."""
@@ -451,8 +452,8 @@ class Compressor:
             log.exception("compression failed unexpectedly (%s); conversation left unchanged", trigger)
             self._count("error")
             if trigger != "manual":
-                state = getattr(ctx, "compression_state", None)
-                if isinstance(state, CompressionState):  # counts as ineffective: repeats end in a block
+                state = ctx.compression_state
+                if state is not None:  # counts as ineffective: repeats end in a block
                     state.ineffective += 1
                     self._update_block(state)
                     await self._save(ctx, state)
@@ -465,7 +466,7 @@ class Compressor:
                 )
             return Outcome("aborted", reason="an internal error occurred")
 
-    async def after_response(self, ctx: Any, usage: Usage | None) -> None:
+    async def after_response(self, ctx: TurnContext, usage: Usage | None) -> None:
         """The server's prompt count becomes the session's last_prompt_tokens; a response
         without usage resets it (a stale count must not trigger the next compression)."""
         if not self.enabled:
@@ -478,7 +479,7 @@ class Compressor:
 
     # ----- the pipeline --------------------------------------------------------------------
     async def compress(
-        self, ctx: Any, history: list[StoredMessage], *, trigger: str, focus: str | None = None
+        self, ctx: TurnContext, history: list[StoredMessage], *, trigger: str, focus: str | None = None
     ) -> Outcome:
         """One compression. `trigger`: "auto" (threshold), "context" (the server said the
         prompt is too long) or "manual" (/compress: ignores cooldown and blocks)."""
@@ -648,7 +649,9 @@ class Compressor:
             reason=failure.message if failure else "",
         )
 
-    async def _no_progress(self, ctx: Any, state: CompressionState, trigger: str, why: str, before: int) -> Outcome:
+    async def _no_progress(
+        self, ctx: TurnContext, state: CompressionState, trigger: str, why: str, before: int
+    ) -> Outcome:
         log.info("compression found nothing to do (%s): %s", trigger, why)
         if trigger != "manual":  # a manual /compress on a short chat must not block automation
             state.ineffective += 1
@@ -698,7 +701,7 @@ class Compressor:
 
     async def _rotate(
         self,
-        ctx: Any,
+        ctx: TurnContext,
         head: list[Item],
         tail: list[Item],
         role: str,
@@ -720,7 +723,7 @@ class Compressor:
             ctx.lane.session_key, sid, "compression", carry=child, compact_uids=compacted
         )
 
-    async def _flush(self, ctx: Any, history: list[StoredMessage]) -> None:
+    async def _flush(self, ctx: TurnContext, history: list[StoredMessage]) -> None:
         if self.on_flush is None:
             return
         try:
@@ -728,10 +731,10 @@ class Compressor:
         except Exception:  # a memory review must never break compression
             log.exception("memory flush before compression failed")
 
-    async def _pre_compress(self, ctx: Any, middle: list[Item]) -> None:
-        provider = getattr(ctx.profile, "provider", None)
-        access = getattr(ctx, "provider_access", None)  # nothing from a read/off group lane is stored
-        if provider is None or access is None or not access.write:
+    async def _pre_compress(self, ctx: TurnContext, middle: list[Item]) -> None:
+        provider = ctx.profile.provider
+        access = ctx.provider_access  # nothing from a read/off group lane is stored
+        if provider is None or not access.write:
             return
         try:
             await provider.on_pre_compress(

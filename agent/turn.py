@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.compression import Compressor
+from agent.context import Notify, OnText, TurnContext
 from agent.llm import ContextLengthExceeded, LLMClient, LLMError
 from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.profile import Profile
 from agent.prompt import ChatPlace, build_system_prompt
-from agent.providers import NO_ACCESS, ProviderAccess, provider_access
+from agent.providers import ProviderAccess, provider_access
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool
 from agent.review import Reviewer
 from agent.skills import SkillStore, render_skill_index
@@ -30,15 +31,6 @@ from core.lanes import Lane
 from core.settings import AgentSettings
 
 log = logging.getLogger("hermes.agent")
-
-# (kind, text): kind is "progress" / "progress_done" (routine: shown only with
-# compression.progress_notices; the second edits the first in place where possible),
-# "warning" or "error" (always shown)
-Notify = Callable[[str, str], Awaitable[None]]
-
-
-# called with the text of the model's answer so far while it streams
-OnText = Callable[[str], None]
 
 
 async def _no_notice(kind: str, text: str) -> None:
@@ -82,28 +74,6 @@ class TurnResult:
     tool_iterations: int = 0  # model requests of this turn that called tools (skill nudges)
     interrupted: bool = False  # stopped by /stop or busy_mode interrupt; `text` is the partial answer
     error: str | None = None  # kind "error": the LLMError kind ("unavailable", "bad_request", ...)
-
-
-@dataclass
-class TurnContext:
-    """Everything one turn works on; passed explicitly, never stored globally."""
-
-    profile: Profile
-    lane: Lane
-    place: ChatPlace
-    session_id: str  # the live session; compression with in_place: false moves it to a child
-    memory: MemoryStore | None
-    notify: Notify
-    compression_state: Any = None  # the session's CompressionState, loaded once per turn
-    compressions: int = 0  # automatic compressions run in this turn (<= compression.max_attempts)
-    tool_iterations: int = 0
-    provider_access: ProviderAccess = NO_ACCESS  # what this lane may do with the memory provider
-    recall: str = ""  # the provider's prefetch for this turn: sent with the request, never stored
-    stop: asyncio.Event | None = None  # set by /stop: the model call is cancelled, the turn ends
-    on_text: OnText | None = None  # given: the model streams, each delta is reported
-    partial: str = ""  # text of the current model answer so far (streaming only)
-    chat: ReminderChat | None = None  # where the turn runs: reminders set in it are delivered there
-    interrupted: bool = False
 
 
 class Agent:
@@ -182,7 +152,7 @@ class Agent:
         box.only = only
         return box
 
-    async def _system_for(self, session_id: str, place: ChatPlace, ctx: Any) -> StoredMessage:
+    async def _system_for(self, session_id: str, place: ChatPlace, ctx: TurnContext) -> StoredMessage:
         return await self.system_message(session_id, place, ctx.memory, self.lane_skills(ctx.profile, ctx.lane))
 
     def _prompt_rule(self, place: ChatPlace, memory: MemoryStore | None) -> str:

@@ -55,6 +55,7 @@ from agent.compression_stages import (
     unwrap_summary,
     wrap_summary,
 )
+from agent.context import TurnContext
 from agent.llm import (
     LLMAuthError,
     LLMBadResponse,
@@ -66,12 +67,12 @@ from agent.llm import (
 )
 from agent.media import IMAGE_TOKENS, image_parts, image_refs
 from agent.messages import StoredMessage
-from agent.prompt import COMPACTION_NOTE
+from agent.prompt import COMPACTION_NOTE, ChatPlace
 from agent.sessions import StaleRouteError
 from agent.tokens import MESSAGE_OVERHEAD, TokenCounter
 
 if TYPE_CHECKING:
-    from core.settings import Config
+    from core.settings import AgentSettings
 
 log = logging.getLogger("hermes.compression")
 
@@ -207,7 +208,7 @@ class _Failure:
     message: str
 
 
-SystemFactory = Callable[[str, Any, Any], Awaitable[StoredMessage]]
+SystemFactory = Callable[[str, ChatPlace, TurnContext], Awaitable[StoredMessage]]
 
 
 def classify_failure(err: LLMError) -> str:
@@ -238,22 +239,24 @@ def classify_failure(err: LLMError) -> str:
 class Compressor:
     """Compression for any session; holds configuration only (no per-session state)."""
 
-    def __init__(self, cfg: Config, llm: LLMClient, tokens: TokenCounter, *, system_factory: SystemFactory) -> None:
-        self.cfg = cfg
+    def __init__(
+        self, settings: AgentSettings, llm: LLMClient, tokens: TokenCounter, *, system_factory: SystemFactory
+    ) -> None:
+        self.settings = settings
         self.llm = llm
         self.tokens = tokens
         self._system_factory = system_factory
         self.on_outcome: Callable[[str], None] | None = None  # e.g. a metrics counter
         # the memory flush (agent/review.py): runs before on_pre_compress, as the seed orders it
-        self.on_flush: Callable[[Any, list[StoredMessage]], Awaitable[None]] | None = None
+        self.on_flush: Callable[[TurnContext, list[StoredMessage]], Awaitable[None]] | None = None
 
     # ----- configuration -----------------------------------------------------------------
     @property
     def enabled(self) -> bool:
-        return self.cfg.compression.enabled
+        return self.settings.compression.enabled
 
     def threshold_tokens(self) -> int:
-        c, llm = self.cfg.compression, self.cfg.llm
+        c, llm = self.settings.compression, self.settings.llm
         return compute_threshold_tokens(
             context_length=llm.context_length,
             threshold=c.threshold,
@@ -264,7 +267,7 @@ class Compressor:
         )
 
     def tail_budget(self) -> int:
-        return tail_token_budget(self.threshold_tokens(), self.cfg.compression.target_ratio)
+        return tail_token_budget(self.threshold_tokens(), self.settings.compression.target_ratio)
 
     # ----- tokens --------------------------------------------------------------------------
     def _tok(self, item: Item) -> int:
@@ -354,7 +357,7 @@ class Compressor:
     def _wire_item(self, it: Item) -> dict[str, Any]:
         """The wire form of an item: with `llm.vision`, a message's stored images become
         image parts (placeholder URLs that `agent.media.inline_images` fills in)."""
-        if it.get("_images") and self.cfg.llm.vision:
+        if it.get("_images") and self.settings.llm.vision:
             it = {**it, "content": image_parts(text_of(it.get("content")), it["_images"])}
         return strip_private(it)
 
@@ -362,21 +365,21 @@ class Compressor:
         return self.finalize(self.view(history))
 
     # ----- state -------------------------------------------------------------------------
-    async def state(self, ctx: Any) -> CompressionState:
-        if getattr(ctx, "compression_state", None) is None:
+    async def state(self, ctx: TurnContext) -> CompressionState:
+        if ctx.compression_state is None:
             ctx.compression_state = CompressionState.from_dict(
                 await ctx.profile.sessions.compression_state(ctx.session_id)
             )
         return ctx.compression_state
 
-    async def _save(self, ctx: Any, state: CompressionState) -> None:
+    async def _save(self, ctx: TurnContext, state: CompressionState) -> None:
         try:
             await ctx.profile.sessions.set_compression_state(ctx.session_id, state.to_dict())
         except Exception:  # soft state: never break a turn over it
             log.exception("could not save compression state")
 
     @staticmethod
-    async def _notify(ctx: Any, kind: str, text: str) -> None:
+    async def _notify(ctx: TurnContext, kind: str, text: str) -> None:
         try:
             await ctx.notify(kind, text)
         except Exception:
@@ -413,7 +416,7 @@ class Compressor:
 
     # ----- triggers ----------------------------------------------------------------------
     async def before_request(
-        self, ctx: Any, history: list[StoredMessage], wire: list[dict[str, Any]]
+        self, ctx: TurnContext, history: list[StoredMessage], wire: list[dict[str, Any]]
     ) -> Outcome | None:
         """Compress when the prompt (estimate, or the server's last count) reached the threshold."""
         if not self.enabled:
@@ -439,7 +442,7 @@ class Compressor:
         return await self.compress_guarded(ctx, history, trigger="auto")
 
     async def compress_guarded(
-        self, ctx: Any, history: list[StoredMessage], *, trigger: str, focus: str | None = None
+        self, ctx: TurnContext, history: list[StoredMessage], *, trigger: str, focus: str | None = None
     ) -> Outcome:
         """`compress`, but an unexpected error leaves the conversation as it was (and says so)
         instead of failing the turn."""
@@ -449,8 +452,8 @@ class Compressor:
             log.exception("compression failed unexpectedly (%s); conversation left unchanged", trigger)
             self._count("error")
             if trigger != "manual":
-                state = getattr(ctx, "compression_state", None)
-                if isinstance(state, CompressionState):  # counts as ineffective: repeats end in a block
+                state = ctx.compression_state
+                if state is not None:  # counts as ineffective: repeats end in a block
                     state.ineffective += 1
                     self._update_block(state)
                     await self._save(ctx, state)
@@ -463,7 +466,7 @@ class Compressor:
                 )
             return Outcome("aborted", reason="an internal error occurred")
 
-    async def after_response(self, ctx: Any, usage: Usage | None) -> None:
+    async def after_response(self, ctx: TurnContext, usage: Usage | None) -> None:
         """The server's prompt count becomes the session's last_prompt_tokens; a response
         without usage resets it (a stale count must not trigger the next compression)."""
         if not self.enabled:
@@ -476,11 +479,11 @@ class Compressor:
 
     # ----- the pipeline --------------------------------------------------------------------
     async def compress(
-        self, ctx: Any, history: list[StoredMessage], *, trigger: str, focus: str | None = None
+        self, ctx: TurnContext, history: list[StoredMessage], *, trigger: str, focus: str | None = None
     ) -> Outcome:
         """One compression. `trigger`: "auto" (threshold), "context" (the server said the
         prompt is too long) or "manual" (/compress: ignores cooldown and blocks)."""
-        ccfg = self.cfg.compression
+        ccfg = self.settings.compression
         store = ctx.profile.sessions
         state = await self.state(ctx)
         manual = trigger == "manual"
@@ -646,7 +649,9 @@ class Compressor:
             reason=failure.message if failure else "",
         )
 
-    async def _no_progress(self, ctx: Any, state: CompressionState, trigger: str, why: str, before: int) -> Outcome:
+    async def _no_progress(
+        self, ctx: TurnContext, state: CompressionState, trigger: str, why: str, before: int
+    ) -> Outcome:
         log.info("compression found nothing to do (%s): %s", trigger, why)
         if trigger != "manual":  # a manual /compress on a short chat must not block automation
             state.ineffective += 1
@@ -696,7 +701,7 @@ class Compressor:
 
     async def _rotate(
         self,
-        ctx: Any,
+        ctx: TurnContext,
         head: list[Item],
         tail: list[Item],
         role: str,
@@ -718,7 +723,7 @@ class Compressor:
             ctx.lane.session_key, sid, "compression", carry=child, compact_uids=compacted
         )
 
-    async def _flush(self, ctx: Any, history: list[StoredMessage]) -> None:
+    async def _flush(self, ctx: TurnContext, history: list[StoredMessage]) -> None:
         if self.on_flush is None:
             return
         try:
@@ -726,10 +731,10 @@ class Compressor:
         except Exception:  # a memory review must never break compression
             log.exception("memory flush before compression failed")
 
-    async def _pre_compress(self, ctx: Any, middle: list[Item]) -> None:
-        provider = getattr(ctx.profile, "provider", None)
-        access = getattr(ctx, "provider_access", None)  # nothing from a read/off group lane is stored
-        if provider is None or access is None or not access.write:
+    async def _pre_compress(self, ctx: TurnContext, middle: list[Item]) -> None:
+        provider = ctx.profile.provider
+        access = ctx.provider_access  # nothing from a read/off group lane is stored
+        if provider is None or not access.write:
             return
         try:
             await provider.on_pre_compress(
@@ -760,7 +765,7 @@ class Compressor:
                 serialize_for_summary(turns),
                 previous_summary=previous,
                 focus=focus,
-                budget_tokens=summary_budget(middle_tokens, self.cfg.llm.context_length),
+                budget_tokens=summary_budget(middle_tokens, self.settings.llm.context_length),
             )
             text, failure = await self._ask_summary(prompt, state)
             if text is not None:
@@ -770,10 +775,10 @@ class Compressor:
                 state.last_error = None
                 return text, False, None
         assert failure is not None
-        if failure.abort or self.cfg.compression.abort_on_summary_failure:
+        if failure.abort or self.settings.compression.abort_on_summary_failure:
             failure.abort = True
             return None, False, failure
-        limit = fallback_summary_limit(self.cfg.llm.context_length)
+        limit = fallback_summary_limit(self.settings.llm.context_length)
         return (
             build_fallback_summary(turns, previous_summary=previous, reason=failure.message, max_chars=limit),
             True,
@@ -781,7 +786,7 @@ class Compressor:
         )
 
     def _summary_target(self) -> AuxTarget:
-        return aux_target(self.cfg.auxiliary.compression, self.cfg.llm, self.llm)
+        return aux_target(self.settings.auxiliary.compression, self.settings.llm, self.llm)
 
     @staticmethod
     async def _ask(client: LLMClient, model: str | None, prompt: str) -> str:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from agent.profile import Profile
     from agent.prompt import ChatPlace
     from core.lanes import Lane
-    from core.settings import Config
+    from core.settings import AgentSettings
 
 log = logging.getLogger("hermes.review")
 
@@ -99,8 +99,8 @@ class Reviewer:
     """Schedules and runs reviews for any tenant; per-lane counters and per-tenant locks are
     keyed explicitly by `Lane.key` and tenant_id."""
 
-    def __init__(self, cfg: Config, llm: LLMClient, *, wire: Wire, toolbox: Toolbox) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: AgentSettings, llm: LLMClient, *, wire: Wire, toolbox: Toolbox) -> None:
+        self.settings = settings
         self.llm = llm
         self._wire = wire
         self._toolbox = toolbox
@@ -125,13 +125,13 @@ class Reviewer:
             return False, False  # nothing may be written from this lane
         counts = self._counts(lane)
         counts.unreviewed += 1
-        mem_every, skill_every = self.cfg.memory.nudge_interval, self.cfg.skills.creation_nudge_interval
+        mem_every, skill_every = self.settings.memory.nudge_interval, self.settings.skills.creation_nudge_interval
         memory = skills = False
-        if mem_every > 0 and (self.cfg.memory.memory_enabled or self.cfg.memory.user_profile_enabled):
+        if mem_every > 0 and (self.settings.memory.memory_enabled or self.settings.memory.user_profile_enabled):
             counts.since_memory += 1
             if counts.since_memory >= mem_every:
                 memory, counts.since_memory = True, 0
-        if skill_every > 0 and self.cfg.skills.enabled:
+        if skill_every > 0 and self.settings.skills.enabled:
             counts.since_skill += tool_iterations
             if counts.since_skill >= skill_every:
                 skills, counts.since_skill = True, 0
@@ -143,7 +143,7 @@ class Reviewer:
 
     def flush_due(self, lane: Lane, history: list[StoredMessage]) -> bool:
         """A session of `lane` ends: does it have `flush_min_turns` turns no review has seen?"""
-        need = self.cfg.memory.flush_min_turns
+        need = self.settings.memory.flush_min_turns
         if need <= 0 or lane.personal_memory != "full":
             return False
         counts = self._lanes.get(lane.key)
@@ -176,14 +176,16 @@ class Reviewer:
             outcome = "busy"
         else:
             try:
-                async with asyncio.timeout(self.cfg.memory.review_timeout_s):
+                async with asyncio.timeout(self.settings.memory.review_timeout_s):
                     async with lock:
                         counts = self._counts(lane)
                         counts.unreviewed, counts.reviewed = 0, True
                         outcome = await self._run(profile, lane, place, history, memory=memory, skills=skills)
             except TimeoutError:
                 outcome = "timeout"
-                log.warning("background %s review timed out after %.0fs", trigger, self.cfg.memory.review_timeout_s)
+                log.warning(
+                    "background %s review timed out after %.0fs", trigger, self.settings.memory.review_timeout_s
+                )
             except LLMError as err:
                 outcome = "llm_error"
                 log.warning("background %s review failed: %s", trigger, err.kind)
@@ -228,10 +230,10 @@ class Reviewer:
                 ),
             }
         )
-        target = aux_target(self.cfg.auxiliary.review, self.cfg.llm, self.llm)
+        target = aux_target(self.settings.auxiliary.review, self.settings.llm, self.llm)
         saved = 0
         try:
-            for _ in range(self.cfg.limits.max_tool_iterations):
+            for _ in range(self.settings.max_tool_iterations):
                 result = await target.client.chat(messages, tools=tools, model=target.model)
                 if not result.tool_calls:
                     break

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.compression import Compressor
+from agent.context import Notify, OnText, TurnContext
 from agent.llm import ContextLengthExceeded, LLMClient, LLMError
 from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.profile import Profile
 from agent.prompt import ChatPlace, build_system_prompt
-from agent.providers import NO_ACCESS, ProviderAccess, provider_access
+from agent.providers import ProviderAccess, provider_access
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool
 from agent.review import Reviewer
 from agent.skills import SkillStore, render_skill_index
@@ -27,18 +28,9 @@ from agent.tokens import TokenCounter
 from agent.tools import ToolBox
 from agent.visibility import RULES_VERSION, lane_scope
 from core.lanes import Lane
-from core.settings import Config
+from core.settings import AgentSettings
 
 log = logging.getLogger("hermes.agent")
-
-# (kind, text): kind is "progress" / "progress_done" (routine: shown only with
-# compression.progress_notices; the second edits the first in place where possible),
-# "warning" or "error" (always shown)
-Notify = Callable[[str, str], Awaitable[None]]
-
-
-# called with the text of the model's answer so far while it streams
-OnText = Callable[[str], None]
 
 
 async def _no_notice(kind: str, text: str) -> None:
@@ -84,38 +76,16 @@ class TurnResult:
     error: str | None = None  # kind "error": the LLMError kind ("unavailable", "bad_request", ...)
 
 
-@dataclass
-class TurnContext:
-    """Everything one turn works on; passed explicitly, never stored globally."""
-
-    profile: Profile
-    lane: Lane
-    place: ChatPlace
-    session_id: str  # the live session; compression with in_place: false moves it to a child
-    memory: MemoryStore | None
-    notify: Notify
-    compression_state: Any = None  # the session's CompressionState, loaded once per turn
-    compressions: int = 0  # automatic compressions run in this turn (<= compression.max_attempts)
-    tool_iterations: int = 0
-    provider_access: ProviderAccess = NO_ACCESS  # what this lane may do with the memory provider
-    recall: str = ""  # the provider's prefetch for this turn: sent with the request, never stored
-    stop: asyncio.Event | None = None  # set by /stop: the model call is cancelled, the turn ends
-    on_text: OnText | None = None  # given: the model streams, each delta is reported
-    partial: str = ""  # text of the current model answer so far (streaming only)
-    chat: ReminderChat | None = None  # where the turn runs: reminders set in it are delivered there
-    interrupted: bool = False
-
-
 class Agent:
     """Runs turns for any tenant; holds no per-tenant state itself."""
 
-    def __init__(self, cfg: Config, llm: LLMClient, tokens: TokenCounter) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: AgentSettings, llm: LLMClient, tokens: TokenCounter) -> None:
+        self.settings = settings
         self.llm = llm
         self.tokens = tokens
-        self.compression = Compressor(cfg, llm, tokens, system_factory=self._system_for)
+        self.compression = Compressor(settings, llm, tokens, system_factory=self._system_for)
         self.compression.on_flush = self._flush_before_compression
-        self.reviewer = Reviewer(cfg, llm, wire=self.compression.wire, toolbox=self._review_toolbox)
+        self.reviewer = Reviewer(settings, llm, wire=self.compression.wire, toolbox=self._review_toolbox)
         # set by the gateway: records a tenant's next reminder due time in its index
         self.reminder_index: Callable[[str, float | None, bool], Awaitable[None]] | None = None
 
@@ -123,7 +93,7 @@ class Agent:
     def lane_memory(self, profile: Profile, lane: Lane) -> MemoryStore | None:
         """The memory store this lane may use: the profile's, a view limited to the entries
         the lane's audience may see (read-only under `read`), or none."""
-        mem_cfg = self.cfg.memory
+        mem_cfg = self.settings.memory
         if not (mem_cfg.memory_enabled or mem_cfg.user_profile_enabled):
             return None
         if lane.personal_memory == "off":
@@ -142,7 +112,7 @@ class Agent:
 
     def lane_skills(self, profile: Profile, lane: Lane) -> SkillStore | None:
         """Skills follow the lane's memory mode: written in `full`, only read in `read`, none in `off`."""
-        if lane.personal_memory == "off" or not self.cfg.skills.enabled:
+        if lane.personal_memory == "off" or not self.settings.skills.enabled:
             return None
         return SkillStore(profile.path, read_only=lane.personal_memory != "full", guard=profile.guard)
 
@@ -162,27 +132,27 @@ class Agent:
             search_lane=lane.session_key if group else None,
             skills=self.lane_skills(profile, lane),
             shared=group or place.shared,
-            write_approval=self.cfg.memory.write_approval,
+            write_approval=self.settings.memory.write_approval,
             reminders=self._reminder_tool(profile, chat, group),
         )
 
     def _reminder_tool(self, profile: Profile, chat: ReminderChat | None, group: bool) -> ReminderTool | None:
         hook = self.reminder_index
-        if chat is None or hook is None or not self.cfg.reminders.enabled:
+        if chat is None or hook is None or not self.settings.reminders.enabled:
             return None
         tenant = profile.tenant_id
 
         async def index(due: float | None, lower_only: bool) -> None:
             await hook(tenant, due, lower_only)
 
-        return ReminderTool(ReminderStore(profile.path), chat, self.cfg.reminders.max_per_tenant, index, group)
+        return ReminderTool(ReminderStore(profile.path), chat, self.settings.reminders.max_per_tenant, index, group)
 
     def _review_toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, only: frozenset[str]) -> ToolBox:
         box = self.toolbox(profile, lane, place, self.lane_memory(profile, lane))
         box.only = only
         return box
 
-    async def _system_for(self, session_id: str, place: ChatPlace, ctx: Any) -> StoredMessage:
+    async def _system_for(self, session_id: str, place: ChatPlace, ctx: TurnContext) -> StoredMessage:
         return await self.system_message(session_id, place, ctx.memory, self.lane_skills(ctx.profile, ctx.lane))
 
     def _prompt_rule(self, place: ChatPlace, memory: MemoryStore | None) -> str:
@@ -190,7 +160,7 @@ class Agent:
         changes (memory mode, visibility rule, audience) the session's prompt is rebuilt."""
         mode = "off" if memory is None else "read" if memory.read_only else "full"
         scope = memory.scope.name if memory is not None else "-"
-        mem = self.cfg.memory
+        mem = self.settings.memory
         place_hash = hashlib.sha256(place.describe().encode("utf-8", "surrogatepass")).hexdigest()[:12]
         return (
             f"v{RULES_VERSION}|{mode}|{scope}|m{int(mem.memory_enabled)}u{int(mem.user_profile_enabled)}|{place_hash}"
@@ -201,23 +171,24 @@ class Agent:
     ) -> StoredMessage:
         """A fresh system prompt with a frozen snapshot of the memory files (and the skill
         index this place may see) as they are now."""
+        mem = self.settings.memory
         snapshot = await memory.load_snapshot() if memory is not None else None
         if snapshot is not None:
             snapshot = type(snapshot)(
-                memory=snapshot.memory if self.cfg.memory.memory_enabled else (),
-                user=snapshot.user if self.cfg.memory.user_profile_enabled else (),
+                memory=snapshot.memory if mem.memory_enabled else (),
+                user=snapshot.user if mem.user_profile_enabled else (),
                 keys=snapshot.keys,
             )
         skill_index = None
         if skills is not None:
             skill_index = render_skill_index(await skills.index(shared_only=place.chat_type != "dm"))
         text = build_system_prompt(
-            agent_name=self.cfg.agent_name,
+            agent_name=self.settings.agent_name,
             place=place,
             snapshot=snapshot,
-            memory_char_limit=self.cfg.memory.memory_char_limit,
-            user_char_limit=self.cfg.memory.user_char_limit,
-            memory_writable=memory is not None and not memory.read_only and self.cfg.memory.write_approval != "block",
+            memory_char_limit=mem.memory_char_limit,
+            user_char_limit=mem.user_char_limit,
+            memory_writable=memory is not None and not memory.read_only and mem.write_approval != "block",
             skill_index=skill_index,
             skills_writable=skills is not None and not skills.read_only,
         )
@@ -232,7 +203,7 @@ class Agent:
     async def open_session(self, profile: Profile, lane: Lane, place: ChatPlace) -> str:
         """The lane's live session, started (with its system prompt) if there is none."""
         session_id, created = await profile.sessions.get_or_start(
-            lane.session_key, source=place.platform, user_id=lane.principal, model=self.cfg.llm.model
+            lane.session_key, source=place.platform, user_id=lane.principal, model=self.settings.llm.model
         )
         if created:
             await profile.sessions.append(await self._fresh_system(session_id, profile, lane, place))
@@ -273,7 +244,7 @@ class Agent:
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:
         """End the lane's session (if any) and route the lane to a fresh one (/new)."""
         old = await profile.sessions.route(lane.session_key)
-        kwargs: dict[str, Any] = {"source": place.platform, "user_id": lane.principal, "model": self.cfg.llm.model}
+        kwargs: dict[str, Any] = {"source": place.platform, "user_id": lane.principal, "model": self.settings.llm.model}
         if old is None:
             session_id = await profile.sessions.start_session(lane.session_key, **kwargs)
         else:
@@ -475,7 +446,7 @@ class Agent:
     async def _tool_loop(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
         toolbox = self.toolbox(ctx.profile, ctx.lane, ctx.place, ctx.memory, ctx.chat)
         store = ctx.profile.sessions
-        max_iter = self.cfg.limits.max_tool_iterations
+        max_iter = self.settings.max_tool_iterations
         for iteration in range(max_iter + 1):
             tools = toolbox.schemas() if iteration < max_iter else None
             try:
@@ -505,7 +476,7 @@ class Agent:
                 await store.append(assistant, idle=True)  # the turn's last write
                 history.append(assistant)
                 if result.cut:
-                    return f"{text}\n\n{cut_notice(self.cfg.llm.answer_timeout_s)}"
+                    return f"{text}\n\n{cut_notice(self.settings.llm.answer_timeout_s)}"
                 return text
             ctx.tool_iterations += 1
             outputs = [assistant]
@@ -558,7 +529,7 @@ class Agent:
 
             kwargs["on_text"] = on_text
         call = asyncio.ensure_future(
-            self.llm.chat(request, tools=tools, max_tokens=self.cfg.llm.answer_max_tokens(), **kwargs)
+            self.llm.chat(request, tools=tools, max_tokens=self.settings.llm.answer_max_tokens(), **kwargs)
         )
         if ctx.stop is None:
             return await call
@@ -599,7 +570,7 @@ class Agent:
         most `compression.max_attempts` compressions per turn. `history` is replaced in place
         by the compressed one (and `ctx.session_id` moves when a child session starts)."""
         comp = self.compression
-        max_attempts = self.cfg.compression.max_attempts
+        max_attempts = self.settings.compression.max_attempts
         while True:
             wire = self._wire(ctx, history)
             if ctx.compressions < max_attempts:

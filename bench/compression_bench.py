@@ -58,7 +58,7 @@ from agent.compression_stages import (
 )
 from agent.messages import StoredMessage
 from agent.tokens import TokenCounter
-from core.settings import parse_config
+from core.settings import AgentSettings, parse_config
 
 WORDS = [
     "the",
@@ -251,7 +251,7 @@ def bench_size(target: int, counter: TokenCounter, repeat: int) -> dict[str, Any
     async def no_system(*_: Any) -> StoredMessage:  # never called: nothing is committed here
         raise AssertionError
 
-    comp = Compressor(cfg, llm=None, tokens=counter, system_factory=no_system)  # type: ignore[arg-type]
+    comp = Compressor(AgentSettings.from_config(cfg), llm=None, tokens=counter, system_factory=no_system)  # type: ignore[arg-type]
     ccfg = cfg.compression
     budget = int(tokens * ccfg.target_ratio)  # threshold x target_ratio, history at the threshold
 

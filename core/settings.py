@@ -404,6 +404,38 @@ class Config(_Section):
         return "off" if self.cluster.enabled else self.delivery.streaming
 
 
+class AgentSettings(BaseModel):
+    """The part of the config the agent reads (agent/): its name, the model, auxiliary
+    models, compression, memory, skills, reminders and the tool-iteration limit. The agent
+    is handed this, never the whole `Config`, so it cannot come to depend on platform,
+    storage or cluster settings. The sections are the validated `Config` sections
+    themselves (`from_config` shares them, it does not copy them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    agent_name: str = "Hermes"
+    llm: LLMConfig = LLMConfig()
+    auxiliary: AuxiliaryConfig = AuxiliaryConfig()
+    compression: CompressionConfig = CompressionConfig()
+    memory: MemoryConfig = MemoryConfig()
+    skills: SkillsConfig = SkillsConfig()
+    reminders: RemindersConfig = RemindersConfig()
+    max_tool_iterations: int = Field(default=LimitsConfig().max_tool_iterations, ge=1)  # limits.max_tool_iterations
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> AgentSettings:
+        return cls(
+            agent_name=cfg.agent_name,
+            llm=cfg.llm,
+            auxiliary=cfg.auxiliary,
+            compression=cfg.compression,
+            memory=cfg.memory,
+            skills=cfg.skills,
+            reminders=cfg.reminders,
+            max_tool_iterations=cfg.limits.max_tool_iterations,
+        )
+
+
 def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():

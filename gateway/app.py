@@ -30,7 +30,7 @@ from core.lanes import Lane, tenant_of_key
 from core.messages import InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from core.protocols import Adapter, ChatAdmins, Closable, Overhears, SkipsEvents
 from core.redact import Redactor
-from core.settings import Config, ConfigError
+from core.settings import AgentSettings, Config, ConfigError
 from core.text import page_text, split_text
 from gateway.access import Access
 from gateway.commands import CommandContext, parse_command, run_command
@@ -207,7 +207,7 @@ class GatewayApp:
         self.llm_monitor = InstrumentedLLM(self.llm, self.metrics)  # counts errors by kind for /metrics
         # InstrumentedLLM proxies the LLMClient: same chat() signature, every other attribute
         # passed through (__getattr__), so the Agent can use it as one
-        self.agent = Agent(cfg, cast(LLMClient, self.llm_monitor), self.tokens)
+        self.agent = Agent(AgentSettings.from_config(cfg), cast(LLMClient, self.llm_monitor), self.tokens)
         self.media = MediaIntake(cfg)
         self.agent.compression.on_outcome = self.metrics.compression  # hermes_compressions_total{outcome}
         self.agent.reviewer.on_outcome = self.metrics.review  # hermes_memory_reviews_total{kind,outcome}

@@ -15,7 +15,7 @@ from agent.compression_stages import (
 )
 from agent.tokens import TokenCounter
 from agent.turn import Agent
-from core.settings import ConfigError, parse_config
+from core.settings import AgentSettings, ConfigError, parse_config
 from gateway.app import GatewayApp
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import reply
@@ -63,7 +63,7 @@ def test_summary_input_redacts_tokens_and_keys() -> None:
 
 def _compressor(**sections) -> Compressor:
     cfg = parse_config(sections)
-    return Compressor(cfg, None, TokenCounter(None), system_factory=None)  # type: ignore[arg-type]
+    return Compressor(AgentSettings.from_config(cfg), None, TokenCounter(None), system_factory=None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("cause, aborts", [("auth", True), ("network", True), ("timeout", False), ("not_found", False)])
@@ -83,7 +83,7 @@ def test_threshold_cannot_collapse_when_max_tokens_is_most_of_the_window() -> No
     # 75% of 32768 = 24576; a max_tokens of 30000 used to leave a threshold of 1 token
     assert compute_threshold_tokens(context_length=32768, threshold=0.5, max_tokens=30000) == 12288
     cfg = parse_config({"llm": {"context_length": 32768, "max_tokens": 24576}})
-    assert Agent(cfg, llm=None, tokens=TokenCounter(None)).threshold_tokens() == 12288  # type: ignore[arg-type]
+    assert Agent(AgentSettings.from_config(cfg), llm=None, tokens=TokenCounter(None)).threshold_tokens() == 12288  # type: ignore[arg-type]
 
 
 def test_max_tokens_not_smaller_than_the_window_is_refused_naming_the_key() -> None:

@@ -389,9 +389,9 @@ def test_block_reason_cooldown_block_and_probe():
 
 
 def _compressor() -> Compressor:
-    from core.settings import parse_config
+    from core.settings import AgentSettings, parse_config
 
-    cfg = parse_config({"llm": {"context_length": 4000}})
+    cfg = AgentSettings.from_config(parse_config({"llm": {"context_length": 4000}}))
 
     async def system_factory(*a):  # pragma: no cover - not used here
         raise AssertionError
@@ -473,7 +473,7 @@ def test_summary_failure_cooldowns_follow_the_seed_ladder(monkeypatch):
 
 def test_agent_threshold_uses_per_model_thresholds_and_the_cap():
     from agent.turn import Agent
-    from core.settings import parse_config
+    from core.settings import AgentSettings, parse_config
 
     cfg = parse_config(
         {
@@ -481,7 +481,7 @@ def test_agent_threshold_uses_per_model_thresholds_and_the_cap():
             "compression": {"model_thresholds": {"glm-5.2": 0.4}},
         }
     )
-    agent = Agent(cfg, llm=None, tokens=TokenCounter(None))  # type: ignore[arg-type]
+    agent = Agent(AgentSettings.from_config(cfg), llm=None, tokens=TokenCounter(None))  # type: ignore[arg-type]
     assert agent.threshold_tokens() == 400_000 - 8000
     cfg = parse_config({"llm": {"context_length": 1_000_000}, "compression": {"threshold_tokens": 120_000}})
-    assert Agent(cfg, llm=None, tokens=TokenCounter(None)).threshold_tokens() == 120_000  # type: ignore[arg-type]
+    assert Agent(AgentSettings.from_config(cfg), llm=None, tokens=TokenCounter(None)).threshold_tokens() == 120_000  # type: ignore[arg-type]

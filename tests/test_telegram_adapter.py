@@ -497,7 +497,7 @@ def test_importing_the_adapter_leaves_the_environment_alone():
 
 
 async def test_polling_and_flood_control_use_public_ptb_api_without_warnings(tg):
-    source = (Path(__file__).resolve().parent.parent / "adapters" / "telegram.py").read_text()
+    source = (Path(__file__).resolve().parent.parent / "adapters" / "telegram" / "adapter.py").read_text()
     assert (
         "._post(" not in source
         and "._request" not in source

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from telegram.warnings import PTBUserWarning
 
 from adapters.telegram import TelegramAdapter, doctor, telegram_commands
-from adapters.telegram_flood import FloodGate, FloodLimits
-from adapters.telegram_format import markdown_to_telegram_html
+from adapters.telegram.flood import FloodGate, FloodLimits
+from adapters.telegram.format import markdown_to_telegram_html
 from core.messages import DeliveryDeferred, InboundMessage, OutboundMessage, SentMessage
 from core.settings import ConfigError, TelegramConfig
 from core.text import utf16_len

@@ -37,8 +37,8 @@ from telegram.error import (
 from telegram.request import HTTPXRequest
 from telegram.warnings import PTBDeprecationWarning, PTBUserWarning
 
-from adapters.telegram_flood import FloodGate, FloodLimits
-from adapters.telegram_format import markdown_to_telegram_html
+from adapters.telegram.flood import FloodGate, FloodLimits
+from adapters.telegram.format import markdown_to_telegram_html
 from core.commands import COMMAND_SPECS
 from core.messages import (
     Attachment,

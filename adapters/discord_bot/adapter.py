@@ -60,7 +60,8 @@ from core.messages import (
 from core.redact import RedactingFilter, Redactor
 from core.settings import ConfigError, DiscordConfig
 
-log = logging.getLogger(__name__)
+# the name the adapter has always logged as (logging settings and the redactor name it)
+log = logging.getLogger("adapters.discord_bot")
 
 DISCORD_API = "https://discord.com/api/v10"
 DISCORD_GATEWAY = "wss://gateway.discord.gg/"
@@ -134,7 +135,7 @@ def _install_redactor(token: str) -> None:
     are not inherited, so each existing logger gets it)."""
     _REDACTOR.redactor.add(token)
     names = [n for n in logging.root.manager.loggerDict if n == "discord" or n.startswith("discord.")]
-    _REDACTOR.attach([*names, "discord", __name__])
+    _REDACTOR.attach([*names, "discord", log.name])
 
 
 def _attachment_kind(content_type: str | None) -> str:

@@ -19,7 +19,7 @@ from urllib.parse import quote
 import pytest
 
 from adapters.telegram import TelegramAdapter
-from adapters.telegram_flood import FloodLimits
+from adapters.telegram.flood import FloodLimits
 from agent.sessions import SessionStore
 from core.errors import LeaseLost
 from core.redact import Redactor

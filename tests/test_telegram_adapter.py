@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from telegram.warnings import PTBUserWarning
 
 from adapters.telegram import TelegramAdapter, doctor, telegram_commands
-from adapters.telegram_flood import FloodGate, FloodLimits
-from adapters.telegram_format import markdown_to_telegram_html
+from adapters.telegram.flood import FloodGate, FloodLimits
+from adapters.telegram.format import markdown_to_telegram_html
 from core.messages import DeliveryDeferred, InboundMessage, OutboundMessage, SentMessage
 from core.settings import ConfigError, TelegramConfig
 from core.text import utf16_len
@@ -497,7 +497,8 @@ def test_importing_the_adapter_leaves_the_environment_alone():
 
 
 async def test_polling_and_flood_control_use_public_ptb_api_without_warnings(tg):
-    source = (Path(__file__).resolve().parent.parent / "adapters" / "telegram.py").read_text()
+    package = Path(__file__).resolve().parent.parent / "adapters" / "telegram"
+    source = "".join(path.read_text() for path in sorted(package.glob("*.py")))
     assert (
         "._post(" not in source
         and "._request" not in source

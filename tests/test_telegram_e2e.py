@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from adapters.telegram import TelegramAdapter
-from adapters.telegram_flood import FloodLimits
+from adapters.telegram.flood import FloodLimits
 from core.text import utf16_len
 from gateway.app import GatewayApp
 from tests.fakes.llm import last_user_text, memory_saving_responder, reply

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.telegram_format import markdown_to_telegram_html
+from adapters.telegram.format import markdown_to_telegram_html
 from core.text import utf16_len
 from tests.fakes.telegram_api import _parse_html
 

@@ -109,6 +109,19 @@ def test_from_config_names_the_missing_variable(monkeypatch):
 
 
 # ---------------------------------------------------------------------- connect + normalise
+async def test_voice_warnings_stay_out_of_the_log_the_gateway_never_uses_voice(h, caplog, monkeypatch):
+    import discord
+
+    # discord.py warns once a process, at its first client; make this client the first
+    monkeypatch.setattr(discord.VoiceClient, "warn_nacl", True)
+    monkeypatch.setattr(discord.VoiceClient, "warn_dave", True)
+    with caplog.at_level(logging.WARNING):
+        adapter = await h.start()
+    assert adapter.status == "connected"
+    assert not discord.VoiceClient.warn_nacl, "the client did not get to its voice check"
+    assert not [r for r in caplog.records if "voice" in r.getMessage()]
+
+
 async def test_connects_identifies_with_message_content_intent(h):
     adapter = await h.start()
     assert adapter.status == "connected"

@@ -59,9 +59,18 @@ _REDACTOR = RedactingFilter(
 )
 
 
+def _voice_unused(record: logging.LogRecord) -> bool:
+    """discord.py warns at the first client that PyNaCl and davey are missing, so "voice will
+    NOT be supported": the gateway never joins voice, so the warning says nothing true here."""
+    return not (isinstance(record.msg, str) and record.msg.endswith("voice will NOT be supported"))
+
+
 def _install_redactor(token: str) -> None:
     """Attach the redacting filter to every discord.py logger and ours (logger filters
     are not inherited, so each existing logger gets it)."""
     _REDACTOR.redactor.add(token)
     names = [n for n in logging.root.manager.loggerDict if n == "discord" or n.startswith("discord.")]
     _REDACTOR.attach([*names, "discord", log.name])
+    client_log = logging.getLogger("discord.client")
+    if _voice_unused not in client_log.filters:
+        client_log.addFilter(_voice_unused)

@@ -65,8 +65,8 @@ from agent.sessions import SessionStore
 from core.errors import LaneMoved
 from core.lanes import Lane
 from core.messages import InboundMessage
-from gateway.admin import dm_chats
 from gateway.kv import KeyValue, SqliteKV
+from gateway.tenants import dm_chats
 from tenancy.keys import link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
 from tenancy.merge import PENDING_MARKER, merge_profiles
 from tenancy.merge import Swap as _Swap

@@ -1,12 +1,14 @@
 """Claim + complete throughput of the cluster PostgreSQL layer with 1, 2 and 3 nodes.
 
-Each node is a separate process with its own asyncio loop and connection pool (as separate
-gateway nodes would be). Per round: a fresh schema, `--messages` messages spread over
-`--lanes` lanes, then every node loops: claim the oldest free lane, take the tenant's
-lease, and for each pending message record a one-chunk reply (`finish_turn`) and mark it
-sent (`mark_sent`), then release the lane; until nothing is left. No model, no platform:
-this is the database's share of a turn. The tenant lease is released with the lane. Prints messages/s per node count, median of
-`--runs` runs with min–max spread.
+Each node is a separate process with its own asyncio loop, a real `ClusterNode` (pool,
+registration, heartbeats, tenant leases) and the node's real outbox
+(`gateway.cluster.ledger.ClusterOutbox`). Per round: a fresh schema, `--messages`
+messages spread over `--lanes` lanes, then every node loops: claim the oldest free lane,
+hold the tenant's lease, and for each pending message record a one-chunk reply and mark
+the message answered (`ClusterOutbox.record`), take the chunk (`next_for`) and mark it sent
+(`mark_sent`), then release the lane and the lease; until nothing is left. No model, no
+platform: this is the database's share of a turn. Prints messages/s per node count, median
+of `--runs` runs with min–max spread.
 
     .venv/bin/python bench/cluster_claim_bench.py [--messages 3000] [--lanes 300] [--runs 3] [--dsn DSN]
 """
@@ -22,16 +24,20 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from core.messages import InboundMessage
+from core.settings import ClusterConfig
 from gateway.cluster.db import open_pool
 from gateway.cluster.inbox import Inbound, claim_lane, record_inbound, release_lane
-from gateway.cluster.leases import acquire_lease, register_node, release_lease
+from gateway.cluster.ledger import ClusterOutbox
 from gateway.cluster.migrations import migrate
-from gateway.cluster.outbox import finish_turn, mark_sent, unsent_replies
+from gateway.cluster.node import ClusterNode, LeaseBusy
+from gateway.outbox import Draft
 
 TTL = 30.0
 
@@ -50,27 +56,41 @@ async def _fill(dsn: str, schema: str, messages: int, lanes: int) -> None:
 
 
 async def _node(dsn: str, schema: str, node_id: str, ready: mp.Queue, go: mp.Event) -> int:  # type: ignore[valid-type]
-    pool = await open_pool(dsn, schema=schema, max_size=2)
+    sep = "&" if "?" in dsn else "?"
+    cfg = ClusterConfig(postgres_dsn_env="HERMES_BENCH_DSN", node_id=node_id, lease_ttl_s=TTL)
+    node = ClusterNode(cfg, f"{dsn}{sep}options={quote(f'-c search_path={schema}')}", pool_size=2)
+    outbox = ClusterOutbox(node)
     done = 0
+    await node.start()
     try:
-        await register_node(pool, node_id, TTL)
         ready.put(node_id)
         await asyncio.to_thread(go.wait)  # every node connected before the clock starts
-        while (claim := await claim_lane(pool, node_id)) is not None:
-            lease = await acquire_lease(pool, claim.tenant, node_id, TTL)
-            if lease is None:  # another node still holds the tenant: leave the lane for later
-                await release_lane(pool, node_id, claim.lane)
+        while (claim := await claim_lane(node.pool, node_id)) is not None:
+            try:
+                held = await node.hold(claim.tenant)
+            except LeaseBusy:  # another node still holds the tenant: leave the lane for later
+                await release_lane(node.pool, node_id, claim.lane)
                 continue
+            node.claims[claim.lane] = held
             for msg in claim.messages:
-                await finish_turn(pool, lease, node_id, msg.id, [{"text": f"reply to {msg.message_id}"}])
-                for entry in await unsent_replies(pool, claim.lane):
-                    await mark_sent(pool, lease, node_id, entry)
+                inbound = InboundMessage(
+                    platform=msg.platform,
+                    chat_id=msg.chat_id,
+                    chat_type="dm",
+                    user_id=msg.chat_id,
+                    message_id=msg.message_id,
+                )
+                reply = Draft(msg.platform, msg.chat_id, None, f"reply to {msg.message_id}")
+                await outbox.record([reply], finish=[(inbound, "answered")], source=inbound)
+                while (chunk := await outbox.next_for(msg.platform, msg.chat_id)) is not None:
+                    await outbox.mark_sent(chunk.id, f"sent-{chunk.id}")
                 done += 1
-            await release_lane(pool, node_id, claim.lane)
-            await release_lease(pool, lease)  # a real node keeps it while the profile stays open
+            del node.claims[claim.lane]
+            await release_lane(node.pool, node_id, claim.lane)
+            await node.unhold(held)  # a real node keeps it while the profile stays open
         return done
     finally:
-        await pool.close()
+        await node.stop()
 
 
 def _node_process(

@@ -60,13 +60,13 @@ from tenancy.keys import resolve_lane
 from tenancy.profiles import ProfileManager
 
 if TYPE_CHECKING:
-    from gateway.admin import RunLock
     from gateway.cluster.claims import ClaimWorkers
     from gateway.cluster.inbox import Claim
     from gateway.cluster.ingress import IngressElection
     from gateway.cluster.ledger import ClusterOutbox
     from gateway.cluster.node import ClusterNode, HeldLease
     from gateway.observability import Observability
+    from gateway.runlock import RunLock
 
 log = logging.getLogger("hermes.gateway")
 
@@ -270,7 +270,7 @@ class GatewayApp:
             raise
 
     async def _start(self) -> None:
-        from gateway.admin import RunLock
+        from gateway.runlock import RunLock
 
         private_mkdir(self.cfg.data_dir)
         # one gateway per data dir; cluster nodes share it (each node's lease is its own lock)

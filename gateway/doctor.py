@@ -93,7 +93,7 @@ def check_tokens() -> tuple[bool, str]:
 async def run_doctor(cfg: Config, *, deep: bool = False) -> int:
     """Print one line per check ([ok], [warn] or [FAIL]); exit status 1 if any failed.
     `deep` runs SQLite's integrity_check on every profile's state.db."""
-    from gateway.admin import check_profiles
+    from gateway.tenants import check_profiles
 
     results: list[tuple[bool | None, str, str]] = [(True, "config", "valid")]
     ok, detail = check_data_dir(cfg)

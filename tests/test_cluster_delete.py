@@ -8,8 +8,9 @@ import asyncio
 import json
 from urllib.parse import quote
 
-from gateway.admin import delete_tenant, find_tenant
 from gateway.app import GatewayApp
+from gateway.cluster.erase import delete_tenant_everywhere
+from gateway.tenants import find_tenant
 from tests.conftest import RecordingAdapter, dm, make_config, say
 from tests.pg import DSN, require_postgres
 
@@ -85,7 +86,7 @@ async def test_profiles_delete_in_cluster_mode_removes_the_persons_postgresql_ro
         cluster={"postgres_dsn_env": "HERMES_DELETE_TEST_DSN"},
         tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}},
     )
-    report = await asyncio.to_thread(delete_tenant, cfg, find_tenant(cfg, "telegram:111"))
+    report = await asyncio.to_thread(delete_tenant_everywhere, cfg, find_tenant(cfg, "telegram:111"))
     assert report.shared_rows > 0
     assert await _rows(pool, "SELECT tenant FROM inbox") == [("telegram-333",)]
     assert await _rows(pool, "SELECT tenant FROM outbox") == [("telegram-333",)]

@@ -473,7 +473,7 @@ async def test_an_answer_stored_in_the_profile_but_never_recorded_is_sent_by_the
 
 
 async def test_nodes_share_the_data_dir_but_a_single_node_gateway_is_kept_out(tg, fake_llm, node_config, config_for):
-    from gateway.admin import AdminError
+    from gateway.runlock import AdminError
 
     async with cluster(node_config, "n1", "n2"):
         single = GatewayApp(config_for(), [])

@@ -16,26 +16,21 @@ import pytest
 
 from core.settings import parse_config
 from gateway.cli import main as cli_main
-from gateway.cluster.codes import (
-    get_identity_link,
-    get_link_code,
-    get_pairing_code,
-    put_identity_link,
-    put_link_code,
-    put_pairing_code,
-)
 from gateway.cluster.db import ClusterError, Pool, open_pool
 from gateway.cluster.inbox import (
     CLAIM_SQL,
     Inbound,
     NotClaimed,
     claim_lane,
+    lock_claimed_lane,
     pending_messages,
     record_inbound,
+    refresh_lane_head,
     release_lane,
 )
 from gateway.cluster.leases import (
     FencedOut,
+    Lease,
     acquire_lease,
     fenced,
     heartbeat,
@@ -44,7 +39,6 @@ from gateway.cluster.leases import (
     renew_lease,
 )
 from gateway.cluster.migrations import LATEST, migrate, schema_version
-from gateway.cluster.outbox import finish_turn, mark_sent, unsent_replies
 from gateway.cluster.wakeups import InboxWakeups
 from tests.pg import DSN, ensure_server_running, pg_cluster, require_postgres, second_pool
 
@@ -80,6 +74,20 @@ async def _time_passes_for_lease(pool: Pool, tenant: str) -> None:
         await conn.execute(
             "UPDATE tenant_leases SET expires_at = now() - interval '1 second' WHERE tenant = %s", (tenant,)
         )
+
+
+async def _done(pool: Pool, lease: Lease, node_id: str, inbox_id: int) -> None:
+    """Finish a claimed message without a reply the way the node's outbox does
+    (gateway/cluster/ledger.py): fenced by the tenant lease, on a lane this node holds, and
+    the lane's head moves on."""
+    async with fenced(pool, lease) as conn:
+        lane = (await (await conn.execute("SELECT lane FROM inbox WHERE id = %s", (inbox_id,))).fetchone())["lane"]
+        await lock_claimed_lane(conn, lane, node_id)
+        await conn.execute(
+            "UPDATE inbox SET answered_at = now(), done_epoch = %s, done_at = now() WHERE id = %s",
+            (lease.epoch, inbox_id),
+        )
+        await refresh_lane_head(conn, lane)
 
 
 # --- migrations -----------------------------------------------------------------------------
@@ -249,7 +257,7 @@ async def test_messages_of_a_lane_run_in_arrival_order_and_completion_moves_the_
     lease = await acquire_lease(pool, "t", "node-a", TTL)
     claim = await claim_lane(pool, "node-a")
     assert [m.message_id for m in claim.messages] == ["1", "2", "3"]
-    await finish_turn(pool, lease, "node-a", claim.messages[0].id, [])  # no reply: done at once
+    await _done(pool, lease, "node-a", claim.messages[0].id)
     await release_lane(pool, "node-a", "L")
     claim = await claim_lane(pool, "node-a")
     assert [m.message_id for m in claim.messages] == ["2", "3"]
@@ -270,11 +278,11 @@ async def test_the_lane_of_an_expired_node_is_claimed_by_another_and_the_old_nod
 
     assert not await heartbeat(pool, "node-a", TTL)  # node-a learns it was expired
     with pytest.raises(NotClaimed):  # its tenant lease is still current, but the lane is gone
-        await finish_turn(pool, lease_a, "node-a", claim_a.messages[0].id, [{"text": "late"}])
+        await _done(pool, lease_a, "node-a", claim_a.messages[0].id)
     assert not await release_lane(pool, "node-a", "L")
     with pytest.raises(NotClaimed):
         await claim_lane(pool, "node-a")
-    assert await unsent_replies(pool, "L") == []
+    assert [m.message_id for m in await pending_messages(pool, "L")] == ["1"]  # the late write left nothing
 
 
 async def test_claim_with_100k_pending_rows_uses_the_claimable_index(pool):
@@ -328,83 +336,6 @@ async def test_a_recorded_message_wakes_a_listening_node_of_the_same_schema_only
         await other.close()
         async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as admin:
             await admin.execute(f'DROP SCHEMA "{other_schema}" CASCADE')
-
-
-# --- outbox ---------------------------------------------------------------------------------
-
-
-async def test_unsent_replies_are_resent_in_order_after_a_takeover(pool, schema):
-    await register_node(pool, "node-a", TTL)
-    await record_inbound(pool, _msg("L", "1", tenant="t"))
-    await record_inbound(pool, _msg("L", "2", tenant="t"))
-    lease_a = await acquire_lease(pool, "t", "node-a", TTL)
-    claim = await claim_lane(pool, "node-a")
-    first, second = claim.messages
-    await finish_turn(pool, lease_a, "node-a", first.id, [{"text": "1a"}, {"text": "1b"}, {"text": "1c"}])
-    sent = (await unsent_replies(pool, "L"))[0]
-    await mark_sent(pool, lease_a, "node-a", sent)  # "1a" went out, then node-a froze
-
-    other = await _second_pool(schema)
-    try:
-        await register_node(other, "node-b", TTL)
-        await _time_passes_for_node(other, "node-a")
-        await _time_passes_for_lease(other, "t")
-        lease_b = await acquire_lease(other, "t", "node-b", TTL)
-        assert lease_b is not None and lease_b.epoch == lease_a.epoch + 1
-        claim_b = await claim_lane(other, "node-b")
-        assert claim_b is not None and [m.answered for m in claim_b.messages] == [True, False]
-
-        unsent = await unsent_replies(other, "L")
-        assert [e.body["text"] for e in unsent] == ["1b", "1c"]
-        with pytest.raises(FencedOut):  # node-a wakes up and tries to go on
-            await mark_sent(pool, lease_a, "node-a", unsent[0])
-        with pytest.raises(FencedOut):
-            await finish_turn(pool, lease_a, "node-a", second.id, [{"text": "from a stale node"}])
-
-        for entry in unsent:
-            await mark_sent(other, lease_b, "node-b", entry)
-        await finish_turn(other, lease_b, "node-b", second.id, [{"text": "2a"}, {"text": "2b"}])
-        assert [e.body["text"] for e in await unsent_replies(other, "L")] == ["2a", "2b"]
-        for entry in await unsent_replies(other, "L"):
-            await mark_sent(other, lease_b, "node-b", entry)
-        assert await pending_messages(other, "L") == []
-        async with other.connection() as conn:
-            rows = await (
-                await conn.execute("SELECT body->>'text' AS t, sent_epoch FROM outbox ORDER BY inbox_id, seq")
-            ).fetchall()
-        assert [(r["t"], r["sent_epoch"]) for r in rows] == [("1a", 1), ("1b", 2), ("1c", 2), ("2a", 2), ("2b", 2)]
-    finally:
-        await other.close()
-
-
-async def test_a_turn_answered_twice_keeps_its_first_reply(pool):
-    await register_node(pool, "node-a", TTL)
-    await record_inbound(pool, _msg("L", "1", tenant="t"))
-    lease = await acquire_lease(pool, "t", "node-a", TTL)
-    claim = await claim_lane(pool, "node-a")
-    ids = await finish_turn(pool, lease, "node-a", claim.messages[0].id, [{"text": "first"}])
-    again = await finish_turn(pool, lease, "node-a", claim.messages[0].id, [{"text": "second"}])
-    assert again == ids
-    assert [e.body["text"] for e in await unsent_replies(pool, "L")] == ["first"]
-
-
-# --- pairing, link codes, identity links ----------------------------------------------------
-
-
-async def test_codes_and_identity_links_round_trip_and_codes_expire(pool):
-    await put_pairing_code(pool, "PAIR1", "telegram", "111", ttl_s=60)
-    got = await get_pairing_code(pool, "PAIR1")
-    assert got is not None and (got.platform, got.user_id) == ("telegram", "111")
-    await put_link_code(pool, "LINK1", "discord:222", ttl_s=60)
-    assert (await get_link_code(pool, "LINK1")).principal == "discord:222"
-    async with pool.connection() as conn:
-        await conn.execute("UPDATE link_codes SET expires_at = now() - interval '1 second'")
-    assert await get_link_code(pool, "LINK1") is None
-    assert await get_pairing_code(pool, "nope") is None
-    await put_identity_link(pool, "telegram:111", "alice")
-    await put_identity_link(pool, "discord:222", "alice")
-    assert await get_identity_link(pool, "discord:222") == "alice"
-    assert await get_identity_link(pool, "discord:999") is None
 
 
 # --- the CLI --------------------------------------------------------------------------------

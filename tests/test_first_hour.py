@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.admin import RunLock
 from gateway.cli import build_parser
+from gateway.runlock import RunLock
 from tenancy.keys import person_tenant_id, tenant_dir
 from tests.fakes.llm import FakeLLM, error, hang
 

@@ -293,7 +293,7 @@ async def test_a_descriptor_limit_with_many_new_people_drops_nobody(tmp_path, fa
 async def test_doctor_names_each_damaged_profile_and_deep_finds_what_the_cheap_checks_cannot(
     tmp_path, config_for, fake_llm
 ):
-    from gateway.admin import check_profiles
+    from gateway.tenants import check_profiles
     from tenancy.profiles import journal_records
 
     cfg = config_for(limits=LIMITS)

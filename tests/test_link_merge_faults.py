@@ -9,6 +9,7 @@ import threading
 import time
 
 import gateway.linking as linking_mod
+import tenancy.merge as merge_mod
 from gateway.app import GatewayApp
 from tenancy.keys import link_tenant_id, tenant_dir
 from tests.conftest import RecordingAdapter, dm, say
@@ -147,7 +148,7 @@ async def test_crash_after_the_swap_before_the_link_is_recorded_is_undone_on_the
 
     monkeypatch.setattr(linking_mod.Linking, "_merge_and_link", merge_then_die)
     await _third_account_joins(app, dc, tc)
-    assert (linked_dir / linking_mod.PENDING_MARKER).exists()  # the crash state on disk
+    assert (linked_dir / merge_mod.PENDING_MARKER).exists()  # the crash state on disk
     await app.stop()
     monkeypatch.undo()
 
@@ -176,11 +177,11 @@ async def test_crash_after_the_link_is_recorded_finishes_the_merge_on_the_next_s
     def die(self):
         raise _Crash()  # the link is recorded; the process dies before tidying up
 
-    monkeypatch.setattr(linking_mod._Swap, "forget", die)
+    monkeypatch.setattr(merge_mod.Swap, "forget", die)
     await _third_account_joins(app, dc, tc)
     await app.stop()
     monkeypatch.undo()
-    assert (linked_dir / linking_mod.PENDING_MARKER).exists()
+    assert (linked_dir / merge_mod.PENDING_MARKER).exists()
 
     tc2 = RecordingAdapter("testchat")
     app = GatewayApp(cfg, [RecordingAdapter("telegram"), RecordingAdapter("discord"), tc2])
@@ -188,7 +189,7 @@ async def test_crash_after_the_link_is_recorded_finishes_the_merge_on_the_next_s
     try:
         assert await app.drain(10)
         assert app.links.name_for("testchat:777") == name
-        assert not (linked_dir / linking_mod.PENDING_MARKER).exists()
+        assert not (linked_dir / merge_mod.PENDING_MARKER).exists()
         assert not [p for p in (cfg.data_dir / "profiles").iterdir() if p.name.startswith(".link")]
         assert "agent:main:testchat:dm:dm-777" in routes(linked_dir)
         assert not tenant_dir(cfg.data_dir, "testchat-777").exists()

@@ -9,8 +9,8 @@ import sqlite3
 import time
 
 from gateway.app import GatewayApp
-from gateway.linking import combine_entries
 from tenancy.keys import link_tenant_id, tenant_dir
+from tenancy.merge import combine_entries
 from tests.conftest import RecordingAdapter, dm, group, say
 from tests.fakes.llm import memory_saving_responder, tool_call
 
@@ -343,7 +343,8 @@ async def test_link_needs_issuer_confirmation(config_for, fake_llm):
 
 
 async def test_unlink_removes_principal_and_admin_resolves_live_link(config_for, fake_llm, tmp_path):
-    from gateway.admin import AdminError, delete_tenant, find_tenant
+    from gateway.runlock import AdminError
+    from gateway.tenants import delete_tenant, find_tenant
 
     fake_llm.responder = memory_saving_responder
     cfg = config_for(limits={"rate_limit_per_minute": 100})
@@ -463,7 +464,7 @@ async def test_link_merge_keeps_each_entrys_visibility(config_for, fake_llm):
 
 def test_merge_keeps_an_entry_private_when_any_copy_was_private():
     from agent.visibility import entry_key
-    from gateway.linking import combine_marks
+    from tenancy.merge import combine_marks
 
     lists = [["both", "only-a"], ["both", "only-b"]]
     marks = [

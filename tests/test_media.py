@@ -19,10 +19,11 @@ from agent.media import IMAGE_TOKENS, resolve
 from agent.messages import StoredMessage
 from agent.tokens import TokenCounter
 from core.messages import Attachment, DownloadError, InboundMessage
-from gateway.admin import backup_data_dir, delete_tenant, export_profile, find_tenant
 from gateway.app import GatewayApp
+from gateway.backup import backup_data_dir
 from gateway.media import MediaIntake
 from gateway.media_checks import check_transcription, check_vision
+from gateway.tenants import delete_tenant, export_profile, find_tenant
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter
 from tests.fakes.llm import FakeLLM, image_urls, message_text, reply

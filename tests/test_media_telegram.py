@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from adapters.telegram import TelegramAdapter
-from gateway.admin import backup_data_dir, export_profile, find_tenant
 from gateway.app import GatewayApp
+from gateway.backup import backup_data_dir
+from gateway.tenants import export_profile, find_tenant
 from tenancy.keys import tenant_dir
 from tests.fakes.llm import image_urls, last_user_text, tool_call
 from tests.fakes.telegram_api import FakeTelegram

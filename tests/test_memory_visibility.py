@@ -398,7 +398,7 @@ async def test_group_view_writes_keep_hidden_entries_in_place(tmp_path):
 async def test_export_shows_each_entry_with_its_visibility(config_for, fake_llm, tmp_path):
     import tarfile
 
-    from gateway.admin import export_profile, find_tenant
+    from gateway.tenants import export_profile, find_tenant
 
     fake_llm.responder = memory_saving_responder
     cfg = config_for()

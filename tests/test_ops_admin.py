@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from agent.sessions import SessionStore
-from gateway.admin import AdminError, RunLock, backup_data_dir, gateway_running
 from gateway.app import GatewayApp
+from gateway.backup import backup_data_dir
 from gateway.cli import main as cli_main
+from gateway.runlock import AdminError, RunLock, gateway_running
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import memory_saving_responder

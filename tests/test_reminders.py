@@ -331,7 +331,7 @@ async def test_a_link_merge_carries_both_profiles_reminders_indexed_and_firing(c
 
 
 async def test_deleting_a_person_removes_the_reminders_they_set_in_a_shared_thread(config_for, fake_llm):
-    from gateway.admin import delete_tenant, find_tenant
+    from gateway.tenants import delete_tenant, find_tenant
 
     cfg = config_for()
     in_thread = lambda who: lambda t: group("g3", who, t, thread_id="t9")  # noqa: E731

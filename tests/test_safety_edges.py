@@ -72,7 +72,8 @@ async def test_every_file_under_data_dir_is_owner_only_whatever_the_umask(config
     """A full tour (DMs, groups, memory, provider notes, /export, /link merge, a burnt code,
     profiles export/restore, backup/restore) under a permissive umask leaves no file
     anyone but the owner can read, in the data directory, the exports or the backups."""
-    from gateway.admin import backup_data_dir, export_profile, find_tenant, restore_data_dir, restore_profile
+    from gateway.backup import backup_data_dir, restore_data_dir
+    from gateway.tenants import export_profile, find_tenant, restore_profile
     from tests.fakes.llm import memory_saving_responder
     from tests.test_linking import code_in, confirm
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from agent.skills import MAX_SKILL_CHARS, SkillStore, render_skill_index
-from gateway.admin import backup_data_dir, delete_tenant, export_profile, find_tenant
+from gateway.backup import backup_data_dir
+from gateway.tenants import delete_tenant, export_profile, find_tenant
 from tenancy.keys import tenant_dir
 from tests.conftest import dm, group, say
 from tests.conftest import running_gateway as gateway

@@ -1,6 +1,8 @@
-"""Cluster mode's PostgreSQL layer (preview): membership, tenant leases with fencing, the
-shared inbox with lane claims, the outbox, shared identity state (`identity`, `shared_kv`,
-`links`), ingress election (`ingress`) and the cluster health check (`health`).
+"""Cluster mode: several `hermes-gateway run` nodes on one PostgreSQL (docs/cluster.md).
 
-`hermes-gateway cluster migrate|status` use it; the run loop does not yet.
+Membership and tenant leases with a fencing epoch (`node`, `leases`), the shared inbox with
+lane claims (`inbox`, `claims`, `wakeups`), the node's inbox and outbox (`ledger`), shared
+identity state (`identity`, `shared_kv`, `links`), ingress election (`ingress`), the
+cluster part of `/healthz` (`health`), `cluster status` (`status`), schema migrations and
+the PostgreSQL rows of `profiles delete` (`erase`).
 """

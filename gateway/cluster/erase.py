@@ -1,6 +1,6 @@
 """`profiles delete` in cluster mode: a person's rows in PostgreSQL go with their profile.
 
-The profile directory and gateway.db are scrubbed by gateway/admin.py; this removes what
+The profile directory and gateway.db are scrubbed by gateway/tenants.py; this removes what
 the nodes share: inbox and outbox rows of the tenant and of its private chats (and pending
 messages from its accounts elsewhere), its lanes and lease, pairing and link codes, the
 `shared_kv` rows that name its accounts, and its identity links. Run with every node
@@ -10,10 +10,11 @@ stopped, like `profiles delete` itself.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from core.settings import Config
-from gateway.admin import kv_principals
 from gateway.cluster.db import Pool, dsn_from_env, open_pool
+from gateway.tenants import DeleteReport, TenantInfo, delete_tenant, kv_principals
 from tenancy.keys import link_tenant_id
 
 
@@ -57,7 +58,7 @@ async def erase_tenant(pool: Pool, tenant_id: str, principals: set[str], chats: 
 
 
 def erase_tenant_now(cfg: Config, tenant_id: str, principals: set[str], chats: set[tuple[str, str]]) -> int:
-    """`erase_tenant` from the admin command (no event loop running)."""
+    """`erase_tenant` from `profiles delete` (no event loop running)."""
 
     async def run() -> int:
         pool = await open_pool(dsn_from_env(cfg.cluster.postgres_dsn_env or ""), max_size=1)
@@ -69,4 +70,10 @@ def erase_tenant_now(cfg: Config, tenant_id: str, principals: set[str], chats: s
     return asyncio.run(run())
 
 
-__all__ = ["erase_tenant", "erase_tenant_now"]
+def delete_tenant_everywhere(cfg: Config, info: TenantInfo) -> DeleteReport:
+    """`profiles delete` in cluster mode: the profile and gateway.db (`delete_tenant`), then
+    the tenant's rows in PostgreSQL, under the same run lock."""
+    return delete_tenant(cfg, info, erase_shared=partial(erase_tenant_now, cfg))
+
+
+__all__ = ["delete_tenant_everywhere", "erase_tenant", "erase_tenant_now"]

@@ -1,4 +1,9 @@
-"""The `hermes-gateway` command line: run, chat, doctor, init (and the admin commands of gateway/admin.py)."""
+"""`run` (every enabled platform, until SIGINT/SIGTERM) and `chat` (the console).
+
+Stopping always stops (docs/operator-guide.md#stopping): from the first signal on, the
+process ends within the drain timeout plus `STOP_GRACE_S` whatever is stuck, and a second
+signal ends it at once; every store is crash-safe, so what was recorded comes again.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +12,46 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.settings import Config, ConfigError, load_config
-from gateway.admin import CONFIG_HELP, AdminError
-from gateway.faults import StartupError
+from core.settings import Config, ConfigError
+from gateway.cli.common import command_name, setup_logging
 
 if TYPE_CHECKING:
     from agent.llm import LLMError
     from core.protocols import Adapter
 
-DEFAULT_CONFIG = "hermes-gateway.yaml"
+
+def register_run(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("run", help="run every enabled platform until SIGINT/SIGTERM")
 
 
-def setup_logging(cfg: Config | None, *, quiet: bool = False) -> None:
-    """stderr logging as `logging.format` says (text or JSON lines), with secrets redacted."""
-    from gateway.logs import configure_logging
+def register_chat(sub: argparse._SubParsersAction) -> None:
+    chat = sub.add_parser("chat", help="talk to the agent on the console (works with piped stdin)")
+    chat.add_argument("--user", default=os.environ.get("USER", "me"), help="who is speaking (default: $USER)")
+    chat.add_argument("--group", default=None, metavar="ROOM", help="speak in a group room instead of a DM")
 
-    configure_logging(cfg, quiet=quiet)
+
+def cmd_run(cfg: Config, args: argparse.Namespace) -> int:
+    setup_logging(cfg)
+    if cfg.cluster.enabled:
+        return _run_node(cfg)
+    return asyncio.run(_run(cfg))
+
+
+def cmd_chat(cfg: Config, args: argparse.Namespace) -> int:
+    if cfg.cluster.enabled:
+        raise ConfigError(
+            f"{args.config}: cluster.postgres_dsn_env is set; `chat` is single-node only "
+            "(use a config without the cluster section for the console)"
+        )
+    setup_logging(cfg, quiet=True)
+    # the conversation is on stdout; retries and warnings would only clutter the terminal
+    logging.getLogger().setLevel(logging.ERROR)
+    return asyncio.run(_chat(cfg, args.user, args.group, args.config))
 
 
 def build_adapters(cfg: Config) -> list:
@@ -54,7 +76,7 @@ async def _run(cfg: Config) -> int:
 
     def stopping() -> None:
         # from the first signal on, the process ends within the drain plus STOP_GRACE_S
-        # whatever is stuck, and a second signal ends it at once (README "Stopping")
+        # whatever is stuck, and a second signal ends it at once (docs/operator-guide.md#stopping)
         stop.set()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -218,155 +240,3 @@ def _explain_llm_error(err: LLMError, config_path: str) -> str:
         f"({err.detail} — llm.base_url and llm.model are in {config_path}; "
         f"check them with `{command_name()} doctor -c {config_path}`)"
     )
-
-
-def command_name() -> str:
-    """How to run this program again from the current directory; it may not be on PATH
-    (after `make install` it is `.venv/bin/hermes-gateway`)."""
-    candidates = [Path(sys.argv[0])] if Path(sys.argv[0]).name == "hermes-gateway" else []
-    candidates.append(Path(sys.prefix) / "bin" / "hermes-gateway")
-    on_path = shutil.which("hermes-gateway")
-    for exe in candidates:
-        if not exe.exists():
-            continue
-        if on_path and Path(on_path).resolve() == exe.resolve():
-            return "hermes-gateway"
-        rel = os.path.relpath(exe)
-        return rel if not rel.startswith("..") else str(exe)
-    return "hermes-gateway"
-
-
-def cmd_init(args: argparse.Namespace) -> int:
-    from gateway.starter import STARTER_CONFIG
-
-    path = Path(args.config)
-    if path.is_dir():
-        raise ConfigError(f"{path} is a directory; give init the config file to write, e.g. -c {path / DEFAULT_CONFIG}")
-    if path.exists() and not args.force:
-        print(f"{path} already exists (use --force to overwrite).", file=sys.stderr)
-        return 1
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(STARTER_CONFIG, encoding="utf-8")
-    cmd = command_name()
-    make = " (or `make run`)" if str(path) == DEFAULT_CONFIG and Path("Makefile").is_file() else ""
-    print(
-        f"Wrote {path}. Edit llm.base_url and llm.model in it, check them with "
-        f"`{cmd} doctor -c {path}`, then chat with `{cmd} chat -c {path} --user you`{make}."
-    )
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hermes-gateway", description="One LLM agent on Discord and Telegram, one memory per person."
-    )
-    parser.add_argument(
-        "-c", "--config", default=os.environ.get("HERMES_GATEWAY_CONFIG", DEFAULT_CONFIG), help=CONFIG_HELP
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="run every enabled platform until SIGINT/SIGTERM")
-    chat = sub.add_parser("chat", help="talk to the agent on the console (works with piped stdin)")
-    chat.add_argument("--user", default=os.environ.get("USER", "me"), help="who is speaking (default: $USER)")
-    chat.add_argument("--group", default=None, metavar="ROOM", help="speak in a group room instead of a DM")
-    doctor = sub.add_parser("doctor", help="check the config, the data directory, the model and the platforms")
-    doctor.add_argument("--deep", action="store_true", help="also run integrity_check on every profile's state.db")
-    init = sub.add_parser("init", help="write a commented starter config (parent directories are created)")
-    init.add_argument("--force", action="store_true", help="overwrite an existing file")
-    for extra in _EXTRA_COMMANDS:
-        extra(sub)
-    # the global -c may also come after the subcommand
-    for p in sub.choices.values():
-        p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line; every failure a person can cause ends in one message and a
-    non-zero exit: 2 for a config problem, 1 for a refusal, 130 after Ctrl-C."""
-    os.umask(0o077)  # belt and braces: every file the gateway creates is owner-only anyway
-    try:
-        code = _dispatch(build_parser().parse_args(argv))
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
-        return code
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
-    except (AdminError, StartupError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `... | head` closed our stdout: stop quietly
-        _silence_stdout()
-        return 141
-    except OSError as err:
-        where = f"{err.filename}: " if err.filename else ""
-        print(f"error: {where}{err.strerror or err}", file=sys.stderr)
-        return 1
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "init":
-        return cmd_init(args)
-    cfg = load_config(args.config)
-    if args.command == "doctor":
-        from gateway.doctor import run_doctor
-
-        setup_logging(cfg, quiet=True)
-        return asyncio.run(run_doctor(cfg, deep=args.deep))
-    if args.command == "chat" and cfg.cluster.enabled:
-        raise ConfigError(
-            f"{args.config}: cluster.postgres_dsn_env is set; `chat` is single-node only "
-            "(use a config without the cluster section for the console)"
-        )
-    if args.command == "chat":
-        setup_logging(cfg, quiet=True)
-        # the conversation is on stdout; retries and warnings would only clutter the terminal
-        logging.getLogger().setLevel(logging.ERROR)
-        return asyncio.run(_chat(cfg, args.user, args.group, args.config))
-    if args.command == "run":
-        setup_logging(cfg)
-        if cfg.cluster.enabled:
-            return _run_node(cfg)
-        return asyncio.run(_run(cfg))
-    handler = getattr(args, "handler", None)
-    if handler is not None:
-        setup_logging(cfg, quiet=True)
-        return handler(cfg, args)
-    raise ConfigError(f"unknown command {args.command}")
-
-
-# Extra subcommands register here (e.g. `profiles`, `backup`): callables taking the
-# subparsers object and setting `handler=fn(cfg, args) -> int` on their parser.
-_EXTRA_COMMANDS: list = []
-
-
-def _register_admin(sub) -> None:
-    from gateway.admin import register
-
-    register(sub)
-
-
-_EXTRA_COMMANDS.append(_register_admin)
-
-
-def _register_cluster(sub) -> None:
-    from gateway.cluster.cli import register
-
-    register(sub)
-
-
-_EXTRA_COMMANDS.append(_register_cluster)
-
-if __name__ == "__main__":
-    sys.exit(main())

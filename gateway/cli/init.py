@@ -1,4 +1,37 @@
-"""The commented starter config that `hermes-gateway init` writes."""
+"""`init`: write the commented starter config (docs/configuration.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from core.settings import ConfigError
+from gateway.cli.common import DEFAULT_CONFIG, command_name
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    init = sub.add_parser("init", help="write a commented starter config (parent directories are created)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = Path(args.config)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory; give init the config file to write, e.g. -c {path / DEFAULT_CONFIG}")
+    if path.exists() and not args.force:
+        print(f"{path} already exists (use --force to overwrite).", file=sys.stderr)
+        return 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(STARTER_CONFIG, encoding="utf-8")
+    cmd = command_name()
+    make = " (or `make run`)" if str(path) == DEFAULT_CONFIG and Path("Makefile").is_file() else ""
+    print(
+        f"Wrote {path}. Edit llm.base_url and llm.model in it, check them with "
+        f"`{cmd} doctor -c {path}`, then chat with `{cmd} chat -c {path} --user you`{make}."
+    )
+    return 0
+
 
 STARTER_CONFIG = """\
 # hermes-gateway configuration. Every key is optional; the values shown are the defaults
@@ -111,7 +144,7 @@ logging:
   format: text                  # text | json
   include_text: false
 
-# cluster:                      # several `run` nodes on one PostgreSQL (README "Running several nodes")
+# cluster:                      # several `run` nodes on one PostgreSQL (docs/cluster.md)
 #   postgres_dsn_env: HERMES_PG_DSN   # env var with the DSN; unset = one node, SQLite only
 #   node_id: null                # default <hostname>-<pid>; unique per running process
 #   lease_ttl_s: 15              # a silent node's lanes and tenants move after this long

@@ -1,4 +1,4 @@
-"""`hermes-gateway cluster migrate|status`: the cluster commands that work today."""
+"""`hermes-gateway cluster migrate|status`: the PostgreSQL schema and the cluster's state (docs/cluster.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from core.settings import Config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    cluster = sub.add_parser("cluster", help="cluster mode (preview): migrate the PostgreSQL schema, show status")
+    cluster = sub.add_parser("cluster", help="cluster mode: migrate the PostgreSQL schema, show status")
     csub = cluster.add_subparsers(dest="cluster_command", required=True)
     csub.add_parser("migrate", help="create or upgrade the cluster schema in PostgreSQL (safe to run twice)")
     csub.add_parser("status", help="nodes, tenant leases, claimed lanes, queue depth, oldest pending message")

@@ -1,23 +1,25 @@
-"""Operator commands: `profiles list|show|export|delete|restore|repair`, `backup`, `restore`, `health`.
+"""Tenant operations: find a tenant by id, directory or principal; read a profile's
+figures; export one profile and restore it; delete everything a tenant owns; repair a
+damaged profile from its journals (docs/operator-guide.md#managing-tenants).
 
 Consistency rules:
-- Reads (`list`, `show`, `export`, `backup`) work while the gateway runs. SQLite files are
-  copied with SQLite's online backup API (a consistent snapshot, writers not blocked), the
-  database first and the journals after, so a copy's journals are never older than its
-  database; opening the copy reconciles the two (a torn last journal line is cut).
-- Changes (`profiles delete`, `profiles restore`, `restore`) need the gateway stopped: the
-  running gateway holds `<data_dir>/gateway.lock` (an flock), keeps links.json and
-  gateway.db in memory, and may have the profile open. They refuse with a clear message
-  while the lock is held, and hold it themselves while they work, so a gateway cannot
-  start halfway through.
-- `profiles repair` works while the gateway runs: it takes the profile's own lock (which a
+- Reads (`scan_profiles`, `find_tenant`, `profile_stats`, `export_profile`) work while
+  the gateway runs; copies go through gateway/archive.py (database first, journals after).
+- Changes (`delete_tenant`, `restore_profile`) need the gateway stopped: the running
+  gateway holds the run lock (gateway/runlock.py), keeps links.json and gateway.db in
+  memory, and may have the profile open. They refuse with a clear message while the lock is
+  held, and hold it themselves while they work, so a gateway cannot start halfway through.
+- `repair_profile` works while the gateway runs: it takes the profile's own lock (which a
   profile the gateway could not open is free of), sets the damaged files aside, and the
   gateway's next retry opens the repaired profile and answers its held messages.
+
+What the cluster's nodes share lives in PostgreSQL, which this module never touches: in
+cluster mode the caller hands `delete_tenant` the eraser of those rows
+(gateway/cluster/erase.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import fcntl
 import json
@@ -25,93 +27,41 @@ import os
 import shutil
 import sqlite3
 import sys
-import tarfile
 import tempfile
 import time
-import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from agent.fileio import open_private, private_file, private_mkdir, tighten_tree, write_private
+from agent.fileio import open_private, private_file, private_mkdir, write_private
 from agent.profile import write_manifest
 from agent.reminders import ReminderStore
 from agent.sessions import SessionStore
 from core.settings import Config
+from gateway.archive import (
+    STATE_FILES,
+    copy_profile_files,
+    fsync_tree,
+    integrity_check,
+    safe_extract,
+    sqlite_backup,
+    write_tar,
+)
+from gateway.runlock import AdminError, RunLock
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir, tenant_dir_name
+from tenancy.merge import RETIRED_MARKER
 from tenancy.profiles import SCHEMA_VERSION, journal_records, manifest_problem, profile_problem, tenant_id_of_dir
 
-LOCK_NAME = "gateway.lock"
-CONFIG_HELP = "config file (default: hermes-gateway.yaml, or $HERMES_GATEWAY_CONFIG)"
-RETIRED_MARKER = "merged-into.json"  # written by gateway/linking.py into a merged-away profile
 EXPORT_FORMAT = "hermes-gateway-profile-export"
-BACKUP_FORMAT = "hermes-gateway-backup"
-_STATE_FILES = {"state.db", "state.db-wal", "state.db-shm", "state.db-journal"}
 # kv keys of gateway.db that name a principal after the prefix
 _PRINCIPAL_KEYS = ("paired:", "pairing-of:", "link-code-of:", "link-issued:", "link-fail:", "link-request:")
 
-
-class AdminError(Exception):
-    """A refusal or failure to report to the operator (exit status 1)."""
-
-
-# ----- the run lock -----------------------------------------------------------------------
-
-
-class RunLock:
-    """`<data_dir>/gateway.lock`, held (flock) by a running gateway and by admin commands
-    that change data. Released when the holder exits, however it exits."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.path = Path(data_dir) / LOCK_NAME
-        self._fd: int | None = None
-
-    def acquire(self, what: str = "the gateway", *, shared: bool = False) -> RunLock:
-        """Exclusive: one gateway (or admin command) per data dir. `shared`: cluster nodes,
-        several of which run on one data dir; they still keep out a single-node gateway and
-        the admin commands that change data (on this host: flock is per host on NFS)."""
-        private_mkdir(self.path.parent)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise AdminError(
-                f"{self.path.parent} is in use: a hermes-gateway `run`, `chat` or admin command holds "
-                f"{self.path}. Stop the gateway first (systemctl stop hermes-gateway, or docker compose stop) "
-                f"or quit that chat, then run {what} again. Exports and backups work while it runs."
-            ) from None
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire() if self._fd is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def gateway_running(data_dir: Path) -> bool:
-    """True while some process (this one included) holds the run lock."""
-    path = Path(data_dir) / LOCK_NAME
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+EraseShared = Callable[[str, set[str], set[tuple[str, str]]], int]
+"""Cluster mode: remove a tenant's rows from what the nodes share, given its tenant id, its
+principals and its private chats; how many rows (gateway/cluster/erase.py)."""
 
 
 # ----- finding tenants ----------------------------------------------------------------------
@@ -309,133 +259,6 @@ def session_rows(path: Path) -> list[dict[str, Any]]:
         conn.close()
 
 
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def _when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts)) if ts else "-"
-
-
-# ----- copying --------------------------------------------------------------------------------
-
-
-def _skip(rel: Path) -> bool:
-    name = rel.name
-    return (
-        name == ".lock"
-        or name.endswith(".tmp")
-        or (len(rel.parts) == 1 and name in _STATE_FILES)
-        or name.startswith(".tenant.json.")
-    )
-
-
-def copy_profile_files(src: Path, dst: Path) -> list[str]:
-    """Copy every regular file of a profile except state.db* and lock/temp files (symlinks
-    are never followed). Returns the relative paths copied."""
-    copied = []
-    for root, dirs, files in os.walk(src):
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
-        for name in sorted(files):
-            full = Path(root) / name
-            rel = full.relative_to(src)
-            if _skip(rel) or full.is_symlink() or not full.is_file():
-                continue
-            target = dst / rel
-            private_mkdir(target.parent)
-            try:
-                shutil.copyfile(full, private_file(target))
-            except FileNotFoundError:  # removed meanwhile (e.g. a temp file renamed)
-                continue
-            copied.append(str(rel))
-    return copied
-
-
-def sqlite_backup(src: Path, dst: Path) -> None:
-    """Online backup of `src` to `dst` (a consistent snapshot; writers are not blocked)."""
-    private_mkdir(dst.parent)
-    if dst.exists():
-        dst.unlink()
-    private_file(dst)
-    source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)
-    try:
-        target = sqlite3.connect(dst)
-        try:
-            source.backup(target)
-            target.execute("PRAGMA journal_mode=DELETE")  # a self-contained file, no -wal
-        finally:
-            target.close()
-    finally:
-        source.close()
-    for suffix in ("-wal", "-shm"):
-        Path(f"{dst}{suffix}").unlink(missing_ok=True)
-
-
-def integrity_check(db: Path) -> str:
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute("PRAGMA integrity_check").fetchone()[0]
-    finally:
-        conn.close()
-
-
-def _fsync_tree(path: Path) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _safe_extract(archive: Path, dest: Path) -> None:
-    """Unpack a .tar.gz of ours; anything that is not a readable tar archive is one sentence."""
-    try:
-        with tarfile.open(archive, "r:*") as tar:
-            for member in tar.getmembers():
-                parts = Path(member.name).parts
-                if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
-                    raise AdminError(f"{archive}: refusing unsafe archive member {member.name!r}")
-            tar.extractall(dest, filter="data")
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise AdminError(
-            f"{archive}: not a readable archive ({type(exc).__name__}); give the .tar.gz that "
-            "`profiles export` or `backup` wrote"
-        ) from None
-    tighten_tree(dest)  # whatever modes the archive recorded, restored files are owner-only
-
-
-def _owner_only(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    """Archive members are recorded 0600 (files) / 0700 (directories)."""
-    info.mode = 0o700 if info.isdir() else 0o600
-    return info
-
-
-def _write_tar(src_dir: Path, out: Path) -> None:
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
-        for entry in sorted(src_dir.iterdir()):
-            tar.add(entry, arcname=entry.name, filter=_owner_only)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
-
-
 # ----- gateway.db traces ------------------------------------------------------------------------
 
 
@@ -603,7 +426,7 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
             "files": sorted(files + (["state.db", "state.sql"] if (stage / "state.db").exists() else [])),
         }
         write_private(Path(tmp) / "EXPORT.json", json.dumps(manifest, indent=1, ensure_ascii=False))
-        _write_tar(Path(tmp), out)
+        write_tar(Path(tmp), out)
     return out
 
 
@@ -651,7 +474,7 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
         profiles_root = cfg.data_dir / "profiles"
         private_mkdir(profiles_root)
         with tempfile.TemporaryDirectory(prefix=".restore-", dir=profiles_root) as tmp:
-            _safe_extract(archive, Path(tmp))
+            safe_extract(archive, Path(tmp))
             try:
                 manifest = json.loads((Path(tmp) / "EXPORT.json").read_text(encoding="utf-8"))
             except (OSError, ValueError):
@@ -679,7 +502,7 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
                 raise AdminError(f"{archive}: state.db fails PRAGMA integrity_check")
             for sub in ("memories", "sessions", "provider"):
                 private_mkdir(stage / sub)
-            _fsync_tree(stage)
+            fsync_tree(stage)
             os.replace(stage, target)
         link = manifest.get("link") or None
         if link and link.get("name"):
@@ -713,10 +536,14 @@ class DeleteReport:
     shared_rows: int = 0  # cluster mode: rows removed from PostgreSQL
 
 
-def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
+def delete_tenant(cfg: Config, info: TenantInfo, *, erase_shared: EraseShared | None = None) -> DeleteReport:
     """Remove everything a tenant owns (the gateway must be stopped): its profile directory
     (memory, journals, state.db, provider namespace, exports), profiles merged into it and
-    left behind, its identity link, and its rows in gateway.db."""
+    left behind, its identity link, and its rows in gateway.db; then, through
+    `erase_shared`, its rows in what cluster nodes share (required in cluster mode: a
+    delete that left them would not be one)."""
+    if cfg.cluster.enabled and erase_shared is None:
+        raise ValueError("cluster mode: delete_tenant needs erase_shared (gateway.cluster.erase)")
     data_dir = cfg.data_dir
     with RunLock(data_dir).acquire("`profiles delete`"):
         lock_fd = _lock_profile(info.path)
@@ -761,11 +588,7 @@ def delete_tenant(cfg: Config, info: TenantInfo) -> DeleteReport:
         if removed_links or (data_dir / "links.json").exists():
             links.save()
         rows = scrub_gateway_db(data_dir, principals, chats, info.tenant_id, dues)
-        shared = 0
-        if cfg.cluster.enabled:  # what the nodes share lives in PostgreSQL
-            from gateway.cluster.erase import erase_tenant_now
-
-            shared = erase_tenant_now(cfg, info.tenant_id, principals, chats)
+        shared = erase_shared(info.tenant_id, principals, chats) if erase_shared is not None else 0
     return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned, shared)
 
 
@@ -878,7 +701,7 @@ def repair_profile(cfg: Config, info: TenantInfo, ref: str) -> RepairReport:
         db = path / "state.db"
         problem = profile_problem(path, deep=True)
         if problem is not None and problem.startswith("state.db"):
-            for name in sorted(_STATE_FILES):
+            for name in sorted(STATE_FILES):
                 if (path / name).exists():
                     report.set_aside.append(_set_aside(path / name, stamp))
             report.rebuilt.append(f"state.db from the journals ({problem})")
@@ -909,383 +732,12 @@ def check_profiles(cfg: Config, *, deep: bool = False) -> tuple[bool, str]:
     damaged = [(i.tenant_id, p) for i in profiles if (p := profile_problem(i.path, deep=deep)) is not None]
     how = "integrity_check included" if deep else "cheap checks; --deep runs integrity_check"
     if not damaged:
-        return True, f"{_count(len(profiles), 'profile', 'profiles')}, none damaged ({how})"
+        return True, f"{count(len(profiles), 'profile', 'profiles')}, none damaged ({how})"
     shown = "; ".join(f"{t} ({p})" for t, p in damaged[:5]) + ("; ..." if len(damaged) > 5 else "")
     return False, (
-        f"{len(damaged)} of {_count(len(profiles), 'profile', 'profiles')} damaged: {shown}; their messages wait. "
+        f"{len(damaged)} of {count(len(profiles), 'profile', 'profiles')} damaged: {shown}; their messages wait. "
         f"Repair each with `hermes-gateway profiles repair TENANT` (works while the gateway runs)"
     )
-
-
-# ----- backup / restore of the whole data directory ---------------------------------------------
-
-BACKUP_GLOB = "hermes-backup-*.tar.gz"
-
-
-def _backup_name(directory: Path) -> Path:
-    """`hermes-backup-<UTC date>-<time>-<microseconds>.tar.gz`, not yet taken in `directory`.
-    Fixed width, so names sort in time order (what `keep` relies on)."""
-    now = time.time()
-    while True:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f"-{int(now * 1e6) % 1_000_000:06d}"
-        path = directory / f"hermes-backup-{stamp}.tar.gz"
-        if not path.exists():
-            return path
-        now += 1e-6
-
-
-def backup_data_dir(data_dir: Path, dest: Path, *, keep: int | None = None) -> Path:
-    """A consistent copy of the data directory while the gateway runs: every state.db and
-    gateway.db through SQLite's online backup, then journals, memories, provider files and
-    links.json. Always one archive (mode 0600) with a timestamped name inside the directory
-    `dest` (created if missing); `keep` then deletes all but the newest `keep` archives."""
-    data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise AdminError(f"{data_dir}: no such data directory")
-    if keep is not None and keep < 1:
-        raise AdminError(f"--keep must be at least 1 (got {keep})")
-    directory = Path(dest)
-    if directory.name.endswith((".tar.gz", ".tgz")) and not directory.is_dir():
-        raise AdminError(
-            f"backup writes a timestamped archive inside a directory; give the directory "
-            f"(e.g. {directory.parent}), not an archive name"
-        )
-    if directory.exists() and not directory.is_dir():
-        raise AdminError(f"{directory} is a file; backup needs a directory to put the archive in")
-    private_mkdir(directory)
-    dest = _backup_name(directory)
-    with tempfile.TemporaryDirectory(prefix=".hermes-backup-", dir=dest.parent) as tmp:
-        stage = Path(tmp) / "data"
-        stage.mkdir(mode=0o700)
-        report: dict[str, Any] = {
-            "format": BACKUP_FORMAT,
-            "version": 1,
-            "created_at": time.time(),
-            "source": str(data_dir),
-            "profiles": 0,
-            "databases": [],
-        }
-        for entry in sorted(data_dir.iterdir()):  # gateway.db, links.json, anything a future version adds
-            name = entry.name
-            if (
-                name.startswith(".")
-                or name == LOCK_NAME
-                or not entry.is_file()
-                or entry.is_symlink()
-                or name.endswith(("-wal", "-shm", "-journal", ".tmp"))
-            ):
-                continue
-            if name.endswith(".db"):
-                sqlite_backup(entry, stage / name)
-                report["databases"].append(name)
-            else:
-                shutil.copyfile(entry, private_file(stage / name))
-        for info in scan_profiles(data_dir):
-            target = private_mkdir(stage / "profiles" / info.dir_name)
-            problem = profile_problem(info.path)
-            if problem is not None:  # kept as it is, journals and all: `profiles repair` rebuilds it
-                report.setdefault("damaged", {})[info.dir_name] = problem
-                if (info.path / "state.db").is_file():
-                    shutil.copyfile(info.path / "state.db", private_file(target / "state.db"))
-            elif (info.path / "state.db").exists():
-                sqlite_backup(info.path / "state.db", target / "state.db")  # database first, journals after
-                report["databases"].append(f"profiles/{info.dir_name}/state.db")
-            copy_profile_files(info.path, target)
-            report["profiles"] += 1
-        write_private(stage / "BACKUP.json", json.dumps(report, indent=1))
-        _write_tar(stage, dest)
-    if keep:
-        for path in sorted(directory.glob(BACKUP_GLOB))[:-keep]:
-            path.unlink()
-    return dest
-
-
-def restore_data_dir(src: Path, data_dir: Path) -> dict[str, Any]:
-    """Restore a `backup` (directory or archive) into an empty data directory."""
-    src, data_dir = Path(src), Path(data_dir)
-    if data_dir.exists() and any(p.name != LOCK_NAME for p in data_dir.iterdir()):
-        raise AdminError(
-            f"{data_dir} is not empty; restore goes into an empty data directory (move the old one aside first)"
-        )
-    private_mkdir(data_dir)
-    with (
-        RunLock(data_dir).acquire("`restore`"),
-        tempfile.TemporaryDirectory(prefix=".hermes-restore-", dir=data_dir) as tmp,
-    ):
-        if src.is_dir():
-            stage = Path(tmp) / "data"
-            shutil.copytree(src, stage, symlinks=False)
-            tighten_tree(stage)
-        elif src.is_file():
-            _safe_extract(src, Path(tmp))
-            stage = Path(tmp)
-        else:
-            raise AdminError(f"{src}: no such backup")
-        try:
-            report = json.loads((stage / "BACKUP.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            raise AdminError(f"{src}: not a hermes-gateway backup (no BACKUP.json)") from None
-        if report.get("format") != BACKUP_FORMAT:
-            raise AdminError(f"{src}: not a hermes-gateway backup")
-        for db in report.get("databases", []):
-            if (stage / db).exists() and integrity_check(stage / db) != "ok":
-                raise AdminError(f"{src}: {db} fails PRAGMA integrity_check")
-        _fsync_tree(stage)
-        for entry in stage.iterdir():
-            if entry.name in ("BACKUP.json", LOCK_NAME) or entry.name.startswith(".hermes-restore-"):
-                continue
-            os.replace(entry, data_dir / entry.name)
-    return report
-
-
-# ----- the command line -----------------------------------------------------------------------
-
-
-def _check_owner(cfg: Config) -> None:
-    """Refuse to run as root on a data directory owned by the service user: files root
-    creates (SQLite -shm/-wal, restored profiles) would lock the gateway out."""
-    try:
-        owner = cfg.data_dir.stat().st_uid
-    except FileNotFoundError:
-        return
-    if os.geteuid() == 0 and owner != 0:
-        raise AdminError(
-            f"{cfg.data_dir} belongs to uid {owner}; run this as that user "
-            f"(e.g. sudo -u hermes-gateway hermes-gateway ...) so new files stay readable by the gateway"
-        )
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=1, ensure_ascii=False, default=str))
-
-
-def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
-    _check_owner(cfg)
-    rows = []
-    links = load_links(cfg)
-    for info in scan_profiles(cfg.data_dir):
-        stats = profile_stats(info.path)
-        principals = live_principals(links, info)
-        rows.append(
-            {
-                "tenant": info.tenant_id,
-                "kind": info.kind,
-                "principals": principals,
-                **stats,
-                **({"merged_into": info.merged_into} if info.merged_into else {}),
-            }
-        )
-    if args.json:
-        _print_json(rows)
-        return 0
-    if not rows:
-        print(f"no profiles under {cfg.data_dir / 'profiles'}")
-        return 0
-    header = ("TENANT", "PRINCIPALS", "SESSIONS", "MESSAGES", "DISK", "LAST ACTIVITY (UTC)")
-    table = [header] + [
-        (
-            r["tenant"]
-            + (f" (merged into {r['merged_into']})" if r.get("merged_into") else "")
-            + (f" (damaged: {r['damaged']})" if r.get("damaged") else ""),
-            ",".join(r["principals"]) or "-",
-            str(r["sessions"]),
-            str(r["messages"]),
-            _human_bytes(r["disk_bytes"]),
-            _when(r["last_activity"]),
-        )
-        for r in rows
-    ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
-    damaged = [r["tenant"] for r in rows if r.get("damaged")]
-    if damaged:
-        print(
-            f"{_count(len(damaged), 'profile is', 'profiles are')} damaged (counted from the journals); "
-            f"repair with `hermes-gateway profiles repair TENANT`"
-        )
-    return 0
-
-
-def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
-    _check_owner(cfg)
-    info = find_tenant(cfg, args.tenant)
-    links = load_links(cfg)
-    stats = profile_stats(info.path)
-    memory = {}
-    for target, fname in (("memory", "MEMORY.md"), ("user", "USER.md")):
-        try:
-            text = (info.path / "memories" / fname).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            text = ""
-        entries = [e for e in text.split("\n§\n") if e.strip()]
-        memory[target] = {"entries": len(entries), "chars": len(text)}
-    provider_files = (
-        sorted(str(p.relative_to(info.path)) for p in (info.path / "provider").rglob("*") if p.is_file())
-        if (info.path / "provider").is_dir()
-        else []
-    )
-    principals = live_principals(links, info)
-    linked = sorted({n for p in principals if (n := links.name_for(p)) is not None})
-    data = {
-        "tenant": info.tenant_id,
-        "directory": str(info.path),
-        "kind": info.kind,
-        "principals": principals,
-        "created_at": info.created_at,
-        "links": {n: links.principals_of(n) for n in linked},
-        **stats,
-        "memory": memory,
-        "provider_files": provider_files,
-        "sessions_detail": session_rows(info.path),
-        **({"merged_into": info.merged_into} if info.merged_into else {}),
-    }
-    if args.json:
-        _print_json(data)
-        return 0
-    print(f"tenant:        {info.tenant_id} ({info.kind})")
-    print(f"directory:     {info.path}")
-    print(f"principals:    {', '.join(principals) or '-'}")
-    if data["links"]:
-        print("linked:        " + "; ".join(f"{n}: {', '.join(ps)}" for n, ps in data["links"].items()))
-    if info.merged_into:
-        print(f"merged into:   {info.merged_into} (left behind by /link; safe to delete)")
-    if stats.get("damaged"):
-        print(
-            f"state:         damaged: {stats['damaged']}; its messages wait; "
-            f"repair with `hermes-gateway profiles repair {info.tenant_id}` (counts below are from the journals)"
-        )
-    print(f"created:       {_when(info.created_at)}")
-    print(f"last activity: {_when(stats['last_activity'])}")
-    print(f"disk use:      {_human_bytes(stats['disk_bytes'])}")
-    print(
-        f"memory:        MEMORY.md {memory['memory']['entries']} entries / {memory['memory']['chars']} chars, "
-        f"USER.md {memory['user']['entries']} entries / {memory['user']['chars']} chars"
-    )
-    print(f"provider:      {_count(len(provider_files), 'file', 'files')}")
-    print(f"sessions:      {stats['sessions']} ({stats['messages']} messages)")
-    for s in data["sessions_detail"]:
-        state = f"ended {_when(s['ended_at'])} ({s['end_reason']})" if s["ended_at"] else "live"
-        print(f"  {s['id']}  {s['session_key']}  {s['message_count']} msgs  started {_when(s['started_at'])}  {state}")
-    return 0
-
-
-def cmd_profiles_path(cfg: Config, args: argparse.Namespace) -> int:
-    """Print the profile directory (the HERMES_HOME) of a principal or tenant, e.g. for
-    `HERMES_HOME=$(hermes-gateway profiles path telegram:111) hermes`."""
-    try:
-        path = find_tenant(cfg, args.principal).path
-    except AdminError:
-        platform, sep, user = args.principal.partition(":")
-        if not sep or not platform or not user:
-            raise
-        tenant = load_links(cfg).tenant_for(args.principal) or person_tenant_id(platform, user)
-        path = tenant_dir(cfg.data_dir, tenant)
-        print(
-            f"note: {args.principal} has no profile yet; it will be created there on their first message",
-            file=sys.stderr,
-        )
-    print(path.resolve())
-    return 0
-
-
-def cmd_profiles_export(cfg: Config, args: argparse.Namespace) -> int:
-    _check_owner(cfg)
-    info = find_tenant(cfg, args.tenant)
-    problem = profile_problem(info.path)
-    if problem is not None:
-        raise AdminError(
-            f"{info.tenant_id} is damaged ({problem}); repair it first with "
-            f"`hermes-gateway profiles repair {info.tenant_id}` (the damaged files are kept beside it)"
-        )
-    output = Path(args.output) if args.output else None
-    if output is not None and args.output.endswith(("/", os.sep)):  # `-o new/dir/`: a directory to create
-        private_mkdir(output)
-    out = export_profile(cfg, info, output)
-    print(f"exported {info.tenant_id} to {out}")
-    return 0
-
-
-def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
-    _check_owner(cfg)
-    info = find_tenant(cfg, args.tenant)
-    if gateway_running(cfg.data_dir):
-        RunLock(cfg.data_dir).acquire("`profiles delete`")  # raises the explanation
-    stats = profile_stats(info.path)
-    members = live_principals(load_links(cfg), info)
-    print(
-        f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
-        f"{_count(stats['sessions'], 'session', 'sessions')}, {_count(stats['messages'], 'message', 'messages')}, "
-        f"memory, provider data, "
-        f"{_human_bytes(stats['disk_bytes'])} in {info.path}, plus its identity link and its rows in gateway.db"
-        + (" and PostgreSQL." if cfg.cluster.enabled else ".")
-    )
-    if not args.yes:
-        if not sys.stdin.isatty():
-            print("Refusing without confirmation: run it in a terminal, or pass --yes.", file=sys.stderr)
-            return 1
-        answer = input(f"Type the tenant id ({info.tenant_id}) to confirm: ").strip()
-        if answer != info.tenant_id:
-            print("Not confirmed; nothing was deleted.")
-            return 1
-    report = delete_tenant(cfg, info)
-    print(
-        f"deleted {report.tenant_id}: {_count(len(report.removed_dirs), 'profile directory', 'profile directories')}, "
-        f"{_count(len(report.links_removed), 'link entry', 'link entries')}, "
-        f"{_count(report.gateway_rows, 'gateway.db row', 'gateway.db rows')}"
-        + (f", {_count(report.shared_rows, 'PostgreSQL row', 'PostgreSQL rows')}" if cfg.cluster.enabled else "")
-    )
-    if report.pinned:
-        print(
-            f"note: {', '.join(report.pinned)} are linked in the config file (tenancy.identity_links); "
-            "remove them there too."
-        )
-    return 0
-
-
-def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
-    _check_owner(cfg)
-    info = restore_profile(cfg, Path(args.archive), force=args.force)
-    stats = profile_stats(info.path)
-    print(
-        f"restored {info.tenant_id} to {info.path}: {_count(stats['sessions'], 'session', 'sessions')}, "
-        f"{_count(stats['messages'], 'message', 'messages')}"
-    )
-    return 0
-
-
-def cmd_profiles_repair(cfg: Config, args: argparse.Namespace) -> int:
-    _check_owner(cfg)
-    info = find_tenant(cfg, args.tenant)
-    if profile_problem(info.path, deep=True) is None:
-        print(f"{info.tenant_id} is not damaged; nothing to repair")
-        return 0
-    report = repair_profile(cfg, info, args.tenant)
-    print(f"repaired {report.tenant_id} in {report.path}: {'; '.join(report.rebuilt) or 'layout'}")
-    if report.set_aside:
-        print(f"  damaged files kept beside it: {', '.join(report.set_aside)}")
-    print(
-        f"  state.db holds {_count(report.messages, 'message', 'messages')}; "
-        f"a running gateway answers the held messages at its next retry"
-    )
-    return 0
-
-
-def cmd_backup(cfg: Config, args: argparse.Namespace) -> int:
-    _check_owner(cfg)
-    dest = backup_data_dir(cfg.data_dir, Path(args.dest), keep=args.keep)
-    print(f"backup written to {dest}")
-    damaged = scan_damaged(cfg)
-    if damaged:
-        print(
-            f"note: {', '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} damaged and copied as found; "
-            "repair with `hermes-gateway profiles repair TENANT`"
-        )
-    return 0
 
 
 def scan_damaged(cfg: Config) -> list[str]:
@@ -1293,94 +745,6 @@ def scan_damaged(cfg: Config) -> list[str]:
     return [i.tenant_id for i in scan_profiles(cfg.data_dir) if profile_problem(i.path) is not None]
 
 
-def cmd_restore(cfg: Config, args: argparse.Namespace) -> int:
-    _check_owner(cfg)
-    report = restore_data_dir(Path(args.src), cfg.data_dir)
-    print(
-        f"restored {_count(report.get('profiles', 0), 'profile', 'profiles')} into {cfg.data_dir} "
-        f"(backup of {_when(report.get('created_at'))} UTC)"
-    )
-    return 0
-
-
-def cmd_health(cfg: Config, args: argparse.Namespace) -> int:
-    from gateway.observability import probe_health
-
-    listen = args.listen or cfg.observability.listen
-    if not listen:
-        print("observability.listen is not set in the config; there is no health endpoint to ask.", file=sys.stderr)
-        return 2
-    status, body = probe_health(listen, timeout=args.timeout)
-    if not args.quiet:
-        print(body.strip())
-    return 0 if status == 200 else 1
-
-
-def _guard(fn: Any) -> Any:
-    def run(cfg: Config, args: argparse.Namespace) -> int:
-        try:
-            return fn(cfg, args)
-        except AdminError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-
-    return run
-
-
-def register(sub: Any) -> None:
-    """Add the operator subcommands to the CLI (see gateway/cli.py `_EXTRA_COMMANDS`)."""
-    tenant_help = "tenant id (telegram-111), principal (telegram:111) or profile directory name"
-    json_help = "print JSON instead of a table"
-    profiles = sub.add_parser("profiles", help="list, show, export, delete or restore tenant profiles")
-    psub = profiles.add_subparsers(dest="profiles_command", required=True)
-    p = psub.add_parser("list", help="every tenant: principals, sessions, messages, disk use, last activity")
-    p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(handler=_guard(cmd_profiles_list))
-    p = psub.add_parser("show", help="one tenant in detail (id, principal like telegram:111, or directory)")
-    p.add_argument("tenant", help=tenant_help)
-    p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(handler=_guard(cmd_profiles_show))
-    p = psub.add_parser("path", help="print a tenant's profile directory, for HERMES_HOME=$(...)")
-    p.add_argument("principal", help=tenant_help)
-    p.set_defaults(handler=_guard(cmd_profiles_path))
-    p = psub.add_parser("export", help="one .tar.gz of everything a tenant owns (works while running)")
-    p.add_argument("tenant", help=tenant_help)
-    p.add_argument("-o", "--output", default=None, help="archive path or directory (default: current directory)")
-    p.set_defaults(handler=_guard(cmd_profiles_export))
-    p = psub.add_parser("delete", help="delete everything a tenant owns (gateway stopped; asks to confirm)")
-    p.add_argument("tenant", help=tenant_help)
-    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.set_defaults(handler=_guard(cmd_profiles_delete))
-    p = psub.add_parser("restore", help="put back a profile from a `profiles export` archive (gateway stopped)")
-    p.add_argument("archive", help="a .tar.gz written by `profiles export`")
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="replace an existing profile of the same tenant, and restore links and pairings the "
-        "archive's own tenant.json does not vouch for",
-    )
-    p.set_defaults(handler=_guard(cmd_profiles_restore))
-    p = psub.add_parser("repair", help="rebuild a damaged profile from its journals (works while running)")
-    p.add_argument("tenant", help=tenant_help)
-    p.set_defaults(handler=_guard(cmd_profiles_repair))
-    for p in psub.choices.values():
-        p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)
-
-    p = sub.add_parser("backup", help="consistent archive of the whole data directory (works while running)")
-    p.add_argument("dest", help="directory for the timestamped archive (created if missing)")
-    p.add_argument(
-        "--keep",
-        type=int,
-        default=None,
-        metavar="N",
-        help="then delete all but the newest N archives in that directory",
-    )
-    p.set_defaults(handler=_guard(cmd_backup))
-    p = sub.add_parser("restore", help="restore a `backup` into an empty data directory (gateway stopped)")
-    p.add_argument("src", help="backup archive (or a backup directory of an older version)")
-    p.set_defaults(handler=_guard(cmd_restore))
-    p = sub.add_parser("health", help="ask the running gateway's /healthz (exit 0 when healthy)")
-    p.add_argument("--listen", default=None, help="host:port (default: observability.listen)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print nothing; only the exit status tells")
-    p.set_defaults(handler=_guard(cmd_health))
+def count(n: int, one: str, many: str) -> str:
+    """`1 profile`, `2 profiles`."""
+    return f"{n} {one if n == 1 else many}"

@@ -1,0 +1,134 @@
+"""Consistent copies of a data directory's files, for `profiles export` and `backup`
+(docs/operator-guide.md#backups).
+
+SQLite files are copied with SQLite's online backup API (a consistent snapshot, writers
+not blocked), the database first and the journals after, so a copy's journals are never
+older than its database; opening the copy reconciles the two (a torn last journal line is
+cut). Archives are .tar.gz with owner-only members, written to a temporary name, fsynced
+and renamed; unpacking refuses anything but plain files and directories inside the target.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import tarfile
+import zlib
+from pathlib import Path
+
+from agent.fileio import private_file, private_mkdir, tighten_tree
+from gateway.runlock import AdminError
+
+STATE_FILES = {"state.db", "state.db-wal", "state.db-shm", "state.db-journal"}
+
+
+def _skip(rel: Path) -> bool:
+    name = rel.name
+    return (
+        name == ".lock"
+        or name.endswith(".tmp")
+        or (len(rel.parts) == 1 and name in STATE_FILES)
+        or name.startswith(".tenant.json.")
+    )
+
+
+def copy_profile_files(src: Path, dst: Path) -> list[str]:
+    """Copy every regular file of a profile except state.db* and lock/temp files (symlinks
+    are never followed). Returns the relative paths copied."""
+    copied = []
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        for name in sorted(files):
+            full = Path(root) / name
+            rel = full.relative_to(src)
+            if _skip(rel) or full.is_symlink() or not full.is_file():
+                continue
+            target = dst / rel
+            private_mkdir(target.parent)
+            try:
+                shutil.copyfile(full, private_file(target))
+            except FileNotFoundError:  # removed meanwhile (e.g. a temp file renamed)
+                continue
+            copied.append(str(rel))
+    return copied
+
+
+def sqlite_backup(src: Path, dst: Path) -> None:
+    """Online backup of `src` to `dst` (a consistent snapshot; writers are not blocked)."""
+    private_mkdir(dst.parent)
+    if dst.exists():
+        dst.unlink()
+    private_file(dst)
+    source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)
+    try:
+        target = sqlite3.connect(dst)
+        try:
+            source.backup(target)
+            target.execute("PRAGMA journal_mode=DELETE")  # a self-contained file, no -wal
+        finally:
+            target.close()
+    finally:
+        source.close()
+    for suffix in ("-wal", "-shm"):
+        Path(f"{dst}{suffix}").unlink(missing_ok=True)
+
+
+def integrity_check(db: Path) -> str:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def fsync_tree(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def safe_extract(archive: Path, dest: Path) -> None:
+    """Unpack a .tar.gz of ours; anything that is not a readable tar archive is one sentence."""
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar.getmembers():
+                parts = Path(member.name).parts
+                if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+                    raise AdminError(f"{archive}: refusing unsafe archive member {member.name!r}")
+            tar.extractall(dest, filter="data")
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
+        raise AdminError(
+            f"{archive}: not a readable archive ({type(exc).__name__}); give the .tar.gz that "
+            "`profiles export` or `backup` wrote"
+        ) from None
+    tighten_tree(dest)  # whatever modes the archive recorded, restored files are owner-only
+
+
+def _owner_only(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Archive members are recorded 0600 (files) / 0700 (directories)."""
+    info.mode = 0o700 if info.isdir() else 0o600
+    return info
+
+
+def write_tar(src_dir: Path, out: Path) -> None:
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        for entry in sorted(src_dir.iterdir()):
+            tar.add(entry, arcname=entry.name, filter=_owner_only)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)

@@ -1,0 +1,55 @@
+"""What every verb group of the command line shares: the config option, how to name this
+program back to the person, logging, and the one-sentence refusal of an operator command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from core.settings import Config
+from gateway.runlock import AdminError
+
+DEFAULT_CONFIG = "hermes-gateway.yaml"
+CONFIG_HELP = "config file (default: hermes-gateway.yaml, or $HERMES_GATEWAY_CONFIG)"
+
+Handler = Callable[[Config, argparse.Namespace], int]
+
+
+def setup_logging(cfg: Config | None, *, quiet: bool = False) -> None:
+    """stderr logging as `logging.format` says (text or JSON lines), with secrets redacted."""
+    from gateway.logs import configure_logging
+
+    configure_logging(cfg, quiet=quiet)
+
+
+def command_name() -> str:
+    """How to run this program again from the current directory; it may not be on PATH
+    (after `make install` it is `.venv/bin/hermes-gateway`)."""
+    candidates = [Path(sys.argv[0])] if Path(sys.argv[0]).name == "hermes-gateway" else []
+    candidates.append(Path(sys.prefix) / "bin" / "hermes-gateway")
+    on_path = shutil.which("hermes-gateway")
+    for exe in candidates:
+        if not exe.exists():
+            continue
+        if on_path and Path(on_path).resolve() == exe.resolve():
+            return "hermes-gateway"
+        rel = os.path.relpath(exe)
+        return rel if not rel.startswith("..") else str(exe)
+    return "hermes-gateway"
+
+
+def guard(fn: Handler) -> Handler:
+    """An operator command's refusal (`AdminError`) as `error: ...` on stderr, exit status 1."""
+
+    def run(cfg: Config, args: argparse.Namespace) -> int:
+        try:
+            return fn(cfg, args)
+        except AdminError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+
+    return run

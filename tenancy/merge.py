@@ -1,0 +1,347 @@
+"""The file-level merge of profiles when accounts are linked (docs/operator-guide.md#linking-your-accounts).
+
+Runs in a thread, on closed profiles: the linking flow (gateway/linking.py) closes every
+profile involved, merges into a staging copy of the target, checks it opens and swaps it
+in. Journals are copied byte for byte, state.db rows (sessions, messages with FTS, routes,
+journal offsets) with SQLite ATTACH, MEMORY.md and USER.md entry by entry (deduplicated; what
+does not fit is set aside in `merged-overflow.md`), visibility marks on the safe side, and
+every other file copied (`*.jsonl` appended). Nothing here knows about chats or the gateway.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import time
+from collections.abc import Set
+from pathlib import Path
+
+from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
+from agent.memory import ENTRY_DELIMITER, parse_entries
+from agent.memory_files import BASELINE_FILE, Baselines, digest
+from agent.profile import write_manifest
+from agent.reminders import FILE as REMINDERS_FILE
+from agent.reminders import merge_files as merge_reminders
+from agent.visibility import VISIBILITY_FILE, Marks, entry_key
+from tenancy.profiles import SCHEMA_VERSION
+
+log = logging.getLogger("hermes.linking")
+
+RETIRED_MARKER = "merged-into.json"  # in a merged-away profile until it is removed (`profiles list` shows it)
+PENDING_MARKER = "link-pending.json"  # in a swapped-in merged profile until its link is recorded
+OVERFLOW_FILE = "merged-overflow.md"
+_MEMORY_FILES = {"memory": "MEMORY.md", "user": "USER.md"}
+
+
+def init_profile(path: Path, tenant_id: str) -> None:
+    for sub in ("memories", "sessions", "provider"):
+        private_mkdir(path / sub)
+    write_manifest(
+        path,
+        {
+            "tenant_id": tenant_id,
+            "kind": "person",
+            "principals": [],
+            "created_at": time.time(),
+            "schema_version": SCHEMA_VERSION,
+        },
+    )
+
+
+class Swap:
+    """Staging put in place of a target profile: the old one is kept aside (`.link-old-`)
+    until the link is recorded, so a failure can put it back."""
+
+    def __init__(self, target: Path, old: Path | None) -> None:
+        self.target, self.old = target, old
+
+    @classmethod
+    def apply(cls, staging: Path, target: Path) -> Swap:
+        old = None
+        if target.exists():
+            old = target.parent / f".link-old-{target.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+        os.replace(staging, target)
+        fsync_dir(target.parent)
+        return cls(target, old)
+
+    def __call__(self) -> None:
+        """Undo: the profile from before goes back in place."""
+        shutil.rmtree(self.target, ignore_errors=True)
+        if self.old is not None:
+            os.replace(self.old, self.target)
+        fsync_dir(self.target.parent)
+
+    def forget(self) -> None:
+        """The link is recorded: the merged profile stays, the one from before goes."""
+        (self.target / PENDING_MARKER).unlink(missing_ok=True)
+        if self.old is not None:
+            shutil.rmtree(self.old, ignore_errors=True)
+
+
+def clean_staging(profiles: Path, older_than_s: float = 3600.0, keep: Set[str] = frozenset()) -> None:
+    """Remove staging directories a crash mid-merge left behind; a profile set aside by a
+    swap that a crash interrupted goes back in place (not those of merges in `keep`)."""
+    if not profiles.is_dir():
+        return
+    for old in profiles.glob(".link-old-*"):
+        target = profiles / old.name[len(".link-old-") :]
+        if target.name in keep:
+            continue
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, target)
+    now = time.time()
+    for path in profiles.glob(".link-*"):
+        try:
+            if now - path.stat().st_mtime > older_than_s:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def retire(path: Path, into: str) -> None:
+    """Remove a personal profile merged into `into` (marker first, so a crash midway leaves
+    a profile `profiles list` shows as merged and `profiles delete` of the link removes)."""
+    if not path.exists():
+        return
+    marker = {"tenant": into, "at": time.time()}
+    write_private(path / RETIRED_MARKER, json.dumps(marker))
+    shutil.rmtree(path)
+
+
+class _Flock:
+    def __init__(self, path: Path) -> None:
+        private_mkdir(path.parent)
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __enter__(self) -> _Flock:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise RuntimeError(f"{self.path.parent.parent} is open elsewhere") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def merge_profiles(target: Path, sources: list[Path], limits: dict[str, int], principals: list[str]) -> None:
+    """Merge closed profiles `sources` into the closed profile `target` (idempotent)."""
+    with _Flock(target / "sessions" / ".lock"):
+        for src in sources:
+            with _Flock(src / "sessions" / ".lock"):
+                _merge_journals(src, target)
+                _merge_db(src, target)
+                _merge_files(src, target)
+        merge_memory(target, sources, limits)
+        merge_reminders(target, sources)
+        manifest = json.loads((target / "tenant.json").read_text(encoding="utf-8"))
+        have = manifest.setdefault("principals", [])
+        for src in sources:
+            try:
+                theirs = json.loads((src / "tenant.json").read_text(encoding="utf-8")).get("principals", [])
+            except (OSError, ValueError):
+                theirs = []
+            for p in [*theirs, *principals]:
+                if p not in have:
+                    have.append(p)
+        write_manifest(target, manifest)
+
+
+def _merge_journals(src: Path, target: Path) -> None:
+    out_dir = target / "sessions"
+    for journal in sorted((src / "sessions").glob("*.jsonl")):
+        dest = out_dir / journal.name
+        data = journal.read_bytes()
+        if dest.exists():
+            have = dest.read_bytes()
+            if have == data or not data.startswith(have):
+                if have != data:
+                    log.warning("link: journal %s differs in both profiles; keeping the target's", journal.name)
+                continue
+        atomic_write(dest, data)
+
+
+def _columns(conn: sqlite3.Connection, schema: str, table: str) -> list[str]:
+    return [r[1] for r in conn.execute(f"PRAGMA {schema}.table_info({table})")]
+
+
+def _merge_db(src: Path, target: Path) -> None:
+    if not (src / "state.db").exists():
+        return
+    conn = sqlite3.connect(target / "state.db", timeout=30, isolation_level=None)
+    try:
+        conn.execute("ATTACH DATABASE ? AS src", (str(src / "state.db"),))
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for table, conflict in (("sessions", "REPLACE"), ("routes", "IGNORE"), ("journal_offsets", "REPLACE")):
+                cols = [c for c in _columns(conn, "main", table) if c in _columns(conn, "src", table)]
+                names = ", ".join(f'"{c}"' for c in cols)
+                conn.execute(f"INSERT OR {conflict} INTO main.{table}({names}) SELECT {names} FROM src.{table}")
+            cols = [
+                c for c in _columns(conn, "main", "messages") if c != "id" and c in _columns(conn, "src", "messages")
+            ]
+            names = ", ".join(f'"{c}"' for c in cols)
+            conn.execute(
+                f"INSERT INTO main.messages({names}) SELECT {names} FROM src.messages WHERE true ORDER BY id "
+                "ON CONFLICT(uid) DO UPDATE SET active=excluded.active, compacted=excluded.compacted"
+            )
+            missing = conn.execute(
+                "SELECT count(*) FROM src.messages WHERE uid NOT IN (SELECT uid FROM main.messages)"
+            ).fetchone()[0]
+            if missing:
+                raise RuntimeError(f"{missing} message(s) did not copy")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("DETACH DATABASE src")
+    finally:
+        conn.close()
+
+
+def _merge_files(src: Path, target: Path) -> None:
+    """Provider files, exports and anything else: copy what's missing, append *.jsonl, keep
+    both when two different files have one name."""
+    skip_top = {
+        "tenant.json",
+        "state.db",
+        "state.db-wal",
+        "state.db-shm",
+        "state.db-journal",
+        RETIRED_MARKER,
+        PENDING_MARKER,
+        REMINDERS_FILE,  # merged entry by entry (agent/reminders.py)
+        f".{REMINDERS_FILE}.lock",
+    }
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        for name in files:
+            full = Path(root) / name
+            rel = full.relative_to(src)
+            if (
+                (len(rel.parts) == 1 and name in skip_top)
+                or name == ".lock"
+                or name.endswith(".tmp")
+                or full.is_symlink()
+                or rel.parts[0] == "sessions"
+                or (rel.parts[0] == "memories" and name in (*_MEMORY_FILES.values(), VISIBILITY_FILE, BASELINE_FILE))
+            ):
+                continue
+            dest = target / rel
+            private_mkdir(dest.parent)
+            data = full.read_bytes()
+            if not dest.exists():
+                write_private(dest, data)
+            elif name.endswith(".jsonl"):
+                have = dest.read_bytes()
+                if data and data not in have:
+                    with open_private(dest, "ab") as fh:
+                        if have and not have.endswith(b"\n"):
+                            fh.write(b"\n")
+                        fh.write(data)
+            elif dest.read_bytes() != data:
+                alt = dest.with_name(f"{dest.stem}.from-{src.name}{dest.suffix}")
+                if not alt.exists():
+                    write_private(alt, data)
+            _fsync_file(dest)
+
+
+def combine_entries(lists: list[list[str]], limit: int, note_date: str) -> tuple[list[str], list[str]]:
+    """Merge entry lists (deduplicated, in order); when over `limit`, set aside the oldest
+    entries of whichever side is larger and put one note entry first. Returns (kept, dropped)."""
+    seen: set[str] = set()
+    items: list[tuple[int, str]] = []
+    for i, entries in enumerate(lists):
+        for e in entries:
+            if e not in seen:
+                seen.add(e)
+                items.append((i, e))
+
+    def size(entries: list[str]) -> int:
+        return len(ENTRY_DELIMITER.join(entries))
+
+    dropped: list[str] = []
+
+    def note() -> str:
+        n = len(dropped)
+        return (
+            f"(Accounts linked {note_date}: {n} older entr{'y' if n == 1 else 'ies'} did not fit and were set aside.)"
+        )
+
+    while items and size(([note()] if dropped else []) + [e for _, e in items]) > limit:
+        sides: dict[int, int] = {}
+        for i, e in items:
+            sides[i] = sides.get(i, 0) + len(e)
+        side = max(sides, key=lambda k: (sides[k], -k))
+        idx = next(j for j, (i, _) in enumerate(items) if i == side)
+        dropped.append(items.pop(idx)[1])
+    kept = [e for _, e in items]
+    if dropped and size([note(), *kept]) <= limit:
+        kept = [note(), *kept]
+    return kept, dropped
+
+
+def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> None:
+    mem_dir = target / "memories"
+    private_mkdir(mem_dir)
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    fd = os.open(mem_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        source_marks = [Marks(d / "memories").load() for d in (target, *sources)]
+        marks = dict(source_marks[0])
+        for target_name, fname in _MEMORY_FILES.items():
+            lists = []
+            for d in (target, *sources):
+                try:
+                    lists.append(parse_entries((d / "memories" / fname).read_text(encoding="utf-8")))
+                except FileNotFoundError:
+                    lists.append([])
+            if not any(lists[1:]):
+                continue
+            kept, dropped = combine_entries(lists, limits[target_name], today)
+            data = ENTRY_DELIMITER.join(kept).encode("utf-8")
+            atomic_write(mem_dir / fname, data)
+            Baselines(mem_dir).set(fname, digest(data))  # the merge is the store's own write, not drift
+            marks[target_name] = combine_marks(target_name, kept, lists, source_marks)
+            if dropped:
+                with open_private(mem_dir / OVERFLOW_FILE, "a") as fh:
+                    fh.write(f"## {fname}, set aside when accounts were linked on {today}\n\n")
+                    fh.write(ENTRY_DELIMITER.join(dropped) + "\n\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+        Marks(mem_dir).save(marks)  # after the memory files: a crash in between leaves entries private
+    finally:
+        os.close(fd)
+
+
+def combine_marks(
+    target: str, kept: list[str], lists: list[list[str]], marks: list[dict[str, dict[str, str]]]
+) -> dict[str, str]:
+    """The visibility marks of merged entries: an entry stays shared when every profile that
+    held it had it shared (one private copy keeps it private: the safe side)."""
+    out: dict[str, str] = {}
+    for entry in kept:
+        key = entry_key(target, entry)
+        holders = [m.get(target, {}) for m, entries in zip(marks, lists, strict=False) if entry in entries]
+        if holders and all(h.get(key) == "shared" for h in holders):
+            out[key] = "shared"
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
@@ -75,3 +76,46 @@ def test_license_metadata_is_complete() -> None:
     assert not any(c.startswith("License ::") for c in data["project"]["classifiers"])
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^COPY .*\bLICENSE\b", dockerfile, re.M), "the image build needs LICENSE"
+
+
+def _cli(*args: str, block_psycopg: bool = False, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`hermes-gateway ARGS` in a fresh interpreter; `block_psycopg` makes it one where the
+    cluster extra is not installed (`import psycopg` fails as it would)."""
+    boot = "import sys\n"
+    if block_psycopg:
+        boot += "sys.modules['psycopg'] = None; sys.modules['psycopg_pool'] = None\n"
+    boot += "from gateway.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.run(
+        [sys.executable, "-c", boot, *args], capture_output=True, text=True, timeout=60, cwd=cwd or ROOT
+    )
+
+
+def test_version_prints_the_installed_version() -> None:
+    done = _cli("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"hermes-gateway {_pyproject()['project']['version']}"
+
+
+def test_psycopg_is_the_cluster_extra_not_a_dependency_of_a_single_node() -> None:
+    project = _pyproject()["project"]
+    assert not [d for d in project["dependencies"] if _requirement_name(d) == "psycopg"]
+    assert [_requirement_name(d) for d in project["optional-dependencies"]["cluster"]] == ["psycopg"]
+
+
+@pytest.mark.parametrize("command", [["run"], ["doctor"], ["cluster", "status"]])
+def test_a_cluster_config_without_the_driver_says_so_in_one_sentence(tmp_path: Path, command: list[str]) -> None:
+    cfg = tmp_path / "hermes-gateway.yaml"
+    cfg.write_text(f"data_dir: {tmp_path / 'data'}\ncluster:\n  postgres_dsn_env: HERMES_TEST_NO_SUCH_DSN\n")
+    done = _cli("-c", str(cfg), *command, block_psycopg=True, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "cluster mode needs the PostgreSQL driver, which is not installed: pip install 'hermes-gateway[cluster]'"
+    )
+
+
+def test_a_single_node_runs_its_commands_without_the_driver(tmp_path: Path) -> None:
+    cfg = tmp_path / "hermes-gateway.yaml"
+    cfg.write_text(f"data_dir: {tmp_path / 'data'}\n")
+    done = _cli("-c", str(cfg), "profiles", "list", block_psycopg=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "psycopg" not in done.stderr

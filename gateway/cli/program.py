@@ -4,6 +4,7 @@ message and a non-zero exit (2 for a config problem, 1 for a refusal, 130 after 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-c", "--config", default=os.environ.get("HERMES_GATEWAY_CONFIG", DEFAULT_CONFIG), help=CONFIG_HELP
     )
+    parser.add_argument("--version", action="version", version=f"hermes-gateway {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run.register_run(sub)
     run.register_chat(sub)
@@ -33,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     for p in sub.choices.values():
         p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("hermes-gateway")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def run_cli(argv: list[str] | None = None) -> int:
@@ -73,6 +82,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return init.cmd_init(args)
     cfg = load_config(args.config)
+    if cfg.cluster.enabled or args.command == "cluster":
+        from gateway.cluster import require_driver
+
+        require_driver()
     if args.command == "doctor":
         return doctor.cmd_doctor(cfg, args)
     if args.command == "chat":

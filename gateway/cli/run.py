@@ -136,7 +136,7 @@ STOP_GRACE_S = 5.0  # past the drain timeout, the most a stop may take before th
 _UNRECORDED = "what was not recorded stays unacknowledged at the platform and comes again on the next start"
 
 
-def _stop_now(signum: int, frame: object) -> None:
+def _stop_now(signum: int, _frame: object) -> None:
     """A second SIGINT/SIGTERM while stopping: exit at once (pending messages stay pending)."""
     _hard_exit(130 if signum == signal.SIGINT else 143, f"stopped at once; {_UNRECORDED}.")
 

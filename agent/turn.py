@@ -46,7 +46,7 @@ NO_TOOL_ANSWER = (
 
 
 def cut_notice(seconds: float) -> str:
-    """What the person reads under an answer the deadline ended (README "Runaway answers")."""
+    """What the person reads under an answer the deadline ended (docs/operator-guide.md#runaway-answers-and-long-replies)."""
     return f"(The answer was cut: the model was still writing after {seconds:g} seconds.)"
 
 

@@ -144,7 +144,7 @@ class Sending(TelegramState):
                     await asyncio.sleep(min(self._backoff_initial * attempts, self._backoff_max))
                     continue
                 # The request may have reached Telegram: the outbox resends it later, which can
-                # post the chunk twice (Telegram has no idempotency key; see README "Delivery").
+                # post the chunk twice (Telegram has no idempotency key; see docs/concepts.md#delivery).
                 log.warning(
                     "telegram: sendMessage to chat %s failed (%s); the outbox retries it",
                     message.chat_id,

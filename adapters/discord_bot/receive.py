@@ -18,6 +18,7 @@ from discord.gateway import DiscordWebSocket
 
 from adapters.discord_bot.client import DISCORD_GATEWAY, INTENT_HINT, NO_PINGS, PORTAL_URL, log
 from adapters.discord_bot.commands import SlashCommands
+from core.backoff import Backoff
 from core.messages import InboundMessage
 
 
@@ -123,7 +124,7 @@ class Receiving(SlashCommands):
             await asyncio.gather(task, return_exceptions=True)
 
     async def _run_shard(self, client: _ShardClient) -> None:
-        delay = 2.0
+        wait = Backoff(2.0, 60.0)
         while not self._stopping:
             try:
                 await asyncio.wait_for(client.login(self._token), timeout=30)
@@ -140,9 +141,9 @@ class Receiving(SlashCommands):
             except Exception as exc:
                 if self._stopping or client.is_closed():
                     return
+                delay = wait.next()
                 log.warning("discord: shard %s: %r; retrying in %.0fs", client.shard_id, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 60.0)
 
     def _point_at_gateway(self, client: discord.Client) -> None:
         # With an explicit gateway_url (a proxy), RESUME goes there too, not to the
@@ -173,7 +174,7 @@ class Receiving(SlashCommands):
     async def _login(self) -> _Client | None:
         """Log in (GET /users/@me, /oauth2/applications/@me), retrying network and
         server errors with backoff. None when the token is rejected."""
-        delay = 2.0
+        wait = Backoff(2.0, 60.0)
         while True:
             client = self._new_client()
             self._client = client
@@ -190,15 +191,15 @@ class Receiving(SlashCommands):
             except (TimeoutError, discord.HTTPException, aiohttp.ClientError, OSError, ValueError) as exc:
                 await self._close_client()
                 self.last_error = f"cannot reach the Discord API at {self._api_base}: {type(exc).__name__}: {exc}"
+                delay = wait.next()
                 log.warning("discord: %s; retrying in %.0fs", self.last_error, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 60.0)
 
     async def _run(self) -> None:
         """Log in and hold the gateway connection for as long as the adapter runs: discord.py
         reconnects by itself after network drops; anything else that ends the connection is
         reconnected here with backoff. Only a rejected token or a refused intent is final."""
-        delay = 2.0
+        wait = Backoff(2.0, 60.0)
         try:
             while not self._stopping:
                 client = await self._login()
@@ -246,13 +247,13 @@ class Receiving(SlashCommands):
                 if self._stopping:
                     return
                 if self._status == "connected":  # it was up: start the backoff afresh
-                    delay = 2.0
+                    wait.reset()
                 self._set_status("connecting")
                 self.last_error = why
+                delay = wait.next()
                 log.warning("discord: %s; reconnecting in %.0fs", why, delay)
                 await self._close_client()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 60.0)
         finally:
             if not self._stopping:
                 await self._close_client()

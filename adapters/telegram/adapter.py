@@ -25,6 +25,7 @@ from adapters.telegram.client import _SECRET_TOKEN_RE, _make_bot, _register_secr
 from adapters.telegram.flood import FloodGate, FloodLimits
 from adapters.telegram.receive import Receiving
 from adapters.telegram.send import Sending
+from core.backoff import Backoff
 from core.commands import COMMAND_SPECS
 from core.messages import InboundSink
 from core.settings import ConfigError, TelegramConfig
@@ -235,7 +236,7 @@ class TelegramAdapter(Receiving, Sending):
         self._ready.set()
 
     async def _run(self) -> None:
-        backoff = self._backoff_initial
+        wait = Backoff(self._backoff_initial, self._backoff_max)
         while not self._ready.is_set() and not self._stopping.is_set():
             try:
                 await self._identify()
@@ -244,10 +245,10 @@ class TelegramAdapter(Receiving, Sending):
                 return
             except (TelegramError, OSError) as exc:
                 self._unanswered(f"getMe failed ({type(exc).__name__})")
-                log.warning("telegram: getMe failed (%s); retrying in %.0fs", type(exc).__name__, backoff)
-                if await self._sleep(backoff):
+                delay = wait.next()
+                log.warning("telegram: getMe failed (%s); retrying in %.0fs", type(exc).__name__, delay)
+                if await self._sleep(delay):
                     return
-                backoff = min(backoff * 2, self._backoff_max)
         if self._stopping.is_set():
             return
         if self._elected:  # the ingress election calls start_receiving()

@@ -15,6 +15,7 @@ from telegram.error import BadRequest, Conflict, EndPointNotFound, InvalidToken,
 
 from adapters.telegram.client import _retry_after_seconds, log
 from adapters.telegram.normalise import Normalising
+from core.backoff import Backoff
 
 
 class Receiving(Normalising):
@@ -117,7 +118,7 @@ class Receiving(Normalising):
         return result if isinstance(result, list) else []
 
     async def _poll_loop(self) -> None:
-        backoff = self._backoff_initial
+        wait = Backoff(self._backoff_initial, self._backoff_max)
         prepared = False
         # a long poll is answered within poll_timeout_s; its read timeout adds 15 s more
         self._fresh_s = self.cfg.poll_timeout_s + 30.0
@@ -136,15 +137,15 @@ class Receiving(Normalising):
                 return
             except Conflict:
                 self._unanswered("getUpdates conflict (409): another process polls with this token")
+                delay = wait.next()
                 log.error(
                     "telegram: getUpdates conflict (409): another process polls with this token, "
                     "or a webhook is set; retrying in %.0fs",
-                    backoff,
+                    delay,
                 )
                 prepared = False
-                if await self._sleep(backoff, self._recv_stop):
+                if await self._sleep(delay, self._recv_stop):
                     return
-                backoff = min(backoff * 2, self._backoff_max)
                 continue
             except RetryAfter as exc:
                 if await self._sleep(_retry_after_seconds(exc), self._recv_stop):
@@ -154,22 +155,21 @@ class Receiving(Normalising):
                 raise
             except Exception as exc:  # network errors and anything unexpected: never crash
                 self._unanswered(f"getUpdates failed ({type(exc).__name__})")
-                log.warning("telegram: getUpdates failed (%s); retrying in %.0fs", type(exc).__name__, backoff)
-                if await self._sleep(backoff, self._recv_stop):
+                delay = wait.next()
+                log.warning("telegram: getUpdates failed (%s); retrying in %.0fs", type(exc).__name__, delay)
+                if await self._sleep(delay, self._recv_stop):
                     return
-                backoff = min(backoff * 2, self._backoff_max)
                 continue
             if updates is None:
                 return
-            backoff = self._backoff_initial
+            wait.reset()
             for raw in updates:
                 ok = await self._deliver_raw(raw)
                 if not ok:
                     # The sink failed: keep the offset (Telegram redelivers this update and
                     # everything after it) and try again after a pause.
-                    if await self._sleep(backoff, self._recv_stop):
+                    if await self._sleep(wait.next(), self._recv_stop):
                         return
-                    backoff = min(backoff * 2, self._backoff_max)
                     break
                 if self._recv_stop.is_set():
                     return
@@ -279,7 +279,7 @@ class Receiving(Normalising):
             return
         path = self.cfg.webhook.path
         url = public if public.rstrip("/").endswith(path.rstrip("/")) else public.rstrip("/") + path
-        backoff = self._backoff_initial
+        wait = Backoff(self._backoff_initial, self._backoff_max)
         while not self._stopping.is_set():
             try:
                 await self.bot.set_webhook(
@@ -299,10 +299,10 @@ class Receiving(Normalising):
                 return
             except TelegramError as exc:
                 self._unanswered(f"setWebhook failed ({type(exc).__name__})")
-                log.warning("telegram: setWebhook failed (%s); retrying in %.0fs", type(exc).__name__, backoff)
-                if await self._sleep(backoff):
+                delay = wait.next()
+                log.warning("telegram: setWebhook failed (%s); retrying in %.0fs", type(exc).__name__, delay)
+                if await self._sleep(delay):
                     return
-                backoff = min(backoff * 2, self._backoff_max)
 
     async def _handle_webhook(self, request: Any) -> Any:
         from aiohttp import web

@@ -9,7 +9,7 @@ import json
 from urllib.parse import quote
 
 from gateway.admin import delete_tenant, find_tenant
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tests.conftest import RecordingAdapter, dm, make_config, say
 from tests.pg import DSN, require_postgres
 
@@ -71,7 +71,7 @@ async def test_profiles_delete_in_cluster_mode_removes_the_persons_postgresql_ro
     # alice's linked profile, made by a single node on the same data directory
     single = make_config(data, fake_llm.base_url, tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}})
     tg = RecordingAdapter("telegram")
-    app = GatewayApp(single, [tg])
+    app = build_gateway(single, [tg])
     await app.start()
     try:
         await say(app, tg, dm("111", "hello", platform="telegram"))

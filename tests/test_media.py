@@ -20,7 +20,7 @@ from agent.messages import StoredMessage
 from agent.tokens import TokenCounter
 from core.messages import Attachment, DownloadError, InboundMessage
 from gateway.admin import backup_data_dir, delete_tenant, export_profile, find_tenant
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from gateway.media import MediaIntake
 from gateway.media_checks import check_transcription, check_vision
 from tenancy.keys import tenant_dir
@@ -64,7 +64,7 @@ class FilesAdapter(RecordingAdapter):
 @asynccontextmanager
 async def gateway(config_for, **sections):
     adapter = FilesAdapter()
-    app = GatewayApp(config_for(**sections), [adapter])
+    app = build_gateway(config_for(**sections), [adapter])
     await app.start()
     try:
         yield app, adapter

@@ -17,7 +17,8 @@ import pytest
 
 from adapters.telegram import TelegramAdapter
 from gateway.admin import backup_data_dir, export_profile, find_tenant
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.fakes.llm import image_urls, last_user_text, tool_call
 from tests.fakes.telegram_api import FakeTelegram
@@ -51,7 +52,7 @@ def tg_config(config_for, tg: FakeTelegram, **sections: Any):
 @asynccontextmanager
 async def gateway(cfg):
     adapter = TelegramAdapter.from_config(cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5)
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         yield app

@@ -281,7 +281,7 @@ class WarnCounter(logging.Handler):
 
 async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -> dict[str, Any]:
     from core.settings import parse_config
-    from gateway.app import GatewayApp
+    from gateway.build import build_gateway
     from tenancy import profiles as profiles_mod
 
     cfg = parse_config(
@@ -295,7 +295,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
     )
     llm = TimedLLM(base_url, "bench-model", timeout_s=60, max_retries=0)
     adapter = BenchAdapter()
-    app = GatewayApp(cfg, [adapter], llm=llm)
+    app = build_gateway(cfg, [adapter], llm=llm)
 
     # Instrumentation (bench process only): count and time profile opens and closes. Skipped
     # quietly if the core renames these, so the bench keeps running.

@@ -25,7 +25,13 @@ from gateway.delivery import more_key, more_mark, more_offer, read_more_mark
 
 if TYPE_CHECKING:
     from agent.profile import Profile
-    from gateway.app import GatewayApp
+    from agent.turn import Agent
+    from core.settings import Config
+    from gateway.access import Access
+    from gateway.inbox import Inbox
+    from gateway.linking import Linking
+    from gateway.reminders import ReminderScheduler
+    from tenancy.identity import IdentityLinks
 
 
 def parse_command(text: str) -> tuple[CommandSpec, str] | None:
@@ -39,9 +45,22 @@ def parse_command(text: str) -> tuple[CommandSpec, str] | None:
     return (spec, args.strip()) if spec else None
 
 
+@dataclass(frozen=True)
+class CommandParts:
+    """What the chat commands read and change of the gateway (built once, with the runtime)."""
+
+    cfg: Config
+    access: Access
+    agent: Agent
+    inbox: Inbox
+    links: IdentityLinks
+    linking: Linking
+    reminders: ReminderScheduler
+
+
 @dataclass
 class CommandContext:
-    app: GatewayApp
+    parts: CommandParts
     msg: InboundMessage
     lane: Lane
     place: ChatPlace
@@ -60,7 +79,7 @@ async def shared_lane_refusal(ctx: CommandContext, name: str) -> str | None:
     and the gateway's admins; everyone else gets this refusal."""
     if name not in SHARED_LANE_ADMIN_COMMANDS or ctx.lane.kind != "chat":
         return None
-    if ctx.app.access.is_admin(ctx.msg.principal):
+    if ctx.parts.access.is_admin(ctx.msg.principal):
         return None
     if ctx.chat_admin is not None and await ctx.chat_admin():
         return None
@@ -81,9 +100,9 @@ Handler = Callable[[CommandContext], Awaitable[str]]
 
 
 async def cmd_help(ctx: CommandContext) -> str:
-    admin = ctx.app.access.is_admin(ctx.msg.principal)
+    admin = ctx.parts.access.is_admin(ctx.msg.principal)
     lines = [
-        f"I'm {ctx.app.cfg.agent_name}. Talk to me normally; I remember what matters to you "
+        f"I'm {ctx.parts.cfg.agent_name}. Talk to me normally; I remember what matters to you "
         "across conversations. Commands:"
     ]
     for spec in COMMAND_SPECS:
@@ -96,13 +115,13 @@ async def cmd_help(ctx: CommandContext) -> str:
 async def cmd_start(ctx: CommandContext) -> str:
     name = ctx.msg.user_name or "there"
     return (
-        f"Hi {name}! I'm {ctx.app.cfg.agent_name}. Tell me what you need; I'll remember "
+        f"Hi {name}! I'm {ctx.parts.cfg.agent_name}. Tell me what you need; I'll remember "
         "what you ask me to. Send /help for the commands."
     )
 
 
 async def cmd_new(ctx: CommandContext) -> str:
-    await ctx.app.agent.new_session(ctx.profile, ctx.lane, ctx.place, reason="new")
+    await ctx.parts.agent.new_session(ctx.profile, ctx.lane, ctx.place, reason="new")
     return "Started a new conversation. What I remember about you is kept (see /memory)."
 
 
@@ -116,7 +135,7 @@ async def cmd_status(ctx: CommandContext) -> str:
         shared = "between you and me"
     else:
         shared = "yours, but my replies here are seen by everyone in this chat"
-    lines = [f"Model: {ctx.app.cfg.llm.model}", f"This conversation is {shared}."]
+    lines = [f"Model: {ctx.parts.cfg.llm.model}", f"This conversation is {shared}."]
     if info:
         started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(info.get("started_at") or 0))
         lines += [
@@ -130,7 +149,7 @@ async def cmd_status(ctx: CommandContext) -> str:
 
 
 async def cmd_usage(ctx: CommandContext) -> str:
-    app = ctx.app
+    app = ctx.parts
     store = ctx.profile.sessions
     session_id = await store.route(ctx.lane.session_key)
     if not session_id:
@@ -168,7 +187,7 @@ async def cmd_compress(ctx: CommandContext) -> str:
     args = ctx.args.strip()
     head, _, rest = args.partition(" ")
     focus = rest.strip() if head.lower() == "focus" else args
-    return await ctx.app.agent.compress_now(ctx.profile, ctx.lane, ctx.place, focus=focus or None)
+    return await ctx.parts.agent.compress_now(ctx.profile, ctx.lane, ctx.place, focus=focus or None)
 
 
 def _private_only(ctx: CommandContext, command: str) -> str | None:
@@ -208,7 +227,7 @@ def _pick(items: list[tuple[str, str, Visibility]], arg: str) -> tuple[str, str,
 async def cmd_memory(ctx: CommandContext) -> str:
     if refusal := _private_only(ctx, "memory"):
         return refusal
-    memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
+    memory = ctx.parts.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is None:
         return "Memory is turned off in this chat."
     sub, _, rest = ctx.args.strip().partition(" ")
@@ -278,7 +297,7 @@ def _approver_refusal(ctx: CommandContext, memory: MemoryStore) -> str | None:
     """Approvals are the memory owner's: the person in a private chat, an admin for a group."""
     if memory.read_only:
         return "Memory can't be changed from this chat; send this in a private chat with me."
-    if ctx.lane.kind == "chat" and not ctx.app.access.is_admin(ctx.msg.principal):
+    if ctx.lane.kind == "chat" and not ctx.parts.access.is_admin(ctx.msg.principal):
         return "Only an admin can approve or reject changes to this group's memory."
     return None
 
@@ -354,7 +373,7 @@ MEMORY_SUBCOMMANDS: dict[str, MemorySubcommand] = {
 async def cmd_forget(ctx: CommandContext) -> str:
     if ctx.lane.personal_memory != "full":
         return "Memory can't be changed from this chat; send /forget in a private chat with me."
-    memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
+    memory = ctx.parts.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is None:
         return "Memory is turned off in this chat."
     target = ctx.args.lower() or "all"
@@ -387,7 +406,7 @@ async def cmd_forget(ctx: CommandContext) -> str:
 async def _provider_forget(ctx: CommandContext, entries: list[tuple[str, str]]) -> None:
     """Tell the memory provider which entries were forgotten, so it never recalls them."""
     provider = ctx.profile.provider
-    access = ctx.app.agent.provider_access(ctx.lane)
+    access = ctx.parts.agent.provider_access(ctx.lane)
     if provider is None or not access.write:
         return
     for target, entry in entries:
@@ -418,7 +437,7 @@ async def cmd_undo(ctx: CommandContext) -> str:
 async def cmd_more(ctx: CommandContext) -> str:
     """The next page of the lane's last answer (README "Runaway answers and long replies")."""
     nothing = "There's nothing more of my last answer to send."
-    mark = await ctx.app.inbox.get(more_key(ctx.lane))
+    mark = await ctx.parts.inbox.get(more_key(ctx.lane))
     session_id = await ctx.profile.sessions.route(ctx.lane.session_key)
     if mark is None or session_id is None:
         return nothing
@@ -433,8 +452,8 @@ async def cmd_more(ctx: CommandContext) -> str:
     start = read_more_mark(mark, answer)
     if answer is None or start is None:
         return nothing
-    page, nxt = page_text(answer, start, ctx.app.cfg.delivery.max_reply_chars)
-    await ctx.app.inbox.put(more_key(ctx.lane), more_mark(answer, nxt) if nxt < len(answer) else None)
+    page, nxt = page_text(answer, start, ctx.parts.cfg.delivery.max_reply_chars)
+    await ctx.parts.inbox.put(more_key(ctx.lane), more_mark(answer, nxt) if nxt < len(answer) else None)
     return page + more_offer(len(answer) - nxt) if nxt < len(answer) else page
 
 
@@ -442,13 +461,13 @@ async def cmd_export(ctx: CommandContext) -> str:
     if refusal := _private_only(ctx, "export"):
         return refusal
     data = await ctx.profile.sessions.export()
-    memory = ctx.app.agent.lane_memory(ctx.profile, ctx.lane)
+    memory = ctx.parts.agent.lane_memory(ctx.profile, ctx.lane)
     if memory is not None:
         # each entry with its visibility, as /memory shows it (private entries never reach a group)
         data["memory"] = {t: [] for t in ("memory", "user")}
         for target, entry, visibility in await _numbered(memory):
             data["memory"][target].append({"entry": entry, "visibility": visibility})
-    skills = ctx.app.agent.lane_skills(ctx.profile, ctx.lane)
+    skills = ctx.parts.agent.lane_skills(ctx.profile, ctx.lane)
     if skills is not None:
         data["skills"] = [
             {"name": info.name, "description": info.description, "content": body}
@@ -480,28 +499,28 @@ async def cmd_whoami(ctx: CommandContext) -> str:
         f"Profile: {ctx.lane.tenant_id}",
         f"Conversation: {ctx.lane.session_key}",
     ]
-    name = ctx.app.links.name_for(ctx.msg.principal)
+    name = ctx.parts.links.name_for(ctx.msg.principal)
     if name:
-        lines.append(f"Linked accounts: {', '.join(ctx.app.links.principals_of(name))}")
-    if ctx.app.access.is_admin(ctx.msg.principal):
+        lines.append(f"Linked accounts: {', '.join(ctx.parts.links.principals_of(name))}")
+    if ctx.parts.access.is_admin(ctx.msg.principal):
         lines.append("You are an admin.")
     return "\n".join(lines)
 
 
 async def cmd_link(ctx: CommandContext) -> str:
-    return await ctx.app.link_command(ctx.msg, ctx.args)
+    return await ctx.parts.linking.link_command(ctx.msg, ctx.args)
 
 
 async def cmd_unlink(ctx: CommandContext) -> str:
-    return await ctx.app.unlink_command(ctx.msg, ctx.args)
+    return await ctx.parts.linking.unlink_command(ctx.msg, ctx.args)
 
 
 async def cmd_pair(ctx: CommandContext) -> str:
-    if not ctx.app.access.is_admin(ctx.msg.principal):
+    if not ctx.parts.access.is_admin(ctx.msg.principal):
         return "Only an admin can approve pairing codes."
     if not ctx.args:
         return "Usage: /pair CODE"
-    principal = await ctx.app.access.approve(ctx.args)
+    principal = await ctx.parts.access.approve(ctx.args)
     return f"Approved {principal}; they can talk to me now." if principal else "That code is unknown or expired."
 
 
@@ -528,7 +547,7 @@ async def cmd_reminders(ctx: CommandContext) -> str:
         removed = await store.cancel(int(words[1].lstrip("#")), where=here)
         if removed is None:
             return f"There's no reminder #{words[1].lstrip('#')} here."
-        await ctx.app.reminders.note(ctx.profile.tenant_id, await store.next_due(), False)
+        await ctx.parts.reminders.note(ctx.profile.tenant_id, await store.next_due(), False)
         return f"Cancelled: {removed.describe()}"
     if words:
         return "Usage: /reminders, or /reminders cancel N."

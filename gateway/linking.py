@@ -41,7 +41,7 @@ and the link's tenant.json, starts over with a fresh personal profile, and every
 the linked time (memory, sessions of every account) stays with the link. The last account
 of a link cannot unlink (its data would be stranded).
 
-All state lives on the instance (one per GatewayApp); nothing is module-global.
+All state lives on the instance (one per gateway); nothing is module-global.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -76,7 +76,12 @@ from tenancy.merge import retire as _retire
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.profile import Profile
-    from gateway.app import GatewayApp
+    from core.settings import Config
+    from gateway.inbox import Inbox
+    from gateway.metrics import Metrics
+    from gateway.reminders import ReminderScheduler
+    from tenancy.identity import IdentityLinks
+    from tenancy.profiles import ProfileManager
 
 log = logging.getLogger("hermes.linking")
 
@@ -87,6 +92,9 @@ IDLE_TIMEOUT_S = 300.0
 CODE_LEN = 10
 _ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"  # no 0/O/1/I
 
+
+Send = Callable[..., Awaitable[object]]
+"""`Replies.send`: `send(msg, text, kind=..., reply=...)` records a message for msg's chat."""
 
 MergeGuard = Callable[[list[str]], AbstractAsyncContextManager[None]]
 """Cluster mode: `guard(tenants)` holds every tenant's lease for this node while a merge
@@ -149,7 +157,13 @@ class Linking:
 
     def __init__(
         self,
-        app: GatewayApp,
+        cfg: Config,
+        links: IdentityLinks,
+        profiles: ProfileManager,
+        inbox: Inbox,
+        metrics: Metrics,
+        reminders: ReminderScheduler,
+        send: Send,
         *,
         store: KeyValue | None = None,
         clock: Callable[[], float] = time.time,
@@ -159,8 +173,9 @@ class Linking:
         """`store` keeps codes and requests (default: gateway.db's kv table). In a cluster
         (`cluster=True`) `merge_guard` must give this node every tenant a merge touches
         (see `MergeGuard`); without one `/link confirm` refuses, and nothing is linked."""
-        self.app = app
-        self.store: KeyValue = store if store is not None else SqliteKV(app.inbox)
+        self.cfg, self.links, self.profiles, self.inbox = cfg, links, profiles, inbox
+        self.metrics, self.reminders, self.send = metrics, reminders, send
+        self.store: KeyValue = store if store is not None else SqliteKV(inbox)
         self.merge_guard = merge_guard
         self.cluster = cluster
         self.clock = clock
@@ -183,7 +198,7 @@ class Linking:
             if gate is not None:
                 await gate.wait()
                 continue
-            current = resolve_lane(msg, self.app.cfg.tenancy, self.app.links)
+            current = resolve_lane(msg, self.cfg.tenancy, self.links)
             if current.tenant_id != lane.tenant_id:
                 raise LaneMoved(current)
             break
@@ -192,7 +207,7 @@ class Linking:
         tid = lane.tenant_id
         self._active[tid] = self._active.get(tid, 0) + 1
         try:
-            async with self.app.profiles.use(tid, kind=lane.kind) as profile:
+            async with self.profiles.use(tid, kind=lane.kind) as profile:
                 yield profile
         finally:
             self._active[tid] -= 1
@@ -217,7 +232,7 @@ class Linking:
             if time.monotonic() > deadline:
                 raise TimeoutError("the accounts stayed busy")
             t = pending[0]
-            if self._active.get(t, 0) == 0 and await self.app.profiles.evict(t):
+            if self._active.get(t, 0) == 0 and await self.profiles.evict(t):
                 pending.pop(0)
                 continue
             await asyncio.sleep(0.05)
@@ -232,7 +247,7 @@ class Linking:
         """At start, after a crash mid-merge: a merged profile whose link was recorded is
         kept (and finished), one whose link was not is swapped back for the profile from
         before; both accounts are told which."""
-        profiles = self.app.cfg.data_dir / "profiles"
+        profiles = self.cfg.data_dir / "profiles"
         for marker in sorted(profiles.glob(f"*/{PENDING_MARKER}")) if profiles.is_dir() else []:
             target = marker.parent
             try:
@@ -243,15 +258,15 @@ class Linking:
                 continue
             old = profiles / f".link-old-{target.name}"
             swap = _Swap(target, old if old.exists() else None)
-            if all(self.app.links.name_for(p) == info["name"] for p in info["joiners"]):
+            if all(self.links.name_for(p) == info["name"] for p in info["joiners"]):
                 await asyncio.to_thread(swap.forget)
                 for source in info.get("sources", []):
                     await asyncio.to_thread(
-                        _retire, tenant_dir(self.app.cfg.data_dir, source), info.get("target", target.name)
+                        _retire, tenant_dir(self.cfg.data_dir, source), info.get("target", target.name)
                     )
                 await self._reindex_reminders(info.get("target", ""), info.get("sources", []))
                 log.info("link: finished a merge a crash interrupted (%s)", target.name)
-                everyone = ", ".join(self.app.links.principals_of(info["name"]))
+                everyone = ", ".join(self.links.principals_of(info["name"]))
                 text = f"Linked: {everyone} are now one person for me, with one memory and all conversations kept."
             else:
                 await asyncio.to_thread(swap)
@@ -302,7 +317,7 @@ class Linking:
             digest = key.partition(":")[2]
             if await self.store.get(f"link-code-of:{issuer}") == digest:
                 await self.store.put(f"link-code-of:{issuer}", None)
-            self.app.metrics.links.inc(kind="issue", outcome="burnt")
+            self.metrics.links.inc(kind="issue", outcome="burnt")
             log.warning(
                 "link: a live link code appeared in a %s %s chat; it was cancelled", msg.platform, msg.chat_type
             )
@@ -338,7 +353,7 @@ class Linking:
         issued = await self._recent(f"link-issued:{principal}")
         if len(issued) >= self.max_codes_per_hour:
             wait_min = int((3600 - (now - min(issued))) // 60) + 1
-            self.app.metrics.links.inc(kind="issue", outcome="rate_limited")
+            self.metrics.links.inc(kind="issue", outcome="rate_limited")
             return (
                 f"You've asked for {self.max_codes_per_hour} link codes in the last hour. "
                 f"Please try again in about {wait_min} minutes."
@@ -360,7 +375,7 @@ class Linking:
         await inbox.put(f"link-code:{digest}", json.dumps(record))
         await inbox.put(f"link-code-of:{principal}", digest)
         await inbox.put(f"link-issued:{principal}", json.dumps([*issued, now]))
-        self.app.metrics.links.inc(kind="issue", outcome="ok")
+        self.metrics.links.inc(kind="issue", outcome="ok")
         shown = f"{code[:5]}-{code[5:]}"
         minutes = max(1, int(self.ttl_s // 60))
         return (
@@ -386,14 +401,14 @@ class Linking:
 
     async def _fail(self, principal: str, fails: list[float], text: str) -> str:
         await self.store.put(f"link-fail:{principal}", json.dumps([*fails, self.clock()]))
-        self.app.metrics.links.inc(kind="redeem", outcome="refused")
+        self.metrics.links.inc(kind="redeem", outcome="refused")
         return text
 
     async def _redeem(self, msg: InboundMessage, code: str) -> str:
-        inbox, principal, links = self.store, msg.principal, self.app.links
+        inbox, principal, links = self.store, msg.principal, self.links
         fails = await self._recent(f"link-fail:{principal}")
         if len(fails) >= self.max_fails_per_hour:
-            self.app.metrics.links.inc(kind="redeem", outcome="rate_limited")
+            self.metrics.links.inc(kind="redeem", outcome="rate_limited")
             return "Too many wrong link codes from this account. Please try again in an hour."
         key = f"link-code:{_hash(code)}"
         raw = await inbox.get(key)
@@ -432,7 +447,7 @@ class Linking:
             "expires": self.clock() + self.ttl_s,
         }
         await inbox.put(f"link-request:{issuer}", json.dumps(request))
-        self.app.metrics.links.inc(kind="redeem", outcome="asked")
+        self.metrics.links.inc(kind="redeem", outcome="asked")
         who = f"{principal} ({msg.user_name})" if msg.user_name else principal
         await self._tell(
             _issuer_chat(record),
@@ -449,7 +464,7 @@ class Linking:
 
     async def _answer(self, msg: InboundMessage, confirm: bool) -> str:
         """`/link confirm` or `/link deny` from the issuer, in the issuer's private chat."""
-        inbox, issuer, links = self.store, msg.principal, self.app.links
+        inbox, issuer, links = self.store, msg.principal, self.links
         raw = await inbox.get(f"link-request:{issuer}")
         request = json.loads(raw) if raw else None
         if request is None or request["expires"] <= self.clock():
@@ -467,7 +482,7 @@ class Linking:
         )
         if not confirm:
             await inbox.put(f"link-request:{issuer}", None)
-            self.app.metrics.links.inc(kind="redeem", outcome="denied")
+            self.metrics.links.inc(kind="redeem", outcome="denied")
             await self._tell(
                 joiner_chat, f"Your {_platform_name(issuer)} account declined the link; nothing was linked."
             )
@@ -516,7 +531,7 @@ class Linking:
             redeem = plan.notify[0]
             deadline = time.monotonic() + self.idle_timeout_s
             # let the /link confirm reply go out first (the inbox marks it done after sending)
-            while await self.app.inbox.status(redeem.platform, redeem.chat_id, redeem.message_id) == "pending":
+            while await self.inbox.status(redeem.platform, redeem.chat_id, redeem.message_id) == "pending":
                 if time.monotonic() > deadline:
                     raise TimeoutError("the accounts stayed busy")
                 await asyncio.sleep(0.02)
@@ -536,7 +551,7 @@ class Linking:
         except BaseException as err:
             self._ungate(tenants)
             self._busy -= set(plan.principals)
-            self.app.metrics.links.inc(kind="merge", outcome="error")
+            self.metrics.links.inc(kind="merge", outcome="error")
             if isinstance(err, asyncio.CancelledError):
                 log.warning("link: merge into %s cancelled; nothing was linked", plan.target)
                 reason = "I was restarted meanwhile"
@@ -564,7 +579,7 @@ class Linking:
     async def _merge_and_link(self, plan: _Plan) -> None:
         """Merge the profiles, then record the link; if recording fails, the merged profile
         is swapped back for the one from before."""
-        links = self.app.links
+        links = self.links
         undo = await self._merge(plan)
         linked: list[str] = []
         try:
@@ -584,14 +599,14 @@ class Linking:
 
     async def _after_merge(self, plan: _Plan) -> None:
         """Merged and linked: retire the old personal profiles and tell both accounts."""
-        links = self.app.links
+        links = self.links
         for source in plan.sources:
             try:
-                await asyncio.to_thread(_retire, tenant_dir(self.app.cfg.data_dir, source), plan.target)
+                await asyncio.to_thread(_retire, tenant_dir(self.cfg.data_dir, source), plan.target)
             except Exception:
                 log.exception("link: could not remove a merged profile (`profiles delete` of the link removes it)")
         await self._reindex_reminders(plan.target, plan.sources)
-        self.app.metrics.links.inc(kind="merge", outcome="ok")
+        self.metrics.links.inc(kind="merge", outcome="ok")
         log.info("link: merged %d profile(s) into %s", len(plan.sources), plan.target)
         everyone = ", ".join(links.principals_of(plan.name))
         for target in plan.notify:
@@ -604,29 +619,29 @@ class Linking:
     async def _reindex_reminders(self, target: str, sources: list[str]) -> None:
         """After a merge: the scheduler's index names the merged profile's next reminder,
         and no longer the profiles merged into it."""
-        if not target or not self.app.cfg.reminders_on:
+        if not target or not self.cfg.reminders_on:
             return
         try:
-            store = ReminderStore(tenant_dir(self.app.cfg.data_dir, target))
-            await self.app.reminders.note(target, await store.next_due(), False)
+            store = ReminderStore(tenant_dir(self.cfg.data_dir, target))
+            await self.reminders.note(target, await store.next_due(), False)
             for source in sources:
-                await self.app.reminders.note(source, None, False)
+                await self.reminders.note(source, None, False)
         except Exception:
             log.exception("link: could not index the merged profile's reminders (they fire after the next change)")
 
     async def _stop_reminders_of(self, link_tenant: str, departed: str) -> list[Reminder]:
         """/unlink: the link's reminders set from the account that left stop (their chat is
         not the link's any more); the stopped ones."""
-        store = ReminderStore(tenant_dir(self.app.cfg.data_dir, link_tenant))
+        store = ReminderStore(tenant_dir(self.cfg.data_dir, link_tenant))
         stopped = await store.remove_where(lambda r: r.chat.of_account(departed))
-        if stopped and self.app.cfg.reminders_on:
-            await self.app.reminders.note(link_tenant, await store.next_due(), False)
+        if stopped and self.cfg.reminders_on:
+            await self.reminders.note(link_tenant, await store.next_due(), False)
         return stopped
 
     async def _tell_stopped(self, link_tenant: str, stayed: list[str], msg: InboundMessage, text: str) -> None:
         """Tell the accounts that stayed, in their private chats with the bot (the link's DM
         lanes on their platforms, not the chat /unlink was sent from)."""
-        path = tenant_dir(self.app.cfg.data_dir, link_tenant)
+        path = tenant_dir(self.cfg.data_dir, link_tenant)
         users: dict[str, list[str]] = {}
         for p in stayed:
             platform, _, uid = p.partition(":")
@@ -653,7 +668,7 @@ class Linking:
 
     async def _tell(self, msg: InboundMessage, text: str) -> None:
         try:
-            await self.app.send(msg, text, kind="notice", reply=False)
+            await self.send(msg, text, kind="notice", reply=False)
         except Exception:
             log.exception("link: could not send a notice")
 
@@ -661,7 +676,7 @@ class Linking:
         """Merge into a staging copy of the target (a fresh profile, or a copy of the linked
         one), check it opens, then swap it in. A failure leaves every profile untouched.
         Returns the swap, which can still be undone until the link is recorded."""
-        cfg = self.app.cfg
+        cfg = self.cfg
         data_dir = cfg.data_dir
         fsync = cfg.storage.fsync
         limits = {"memory": cfg.memory.memory_char_limit, "user": cfg.memory.user_char_limit}
@@ -706,7 +721,7 @@ class Linking:
         of the same link (so a person can remove an account that should not be there)."""
         if msg.chat_type != "dm":
             return "For your privacy, send /unlink in a private chat with me, not here."
-        links, principal = self.app.links, msg.principal
+        links, principal = self.links, msg.principal
         name = links.name_for(principal)
         if name is None:
             return "This account isn't linked to another one."
@@ -733,14 +748,14 @@ class Linking:
         try:
             links.unlink(target)
             await asyncio.to_thread(links.save)
-            await self.app.profiles.discard_principal(link_tenant, target)
+            await self.profiles.discard_principal(link_tenant, target)
             # a personal profile left from before the link is never used again: start fresh
-            path = tenant_dir(self.app.cfg.data_dir, personal)
-            if path.exists() and self._active.get(personal, 0) == 0 and await self.app.profiles.evict(personal):
+            path = tenant_dir(self.cfg.data_dir, personal)
+            if path.exists() and self._active.get(personal, 0) == 0 and await self.profiles.evict(personal):
                 await asyncio.to_thread(shutil.rmtree, path, True)
         finally:
             self._ungate([personal])
-        self.app.metrics.links.inc(kind="unlink", outcome="ok")
+        self.metrics.links.inc(kind="unlink", outcome="ok")
         log.info("unlink: one account left %s", link_tenant)
         try:  # cluster mode has no reminders (and writes a profile only under its lease)
             stopped = [] if self.cluster else await self._stop_reminders_of(link_tenant, target)

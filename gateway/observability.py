@@ -30,13 +30,18 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core.protocols import ReportsConnected, ReportsStatus, TracksDowntime
 from core.settings import parse_listen
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gateway.app import GatewayApp
+    from core.protocols import Adapter
+    from core.settings import Config
+    from gateway.metrics import InstrumentedLLM, Metrics
+    from tenancy.profiles import ProfileManager
 
 log = logging.getLogger("hermes.observability")
 
@@ -70,11 +75,26 @@ def adapter_state(adapter: Any) -> tuple[bool | None, str]:
     return None, "unknown"
 
 
-class Observability:
-    """The health and metrics HTTP server of one GatewayApp."""
+@dataclass(frozen=True)
+class Observed:
+    """What `/healthz` and `/metrics` read of the running gateway."""
 
-    def __init__(self, app: GatewayApp, listen: str) -> None:
-        self.app = app
+    cfg: Config
+    metrics: Metrics
+    profiles: ProfileManager
+    adapters: Mapping[str, Adapter]
+    #: platform -> (connected?, status text), a failed start included
+    platform_states: Callable[[], dict[str, tuple[bool | None, str]]]
+    llm_monitor: InstrumentedLLM | None = None
+    #: cluster mode: the database and this node's leases (gateway/cluster/health.py)
+    cluster_health: Callable[[], Awaitable[tuple[bool, dict[str, Any]]]] | None = None
+
+
+class Observability:
+    """The health and metrics HTTP server of one gateway."""
+
+    def __init__(self, parts: Observed, listen: str) -> None:
+        self.parts = parts
         self.listen = listen
         self.host, self.port = parse_listen(listen)
         self._runner: Any = None
@@ -127,18 +147,18 @@ class Observability:
         llm_ok, llm_detail = await self.llm_health()
         from gateway.doctor import check_data_dir
 
-        dd_ok, dd_detail = await asyncio.to_thread(check_data_dir, self.app.cfg)
+        dd_ok, dd_detail = await asyncio.to_thread(check_data_dir, self.parts.cfg)
         checks = {
             "adapters": adapters,
             "llm": {"ok": llm_ok, "reachable": llm_ok, "detail": llm_detail},
             "data_dir": {"ok": dd_ok, "writable": dd_ok, "detail": dd_detail},
         }
         healthy = llm_ok and dd_ok and all(a["ok"] for a in adapters.values())
-        if self.app.cluster_health is not None:
-            cluster_ok, checks["cluster"] = await self.app.cluster_health()
+        if self.parts.cluster_health is not None:
+            cluster_ok, checks["cluster"] = await self.parts.cluster_health()
             healthy = healthy and cluster_ok
         # a damaged profile holds only its own lanes: degraded, not down (the others are served)
-        quarantined = len(self.app.profiles.quarantined)
+        quarantined = len(self.parts.profiles.quarantined)
         checks["profiles"] = {
             "ok": True,
             "quarantined": quarantined,
@@ -149,20 +169,20 @@ class Observability:
         body = {
             "status": "unhealthy" if not healthy else "degraded" if quarantined else "ok",
             "checks": checks,
-            "uptime_s": round(time.time() - self.app.metrics.started_at, 1),
-            "open_profiles": self.app.profiles.open_count,
+            "uptime_s": round(time.time() - self.parts.metrics.started_at, 1),
+            "open_profiles": self.parts.profiles.open_count,
         }
         return healthy, body
 
     def platforms(self) -> dict[str, dict[str, Any]]:
         """The `adapters` check: each platform's state, red when failed or down too long."""
         now = time.monotonic()
-        grace = self.app.cfg.observability.unhealthy_after_s
+        grace = self.parts.cfg.observability.unhealthy_after_s
         out: dict[str, dict[str, Any]] = {}
-        for platform, (connected, status) in self.app.platform_states().items():
+        for platform, (connected, status) in self.parts.platform_states().items():
             entry: dict[str, Any] = {"ok": True, "connected": connected, "status": status}
             if connected is False:
-                adapter = self.app.adapters[platform]
+                adapter = self.parts.adapters[platform]
                 since = adapter.down_since if isinstance(adapter, TracksDowntime) else None
                 if not isinstance(since, float):
                     since = self._seen_down.setdefault(platform, now)
@@ -175,7 +195,7 @@ class Observability:
         return out
 
     async def llm_health(self) -> tuple[bool, str]:
-        monitor = getattr(self.app, "llm_monitor", None)
+        monitor = self.parts.llm_monitor
         now = time.monotonic()
         if monitor is not None:
             ok_at, err_at, kind = monitor.last_ok_at, monitor.last_error_at, monitor.last_error_kind
@@ -189,7 +209,7 @@ class Observability:
             from gateway.doctor import check_llm
 
             try:
-                ok, detail = await asyncio.wait_for(check_llm(self.app.cfg), timeout=15)
+                ok, detail = await asyncio.wait_for(check_llm(self.parts.cfg), timeout=15)
             except TimeoutError:
                 ok, detail = False, "probe timed out"
             except Exception as err:
@@ -210,7 +230,7 @@ class Observability:
         from aiohttp import web
 
         return web.Response(
-            body=self.app.metrics.render().encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE}
+            body=self.parts.metrics.render().encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE}
         )
 
     async def _index(self, request: Any) -> Any:

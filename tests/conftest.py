@@ -126,11 +126,11 @@ async def say(app, adapter: RecordingAdapter, msg: InboundMessage, timeout: floa
 async def running_gateway(config_for, **sections):
     """A started GatewayApp with one RecordingAdapter ("testchat"), stopped afterwards;
     `sections` override the config (rate limit raised so tests never hit it)."""
-    from gateway.app import GatewayApp
+    from gateway.build import build_gateway
 
     sections.setdefault("limits", {"rate_limit_per_minute": 1000})
     adapter = RecordingAdapter()
-    app = GatewayApp(config_for(**sections), [adapter])
+    app = build_gateway(config_for(**sections), [adapter])
     await app.start()
     try:
         yield app, adapter

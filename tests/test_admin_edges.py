@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from gateway.cli import main as cli_main
 from tests.conftest import RecordingAdapter, dm, say
 from tests.test_ops_admin import write_config
@@ -32,7 +32,7 @@ async def test_export_to_a_new_directory_creates_it(config_for, tmp_path):
     cfg = config_for()
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     adapter = RecordingAdapter("telegram")
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await say(app, adapter, dm("zoe", "hello", platform="telegram"))

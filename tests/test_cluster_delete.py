@@ -8,7 +8,7 @@ import asyncio
 import json
 from urllib.parse import quote
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from gateway.cluster.erase import delete_tenant_everywhere
 from gateway.tenants import find_tenant
 from tests.conftest import RecordingAdapter, dm, make_config, say
@@ -72,7 +72,7 @@ async def test_profiles_delete_in_cluster_mode_removes_the_persons_postgresql_ro
     # alice's linked profile, made by a single node on the same data directory
     single = make_config(data, fake_llm.base_url, tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}})
     tg = RecordingAdapter("telegram")
-    app = GatewayApp(single, [tg])
+    app = build_gateway(single, [tg])
     await app.start()
     try:
         await say(app, tg, dm("111", "hello", platform="telegram"))

@@ -9,11 +9,13 @@ import sqlite3
 
 import pytest
 
-from gateway.app import GatewayApp
+from gateway.build import ModeParts, build_parts
 from gateway.cluster.db import Pool
-from gateway.cluster.identity import share_identity
+from gateway.cluster.identity import SharedIdentity
 from gateway.cluster.links import PgLinkStore
-from gateway.linking import Linking
+from gateway.inbox import Inbox
+from gateway.outbox import Outbox
+from gateway.runtime import GatewayApp
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, tenant_dir
 from tests.conftest import RecordingAdapter, dm, make_config, say
@@ -29,12 +31,25 @@ class Node:
         self.app, self.pool, self.tg, self.dc = app, pool, tg, dc
 
 
-async def _node(tmp_path, fake_llm, schema: str, name: str, **sections) -> Node:
+async def _node(tmp_path, fake_llm, schema: str, name: str, *, guard: bool = True, **sections) -> Node:
     pool = await second_pool(schema)
     tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
     sections.setdefault("limits", {"rate_limit_per_minute": 1000})
-    app = GatewayApp(make_config(tmp_path / name, fake_llm.base_url, **sections), [tg, dc])
-    await share_identity(app, pool, f"node-{name}", TTL)
+    cfg = make_config(tmp_path / name, fake_llm.base_url, **sections)
+    # a single node whose identity state is the cluster's: pairing, link codes and links in PostgreSQL
+    identity = SharedIdentity(cfg, pool, f"node-{name}", TTL)
+    inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
+    mode = ModeParts(
+        inbox=inbox,
+        outbox=Outbox(inbox),
+        links=identity.links,
+        kv=identity.kv,
+        links_refresh=identity.refresh,
+        merge_guard=identity.merge_guard if guard else None,
+        cluster=True,
+    )
+    app = GatewayApp(build_parts(cfg, [tg, dc], mode))
+    await identity.start()
     await app.start()
     return Node(app, pool, tg, dc)
 
@@ -43,9 +58,9 @@ async def _node(tmp_path, fake_llm, schema: str, name: str, **sections) -> Node:
 async def two_nodes(tmp_path, fake_llm, pool, schema):
     nodes: list[Node] = []
 
-    async def make(**sections) -> tuple[Node, Node]:
+    async def make(*, guard_a: bool = True, **sections) -> tuple[Node, Node]:
         for name in ("a", "b"):
-            nodes.append(await _node(tmp_path, fake_llm, schema, name, **sections))
+            nodes.append(await _node(tmp_path, fake_llm, schema, name, guard=guard_a or name != "a", **sections))
         return nodes[0], nodes[1]
 
     yield make
@@ -93,8 +108,7 @@ async def test_a_link_code_issued_on_one_node_is_redeemed_on_another_and_the_lin
 
 
 async def test_without_a_merge_guard_a_cluster_node_refuses_to_link_and_links_nothing(two_nodes):
-    a, b = await two_nodes()
-    a.app.linking = Linking(a.app, store=a.app.linking.store, cluster=True)  # no guard given
+    a, b = await two_nodes(guard_a=False)  # node a is given no guard
     code = code_in(await say(a.app, a.tg, dm("111", "/link", platform="telegram")))
     assert (await say(b.app, b.dc, dm("222", f"/link {code}", platform="discord")))[0].startswith("Code accepted")
     out = await say(a.app, a.tg, dm("111", "/link confirm", platform="telegram"))

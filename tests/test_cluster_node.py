@@ -24,9 +24,11 @@ from agent.sessions import SessionStore
 from core.errors import LeaseLost
 from core.redact import Redactor
 from core.settings import ConfigError
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.cluster.build import build_cluster_gateway
 from gateway.cluster.leases import FencedOut
 from gateway.logs import JsonFormatter
+from gateway.runtime import GatewayApp
 from tests.fakes.llm import hang, memory_saving_responder
 from tests.fakes.telegram_api import FakeTelegram
 from tests.pg import DSN, require_postgres
@@ -102,7 +104,7 @@ async def started(cfg):
     adapter = TelegramAdapter.from_config(
         cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5, flood_limits=LOOSE_FLOOD, elected=True
     )
-    app = GatewayApp(cfg, [adapter])
+    app = build_cluster_gateway(cfg, [adapter])
     await app.start()
     try:
         yield Node(app)
@@ -476,7 +478,7 @@ async def test_nodes_share_the_data_dir_but_a_single_node_gateway_is_kept_out(tg
     from gateway.runlock import AdminError
 
     async with cluster(node_config, "n1", "n2"):
-        single = GatewayApp(config_for(), [])
+        single = build_gateway(config_for(), [])
         with pytest.raises(AdminError, match="is in use"):
             await single.start()
         await single.stop()

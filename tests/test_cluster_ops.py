@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from gateway.cluster.health import ClusterHealth
 from gateway.cluster.ingress import TELEGRAM_POLLING, IngressElection, Role, discord_shard
 from gateway.cluster.leases import acquire_lease, register_node
@@ -28,7 +28,7 @@ async def test_healthz_and_metrics_show_the_database_the_nodes_leases_and_failov
     assert await acquire_lease(pool, discord_shard(0), "node-b", 1.0) is not None
     async with pool.connection() as conn:  # node-b died: its shard lease expired
         await conn.execute("UPDATE tenant_leases SET expires_at = now() - interval '1 second' WHERE holder = 'node-b'")
-    app = GatewayApp(config_for(observability={"listen": "127.0.0.1:0"}), [RecordingAdapter("telegram")])
+    app = build_gateway(config_for(observability={"listen": "127.0.0.1:0"}), [RecordingAdapter("telegram")])
     metrics = app.metrics.enable_cluster()
     app.cluster_health = ClusterHealth(pool, "node-a").check
     roles = [Role(TELEGRAM_POLLING, _nothing, _nothing), Role(discord_shard(0), _nothing, _nothing, spread=True)]
@@ -71,7 +71,7 @@ async def test_healthz_and_metrics_show_the_database_the_nodes_leases_and_failov
 
 async def test_healthz_fails_when_the_database_is_unreachable_or_the_node_expired(config_for, pool, schema):
     other = await second_pool(schema)
-    app = GatewayApp(config_for(observability={"listen": "127.0.0.1:0"}), [RecordingAdapter("telegram")])
+    app = build_gateway(config_for(observability={"listen": "127.0.0.1:0"}), [RecordingAdapter("telegram")])
     app.cluster_health = ClusterHealth(other, "node-a").check
     await app.start()
     try:
@@ -92,7 +92,7 @@ async def test_healthz_fails_when_the_database_is_unreachable_or_the_node_expire
 
 
 async def test_a_single_node_shows_no_cluster_fields(config_for):
-    app = GatewayApp(config_for(observability={"listen": "127.0.0.1:0"}), [RecordingAdapter("telegram")])
+    app = build_gateway(config_for(observability={"listen": "127.0.0.1:0"}), [RecordingAdapter("telegram")])
     await app.start()
     try:
         async with httpx.AsyncClient(timeout=10) as client:

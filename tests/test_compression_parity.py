@@ -16,7 +16,7 @@ from agent.compression_stages import (
 from agent.tokens import TokenCounter
 from agent.turn import Agent
 from core.settings import AgentSettings, ConfigError, parse_config
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import reply
 
@@ -96,7 +96,7 @@ async def test_a_response_without_usage_resets_the_prompt_token_count(config_for
     ctx_len = 4000
     threshold = compute_threshold_tokens(context_length=ctx_len, threshold=0.5)
     adapter = RecordingAdapter()
-    app = GatewayApp(config_for(llm={"context_length": ctx_len}, limits={"rate_limit_per_minute": 1000}), [adapter])
+    app = build_gateway(config_for(llm={"context_length": ctx_len}, limits={"rate_limit_per_minute": 1000}), [adapter])
     await app.start()
     try:
         await say(app, adapter, dm("una", "hello"))

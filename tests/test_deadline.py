@@ -10,7 +10,7 @@ import time
 
 from agent.llm import LLMAnswerTimeout, LLMClient
 from agent.turn import EMPTY_ANSWER, NO_TOOL_ANSWER
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tests.conftest import RecordingAdapter, dm
 from tests.fakes.llm import endless, hang, reply, tool_call
 from tests.test_stop_busy import stored, until
@@ -22,7 +22,7 @@ async def test_a_model_streaming_without_end_is_cut_at_the_answer_deadline_and_t
     fake_llm.script(endless("and more", every_s=0.05))
     cfg = config_for(delivery=FAST, llm={"answer_timeout_s": 1.5})
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         started = time.monotonic()
@@ -73,7 +73,7 @@ async def test_an_answer_with_no_text_by_the_deadline_is_an_error_that_keeps_the
 
 async def test_every_answer_is_sent_with_a_max_tokens(fake_llm, config_for):
     adapter = RecordingAdapter()
-    app = GatewayApp(config_for(llm={"context_length": 8192}), [adapter])
+    app = build_gateway(config_for(llm={"context_length": 8192}), [adapter])
     await app.start()
     try:
         await adapter.sink(dm("bo", "hi"))
@@ -86,7 +86,7 @@ async def test_every_answer_is_sent_with_a_max_tokens(fake_llm, config_for):
 async def test_an_empty_model_answer_reads_as_a_sentence_not_no_answer(fake_llm, config_for):
     fake_llm.script(reply(""))
     adapter = RecordingAdapter()
-    app = GatewayApp(config_for(delivery={"streaming": "off"}), [adapter])
+    app = build_gateway(config_for(delivery={"streaming": "off"}), [adapter])
     await app.start()
     try:
         await adapter.sink(dm("cy", "hello?"))
@@ -99,7 +99,7 @@ async def test_an_empty_model_answer_reads_as_a_sentence_not_no_answer(fake_llm,
 async def test_tool_iterations_used_up_without_an_answer_say_so(fake_llm, config_for):
     fake_llm.script(*[tool_call("session_search", {"query": f"q{i}"}) for i in range(2)], reply(""))
     adapter = RecordingAdapter()
-    app = GatewayApp(config_for(delivery={"streaming": "off"}, limits={"max_tool_iterations": 2}), [adapter])
+    app = build_gateway(config_for(delivery={"streaming": "off"}, limits={"max_tool_iterations": 2}), [adapter])
     await app.start()
     try:
         await adapter.sink(dm("di", "search a lot"))
@@ -113,7 +113,7 @@ async def test_a_console_message_kept_after_ctrl_c_is_left_to_the_next_chat(fake
     fake_llm.script(hang(30))
     cfg = config_for()
     console = RecordingAdapter("console")
-    app = GatewayApp(cfg, [console])
+    app = build_gateway(cfg, [console])
     await app.start()
     await console.sink(dm("eve", "are you there?", platform="console"))
     await until(lambda: len(fake_llm.requests) == 1)
@@ -121,7 +121,7 @@ async def test_a_console_message_kept_after_ctrl_c_is_left_to_the_next_chat(fake
     fake_llm.reset()
 
     telegram = RecordingAdapter("telegram")
-    app = GatewayApp(cfg, [telegram])  # `run` serves telegram only
+    app = build_gateway(cfg, [telegram])  # `run` serves telegram only
     await app.start()
     try:
         assert await app.drain(10)
@@ -130,7 +130,7 @@ async def test_a_console_message_kept_after_ctrl_c_is_left_to_the_next_chat(fake
     assert fake_llm.requests == [] and "reply dropped" not in caplog.text
 
     console = RecordingAdapter("console")
-    app = GatewayApp(cfg, [console])  # the next chat answers it
+    app = build_gateway(cfg, [console])  # the next chat answers it
     await app.start()
     try:
         assert await app.drain(10)
@@ -143,7 +143,7 @@ async def test_a_long_answer_goes_out_as_one_page_and_the_rest_on_request(fake_l
     answer = " ".join(f"word{i:04d}" for i in range(1500))  # 13,499 characters
     fake_llm.script(answer)
     adapter = RecordingAdapter(max_message_length=400)
-    app = GatewayApp(config_for(delivery={**FAST, "max_reply_chars": 5000}), [adapter])
+    app = build_gateway(config_for(delivery={**FAST, "max_reply_chars": 5000}), [adapter])
     await app.start()
     try:
         await adapter.sink(dm("fay", "count to 1500"))

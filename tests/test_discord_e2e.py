@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from adapters.discord_bot import DiscordAdapter
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.discord_api import FakeDiscord
@@ -51,7 +52,7 @@ async def rig(fake, config_for):
             }
         )
         adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
-        app = GatewayApp(cfg, [adapter, *others])
+        app = build_gateway(cfg, [adapter, *others])
         await app.start()
         r = Rig(fake, app, adapter, cfg)
         rigs.append(r)
@@ -230,7 +231,7 @@ async def test_slash_command_from_a_stranger_gets_an_answer_not_silence(rig, fak
         platforms={"discord": {"enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}},
     )
     adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await fake.wait_until(lambda: adapter.commands_synced)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import disconnect, error, memory_saving_responder, reply
 from tests.test_crash_recovery import db_messages, journal_uids
@@ -81,7 +81,7 @@ async def test_disk_full_while_storing_a_turn_is_told_then_answered_when_space_r
     data = tmp_path / "data"
     with small_disk(data / "profiles") as disk:
         adapter = RecordingAdapter(max_message_length=30000)
-        app = GatewayApp(config_for(delivery=FAST), [adapter])
+        app = build_gateway(config_for(delivery=FAST), [adapter])
         await app.start()
         try:
             assert await say(app, adapter, dm("ann", "hello")) == ["ok: hello"]
@@ -110,7 +110,7 @@ async def test_disk_full_while_writing_memory_leaves_the_memory_file_whole(tmp_p
     data = tmp_path / "data"
     with small_disk(data / "profiles") as disk:
         adapter = RecordingAdapter(max_message_length=30000)
-        app = GatewayApp(config_for(delivery=FAST), [adapter])
+        app = build_gateway(config_for(delivery=FAST), [adapter])
         await app.start()
         try:
             fake_llm.responder = memory_saving_responder
@@ -144,7 +144,7 @@ async def test_gateway_db_on_a_full_disk_refuses_intake_then_recovers(tmp_path, 
     data = tmp_path / "data"
     with small_disk(data, size="8m") as disk:
         adapter = RecordingAdapter(max_message_length=30000)
-        app = GatewayApp(config_for(delivery=FAST), [adapter])
+        app = build_gateway(config_for(delivery=FAST), [adapter])
         await app.start()
         try:
             assert await say(app, adapter, dm("bo", "hi")) == ["ok: hi"]
@@ -162,7 +162,7 @@ async def test_gateway_db_on_a_full_disk_refuses_intake_then_recovers(tmp_path, 
 
 async def test_gateway_db_locked_beyond_the_busy_timeout_delays_the_answer_and_loses_nothing(config_for, fake_llm):
     adapter = RecordingAdapter(max_message_length=30000)
-    app = GatewayApp(config_for(delivery=FAST), [adapter])
+    app = build_gateway(config_for(delivery=FAST), [adapter])
     await app.start()
     await app.inbox.db.execute("PRAGMA busy_timeout=100")  # the real 5 s, shortened
     other = sqlite3.connect(app.cfg.data_dir / "gateway.db", isolation_level=None, check_same_thread=False)
@@ -195,7 +195,7 @@ async def test_flapping_model_endpoint_is_ridden_out_and_an_outage_is_told_witho
     config_for, fake_llm
 ):
     adapter = RecordingAdapter(max_message_length=30000)
-    app = GatewayApp(config_for(llm={"max_retries": 3}, delivery=FAST), [adapter])
+    app = build_gateway(config_for(llm={"max_retries": 3}, delivery=FAST), [adapter])
     await app.start()
     try:
         fake_llm.script(

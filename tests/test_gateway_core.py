@@ -10,7 +10,8 @@ import random
 import pytest
 
 from agent.sessions import SessionStore
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, group, say
 from tests.fakes.llm import memory_saving_responder, reply, tool_call
@@ -19,7 +20,7 @@ SECRET = "locker code 4711-QX"
 
 
 async def started(cfg, *adapters):
-    app = GatewayApp(cfg, list(adapters))
+    app = build_gateway(cfg, list(adapters))
     await app.start()
     return app
 
@@ -521,7 +522,7 @@ async def test_a_warm_turn_costs_two_storage_calls_and_its_last_gives_back_the_p
     open profiles hold little memory."""
     fake_llm.script(reply("first"), reply("second"))
     adapter = RecordingAdapter()
-    app = GatewayApp(config_for(), [adapter])
+    app = build_gateway(config_for(), [adapter])
     await app.start()
     try:
         assert await say(app, adapter, dm("ada", "hello")) == ["first"]  # opens the profile

@@ -18,11 +18,11 @@ def _bytes(cfg) -> bytes:
 
 
 async def test_answered_text_and_sent_replies_leave_gateway_db_and_its_wal_while_running(config_for, fake_llm):
-    from gateway.app import GatewayApp
+    from gateway.build import build_gateway
 
     cfg = config_for()
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     app.inbox.erase_checkpoint_s = 0.05
     await app.start()
     try:

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from gateway.observability import Observability
+from gateway.runtime import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm
 from tests.test_faults import fill, free, small_disk, wait_until
@@ -120,7 +121,7 @@ async def test_a_damaged_profile_is_quarantined_the_others_are_served_and_a_repa
     cfg = config_for(delivery=FAST, limits=LIMITS)
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     ann = tenant_dir(cfg.data_dir, "testchat-ann")
     try:
@@ -139,7 +140,7 @@ async def test_a_damaged_profile_is_quarantined_the_others_are_served_and_a_repa
             await asyncio.sleep(1.0)  # several retries of ann's turn
             assert ("dm-ann", "pending") in await statuses(app)
             assert "testchat-ann" in app.profiles.quarantined
-            healthy, body = await Observability(app, "127.0.0.1:0").health()
+            healthy, body = await Observability(app.observed(), "127.0.0.1:0").health()
             assert healthy and body["status"] == "degraded" and body["checks"]["profiles"]["quarantined"] == 1
 
             shown = await cli("profiles", "show", "testchat-ann", "-c", str(conf))
@@ -157,7 +158,7 @@ async def test_a_damaged_profile_is_quarantined_the_others_are_served_and_a_repa
         assert len(quarantine_lines) == 1, quarantine_lines
         assert "testchat-ann" in quarantine_lines[0] and "profiles repair testchat-ann" in quarantine_lines[0]
         assert not app.profiles.quarantined
-        _, body = await Observability(app, "127.0.0.1:0").health()
+        _, body = await Observability(app.observed(), "127.0.0.1:0").health()
         assert body["checks"]["profiles"]["quarantined"] == 0
     finally:
         await app.stop()
@@ -184,7 +185,7 @@ async def test_a_turn_that_fails_for_another_reason_is_held_told_once_and_answer
     cat = tenant_dir(cfg.data_dir, "testchat-cat")
     (cat / "memories" / "MEMORY.md").mkdir(parents=True)  # a directory where the memory file belongs
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await adapter.sink(dm("cat", "good morning"))
@@ -205,7 +206,7 @@ async def test_a_command_on_a_full_disk_is_held_and_answered_when_space_returns(
     with small_disk(data / "profiles") as disk:
         cfg = config_for(delivery=FAST, limits=LIMITS)
         adapter = RecordingAdapter()
-        app = GatewayApp(cfg, [adapter])
+        app = build_gateway(cfg, [adapter])
         await app.start()
         try:
             await adapter.sink(dm("ann", "hello"))
@@ -232,7 +233,8 @@ DESCRIPTOR_LIMITED = textwrap.dedent(
     import asyncio, json, logging, resource, sys
     from pathlib import Path
 
-    from gateway.app import GatewayApp
+    from gateway.build import build_gateway
+    from gateway.runtime import GatewayApp
     from tests.conftest import RecordingAdapter, dm, make_config
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -244,7 +246,7 @@ DESCRIPTOR_LIMITED = textwrap.dedent(
         )
         adapter = RecordingAdapter()
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-        app = GatewayApp(cfg, [adapter])
+        app = build_gateway(cfg, [adapter])
         await app.start()
         for i in range(people):
             await adapter.sink(dm(f"p{i}", f"hello {i}"))
@@ -299,7 +301,7 @@ async def test_doctor_names_each_damaged_profile_and_deep_finds_what_the_cheap_c
     cfg = config_for(limits=LIMITS)
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         for who in ("ann", "bob"):
@@ -345,7 +347,7 @@ async def test_backup_keeps_a_damaged_profile_as_found_and_export_says_to_repair
     cfg = config_for(limits=LIMITS)
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         for who in ("ann", "bob"):
@@ -368,7 +370,7 @@ async def test_a_held_lane_does_not_hold_up_a_stop_and_its_message_is_answered_a
     cfg = config_for(limits=LIMITS)  # the default backoff: up to a minute between tries
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     ann = tenant_dir(cfg.data_dir, "testchat-ann")
     try:
@@ -387,7 +389,7 @@ async def test_a_held_lane_does_not_hold_up_a_stop_and_its_message_is_answered_a
     repaired = await cli("profiles", "repair", "testchat-ann", "-c", str(conf))
     assert repaired.returncode == 0, repaired.stderr
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await wait_until(lambda: "ok: still there?" in adapter.texts())

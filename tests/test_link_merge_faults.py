@@ -10,7 +10,7 @@ import time
 
 import gateway.linking as linking_mod
 import tenancy.merge as merge_mod
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tenancy.keys import link_tenant_id, tenant_dir
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import memory_saving_responder
@@ -106,7 +106,7 @@ async def test_shutdown_mid_merge_finishes_the_merge_and_both_accounts_are_told(
     await app.stop(drain_timeout=0.05)  # shutdown cuts in mid-merge
 
     tg2, dc2 = RecordingAdapter("telegram"), RecordingAdapter("discord")
-    app = GatewayApp(cfg, [tg2, dc2])
+    app = build_gateway(cfg, [tg2, dc2])
     await app.start()
     try:
         assert await app.drain(10)
@@ -153,7 +153,7 @@ async def test_crash_after_the_swap_before_the_link_is_recorded_is_undone_on_the
     monkeypatch.undo()
 
     tc2 = RecordingAdapter("testchat")
-    app = GatewayApp(cfg, [RecordingAdapter("telegram"), RecordingAdapter("discord"), tc2])
+    app = build_gateway(cfg, [RecordingAdapter("telegram"), RecordingAdapter("discord"), tc2])
     await app.start()
     try:
         assert await app.drain(10)
@@ -184,7 +184,7 @@ async def test_crash_after_the_link_is_recorded_finishes_the_merge_on_the_next_s
     assert (linked_dir / merge_mod.PENDING_MARKER).exists()
 
     tc2 = RecordingAdapter("testchat")
-    app = GatewayApp(cfg, [RecordingAdapter("telegram"), RecordingAdapter("discord"), tc2])
+    app = build_gateway(cfg, [RecordingAdapter("telegram"), RecordingAdapter("discord"), tc2])
     await app.start()
     try:
         assert await app.drain(10)

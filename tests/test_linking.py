@@ -8,7 +8,7 @@ import re
 import sqlite3
 import time
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tenancy.keys import link_tenant_id, tenant_dir
 from tenancy.merge import combine_entries
 from tests.conftest import RecordingAdapter, dm, group, say
@@ -21,7 +21,7 @@ CODE_RE = re.compile(r"\b([A-Z2-9]{5}-[A-Z2-9]{5})\b")
 
 
 async def started(cfg, *adapters):
-    app = GatewayApp(cfg, list(adapters))
+    app = build_gateway(cfg, list(adapters))
     await app.start()
     return app
 

@@ -19,8 +19,8 @@ from agent.media import IMAGE_TOKENS, resolve
 from agent.messages import StoredMessage
 from agent.tokens import TokenCounter
 from core.messages import Attachment, DownloadError, InboundMessage
-from gateway.app import GatewayApp
 from gateway.backup import backup_data_dir
+from gateway.build import build_gateway
 from gateway.media import MediaIntake
 from gateway.media_checks import check_transcription, check_vision
 from gateway.tenants import delete_tenant, export_profile, find_tenant
@@ -65,7 +65,7 @@ class FilesAdapter(RecordingAdapter):
 @asynccontextmanager
 async def gateway(config_for, **sections):
     adapter = FilesAdapter()
-    app = GatewayApp(config_for(**sections), [adapter])
+    app = build_gateway(config_for(**sections), [adapter])
     await app.start()
     try:
         yield app, adapter

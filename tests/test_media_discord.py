@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from adapters.discord_bot import DiscordAdapter
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.llm import image_urls, last_user_text
@@ -37,7 +38,7 @@ async def rig(fake, config_for):
             **sections,
         )
         adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
-        app = GatewayApp(cfg, [adapter])
+        app = build_gateway(cfg, [adapter])
         await app.start()
         apps.append(app)
         return app

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from adapters.telegram import TelegramAdapter
-from gateway.app import GatewayApp
 from gateway.backup import backup_data_dir
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from gateway.tenants import export_profile, find_tenant
 from tenancy.keys import tenant_dir
 from tests.fakes.llm import image_urls, last_user_text, tool_call
@@ -52,7 +53,7 @@ def tg_config(config_for, tg: FakeTelegram, **sections: Any):
 @asynccontextmanager
 async def gateway(cfg):
     adapter = TelegramAdapter.from_config(cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5)
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         yield app

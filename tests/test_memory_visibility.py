@@ -8,14 +8,14 @@ import json
 
 from agent.providers import LocalNotesProvider
 from agent.sessions import SessionStore
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, group, say
 from tests.fakes.llm import canaries_in, canary_repeater, memory_saving_responder, reply, tool_call
 
 
 async def started(cfg, *adapters):
-    app = GatewayApp(cfg, list(adapters))
+    app = build_gateway(cfg, list(adapters))
     await app.start()
     return app
 

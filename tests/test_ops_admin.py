@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from agent.sessions import SessionStore
-from gateway.app import GatewayApp
 from gateway.backup import backup_data_dir
+from gateway.build import build_gateway
 from gateway.cli import main as cli_main
 from gateway.runlock import AdminError, RunLock, gateway_running
 from tenancy.keys import tenant_dir
@@ -64,7 +64,7 @@ async def test_export_delete_leaves_nothing_then_restore_brings_it_back(config_f
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     data = cfg.data_dir
     adapter = RecordingAdapter("telegram")
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await say(app, adapter, dm(ALICE, f"remember that {SECRET}", platform="telegram"))
@@ -133,7 +133,7 @@ async def test_export_delete_leaves_nothing_then_restore_brings_it_back(config_f
         assert (await store.stats())["messages"] >= 6
     assert (alice_dir / "provider" / "notes.jsonl").exists()
     adapter = RecordingAdapter("telegram")
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         assert await app.access.is_allowed(f"telegram:{ALICE}")
@@ -154,7 +154,7 @@ async def test_backup_during_a_burst_is_consistent_and_restores(config_for, fake
     fake_llm.responder = responder
     cfg = config_for(limits={"rate_limit_per_minute": 1000, "max_queued_turns": 50})
     adapter = RecordingAdapter("telegram")
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     people = [f"u{i:02d}" for i in range(12)]
     backups: list[Path] = []
@@ -216,7 +216,7 @@ async def test_backup_during_a_burst_is_consistent_and_restores(config_for, fake
     restored = tmp_path / "restored2"
     cfg2 = cfg.model_copy(update={"data_dir": restored})
     adapter = RecordingAdapter("telegram")
-    app = GatewayApp(cfg2, [adapter])
+    app = build_gateway(cfg2, [adapter])
     await app.start()
     try:
         assert await app.drain(60)
@@ -233,7 +233,7 @@ async def test_profiles_list_and_show(config_for, fake_llm, tmp_path, capsys):
     cfg = config_for()
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     adapter = RecordingAdapter("telegram")
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await say(app, adapter, dm("111", "remember that I like maps", platform="telegram"))
@@ -260,11 +260,11 @@ async def test_profiles_list_and_show(config_for, fake_llm, tmp_path, capsys):
 
 async def test_one_gateway_per_data_directory(config_for, fake_llm):
     cfg = config_for()
-    app = GatewayApp(cfg, [RecordingAdapter()])
+    app = build_gateway(cfg, [RecordingAdapter()])
     await app.start()
     try:
         assert gateway_running(cfg.data_dir)
-        second = GatewayApp(cfg, [RecordingAdapter()])
+        second = build_gateway(cfg, [RecordingAdapter()])
         with pytest.raises(AdminError, match="Stop the gateway first"):
             await second.start()
         await second.stop()
@@ -282,7 +282,7 @@ async def test_deleting_a_linked_tenant_removes_every_account_trace(config_for, 
     cfg = config_for(limits={"rate_limit_per_minute": 100})
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
-    app = GatewayApp(cfg, [tg, dc])
+    app = build_gateway(cfg, [tg, dc])
     await app.start()
     try:
         await say(app, tg, dm("tg-80417", f"remember that {SECRET}", platform="telegram"))
@@ -337,7 +337,7 @@ async def test_restore_refuses_foreign_links(config_for, fake_llm, tmp_path, cap
     cfg = config_for(limits={"rate_limit_per_minute": 100})
     conf = write_config(tmp_path / "hermes.yaml", cfg)
     tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
-    app = GatewayApp(cfg, [tg, dc])
+    app = build_gateway(cfg, [tg, dc])
     await app.start()
     try:
         await say(app, tg, dm("victim", f"remember that {SECRET}", platform="telegram"))

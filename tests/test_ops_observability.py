@@ -14,7 +14,7 @@ import pytest
 
 from core.redact import Redactor
 from core.settings import parse_listen
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from gateway.cli import main as cli_main
 from gateway.logs import JsonFormatter, TextFormatter, configure_logging, redact_commands
 from gateway.metrics import ALLOWED_LABELS, Metrics, label_value
@@ -83,7 +83,7 @@ async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
         delivery={"retry_initial_s": 0.05, "retry_max_s": 0.2},
     )
     tg, dc = RecordingAdapter("telegram"), StatusAdapter("discord")
-    app = GatewayApp(cfg, [tg, dc])
+    app = build_gateway(cfg, [tg, dc])
     await app.start()
     try:
         base = app.observability.url
@@ -173,7 +173,7 @@ async def test_healthz_and_metrics_are_served_and_parse(config_for, fake_llm):
 
 async def test_health_command_exit_status(config_for, fake_llm, tmp_path):
     cfg = config_for(observability={"listen": "127.0.0.1:0"})
-    app = GatewayApp(cfg, [StatusAdapter("discord")])
+    app = build_gateway(cfg, [StatusAdapter("discord")])
     await app.start()
     conf = tmp_path / "hermes.yaml"
     try:
@@ -319,7 +319,7 @@ async def test_gateway_logs_json_with_ids_and_text_only_when_allowed(config_for,
     stream = io.StringIO()
     handler = configure_logging(cfg, stream=stream)
     adapter = RecordingAdapter("telegram")
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     people = [f"p{i}" for i in range(8)]
     try:
@@ -349,7 +349,7 @@ async def test_gateway_logs_json_with_ids_and_text_only_when_allowed(config_for,
 
 
 async def test_compression_outcomes_are_counted(config_for, fake_llm):
-    app = GatewayApp(config_for(), [RecordingAdapter("telegram")])
+    app = build_gateway(config_for(), [RecordingAdapter("telegram")])
     compressor = app.agent.compression
     assert compressor.on_outcome == app.metrics.compression, "the gateway wires compression outcomes to /metrics"
     compressor.on_outcome("ok")

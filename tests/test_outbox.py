@@ -15,7 +15,8 @@ import pytest
 
 from adapters.discord_bot import DiscordAdapter
 from adapters.telegram import TelegramAdapter
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tests.conftest import RecordingAdapter, dm
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.telegram_api import FakeTelegram
@@ -43,7 +44,7 @@ def tg_config(config_for, tg: FakeTelegram, **delivery: Any):
 @asynccontextmanager
 async def telegram_gateway(cfg):
     adapter = TelegramAdapter.from_config(cfg.platforms.telegram, backoff_initial_s=0.02, backoff_max_s=0.1)
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         yield app
@@ -143,7 +144,7 @@ async def discord_fake():
 @asynccontextmanager
 async def discord_gateway(fake: FakeDiscord, cfg):
     adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         yield app
@@ -188,7 +189,7 @@ async def test_discord_outage_is_ridden_out_in_order(discord_fake, fake_llm, con
 async def test_coalesced_batch_is_answered_once_after_a_crash(config_for, fake_llm, monkeypatch):
     cfg = config_for(limits={"coalesce_burst_ms": 300})
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
 
     async def killed(*args: Any, **kwargs: Any) -> list[int]:
@@ -204,7 +205,7 @@ async def test_coalesced_batch_is_answered_once_after_a_crash(config_for, fake_l
 
     for coalesce in (0, 300):  # replayed one by one (coalescing now off) or as a batch again
         adapter = RecordingAdapter()
-        app = GatewayApp(config_for(limits={"coalesce_burst_ms": coalesce}), [adapter])
+        app = build_gateway(config_for(limits={"coalesce_burst_ms": coalesce}), [adapter])
         await app.start()
         try:
             assert await app.drain(20)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import memory_saving_responder
@@ -14,7 +14,7 @@ async def test_local_provider_is_per_tenant_and_sees_turns_and_memory_writes(con
     fake_llm.responder = memory_saving_responder
     cfg = config_for(memory={"provider": "local"})
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await say(app, adapter, dm("ann", "remember I play the oboe"))

@@ -11,7 +11,8 @@ from zoneinfo import ZoneInfo
 
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool, next_occurrence
 from core.messages import InboundMessage
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, group, say
 from tests.fakes.llm import reply, tool_call
@@ -34,7 +35,7 @@ def tool_results(fake_llm) -> list[dict]:
 async def run_later(cfg, offset_s: float) -> tuple[GatewayApp, RecordingAdapter]:
     """A gateway started `offset_s` seconds in the future (its reminder clock moved on)."""
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     app.reminders.clock = lambda: time.time() + offset_s
     await app.start()
     return app, adapter
@@ -55,7 +56,7 @@ async def set_reminder(cfg, fake_llm, who, text: str, **args) -> None:
     """One turn in which the model sets a reminder of `text` through the tool."""
     fake_llm.script(create(text=text, **args), reply("Okay, I'll remind you."))
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await say(app, adapter, who(f"please remind me: {text}"))
@@ -98,7 +99,7 @@ async def test_reminders_are_capped_per_tenant(config_for, fake_llm):
     await set_reminder(cfg, fake_llm, lambda t: dm("jon", t), text="one", in_minutes=5)
     fake_llm.script(create(text="two", in_minutes=5), reply("Sorry."))
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await say(app, adapter, dm("jon", "and another"))
@@ -119,7 +120,7 @@ async def test_group_reminder_is_delivered_into_the_group_and_listed_only_there(
     await set_reminder(cfg, fake_llm, lambda t: dm("kai", t), text="private dentist", in_minutes=60)
     await set_reminder(cfg, fake_llm, lambda t: group("g9", "kai", t), text="team standup", in_minutes=20)
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         (listing,) = await say(app, adapter, group("g9", "kai", "/reminders"))
@@ -200,7 +201,7 @@ async def test_a_thread_reminder_is_neither_listed_nor_cancelled_from_its_parent
     await set_reminder(cfg, fake_llm, in_thread, text="thread chore", in_minutes=60)
     fake_llm.script(tool_call("reminders", {"action": "list"}), reply("Here they are."))
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         assert await say(app, adapter, group("g5", "kai", "/reminders")) == [
@@ -260,7 +261,7 @@ async def test_unlink_stops_the_departed_accounts_reminders_and_tells_the_link_i
 
     cfg = config_for(limits={"rate_limit_per_minute": 100})
     tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
-    app = GatewayApp(cfg, [tg, dc])
+    app = build_gateway(cfg, [tg, dc])
     await app.start()
     try:
         await say(app, tg, dm("111", "hello", platform="telegram"))
@@ -282,7 +283,7 @@ async def test_unlink_stops_the_departed_accounts_reminders_and_tells_the_link_i
         await app.stop()
     kept = await ReminderStore(tenant_dir(cfg.data_dir, link_tenant)).all()
     assert [r.text for r in kept] == ["tg errand"]
-    later = GatewayApp(cfg, [tg, dc])
+    later = build_gateway(cfg, [tg, dc])
     later.reminders.clock = lambda: time.time() + 41 * 60
     tg.sent.clear()
     dc.sent.clear()
@@ -304,7 +305,7 @@ async def test_a_link_merge_carries_both_profiles_reminders_indexed_and_firing(c
     await set_reminder(cfg, fake_llm, lambda t: dm("111", t, platform="telegram"), text="tg plants", in_minutes=20)
     await set_reminder(cfg, fake_llm, lambda t: dm("222", t, platform="discord"), text="dc bins", in_minutes=25)
     tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
-    app = GatewayApp(cfg, [tg, dc])
+    app = build_gateway(cfg, [tg, dc])
     await app.start()
     try:
         await link(app, tg, dc)
@@ -318,7 +319,7 @@ async def test_a_link_merge_carries_both_profiles_reminders_indexed_and_firing(c
     assert not list(merged.glob("reminders.from-*"))
     tg.sent.clear()
     dc.sent.clear()
-    later = GatewayApp(cfg, [tg, dc])
+    later = build_gateway(cfg, [tg, dc])
     later.reminders.clock = lambda: time.time() + 26 * 60
     await later.start()
     try:

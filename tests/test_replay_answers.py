@@ -8,7 +8,7 @@ import asyncio
 import re
 from collections.abc import Sequence
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tests.conftest import RecordingAdapter, dm
 
 USER = "kim"
@@ -24,7 +24,7 @@ async def life(cfg, send: Sequence[int] = (), *, die_recording: int | None = Non
     the answer naming message `die_recording` is about to be recorded (after the session
     store wrote it, before the outbox/inbox commit), or drain. What it sent."""
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     died = asyncio.Event()
     real_record = app.outbox.record
@@ -117,7 +117,7 @@ async def test_a_replayed_message_collected_with_a_later_pending_one_gets_its_ow
     await life(cfg, [1], die_recording=1)
     await life(cfg, [2, 3], die_recording=3)
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     # the replay takes only n1 and n2: n3 is held back until their turn has run
     from gateway.inbox import Inbox
 

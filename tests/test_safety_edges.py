@@ -10,13 +10,13 @@ import tarfile
 import pytest
 
 from core.messages import InboundMessage
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tests.conftest import RecordingAdapter, dm, group, say
 
 
 async def test_lone_surrogates_get_a_clear_refusal_and_never_raise_in_the_sink(config_for, fake_llm):
     adapter = RecordingAdapter("testchat")
-    app = GatewayApp(config_for(), [adapter])
+    app = build_gateway(config_for(), [adapter])
     await app.start()
     try:
         # broken text: refused in words, never stored, never sent to the model
@@ -82,7 +82,7 @@ async def test_every_file_under_data_dir_is_owner_only_whatever_the_umask(config
         fake_llm.responder = memory_saving_responder
         cfg = config_for(memory={"provider": "local"}, limits={"rate_limit_per_minute": 100})
         tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
-        app = GatewayApp(cfg, [tg, dc])
+        app = build_gateway(cfg, [tg, dc])
         await app.start()
         try:
             await say(app, tg, dm("111", "remember that my pin is 4321", platform="telegram"))
@@ -124,7 +124,7 @@ async def test_shared_lane_new_undo_forget_are_for_chat_admins(config_for, fake_
     )
     adapter = RecordingAdapter("testchat")
     adapter.chat_admins.add(("g1", "mod"))
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await say(app, adapter, group("g1", "bob", "our plan is the blue door"))
@@ -149,7 +149,7 @@ async def test_shared_lane_new_undo_forget_are_for_chat_admins(config_for, fake_
 
 async def test_broken_unicode_from_a_stranger_in_a_group_gets_silence(config_for, fake_llm):
     adapter = RecordingAdapter("testchat")
-    app = GatewayApp(config_for(access={"allowed_users": ["testchat:111"]}), [adapter])
+    app = build_gateway(config_for(access={"allowed_users": ["testchat:111"]}), [adapter])
     await app.start()
     try:
         await adapter.sink(group("g1", "999", "hi \ud800"))

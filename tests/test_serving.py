@@ -22,8 +22,9 @@ from adapters.discord_bot import DiscordAdapter
 from adapters.telegram import TelegramAdapter
 from core.messages import InboundMessage
 from core.settings import DiscordConfig, TelegramConfig
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from gateway.cli import main as cli_main
+from gateway.runtime import GatewayApp
 from tests.conftest import RecordingAdapter
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.telegram_api import FakeTelegram
@@ -231,7 +232,7 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:
 
 async def test_healthz_and_metrics_report_a_working_telegram_as_connected(config_for, fake_llm):
     async with FakeTelegram(token=TOKEN) as tg:
-        app = GatewayApp(config_for(observability={"listen": "127.0.0.1:0"}), [tg_adapter(tg)])
+        app = build_gateway(config_for(observability={"listen": "127.0.0.1:0"}), [tg_adapter(tg)])
         await app.start()
         try:
             await tg.wait_for(lambda: len(tg.calls_of("getUpdates")) >= 2)
@@ -247,7 +248,7 @@ async def test_healthz_and_metrics_report_a_working_telegram_as_connected(config
 async def test_a_refused_telegram_token_is_red_while_another_platform_runs(config_for, fake_llm, tmp_path):
     async with FakeTelegram(token=TOKEN) as tg:
         cfg = config_for(observability={"listen": "127.0.0.1:0"})
-        app = GatewayApp(cfg, [tg_adapter(tg, token="123456:AAEwrongTOKEN_-x"), RecordingAdapter()])
+        app = build_gateway(cfg, [tg_adapter(tg, token="123456:AAEwrongTOKEN_-x"), RecordingAdapter()])
         await app.start()  # the other platform still serves: no exit
         try:
             health = await get(app, "/healthz")
@@ -269,7 +270,7 @@ async def test_a_refused_telegram_token_is_red_while_another_platform_runs(confi
 async def test_an_unreachable_bot_api_turns_healthz_red_after_unhealthy_after_s(config_for, fake_llm):
     async with FakeTelegram(token=TOKEN) as tg:
         grace = 1.5
-        app = GatewayApp(
+        app = build_gateway(
             config_for(observability={"listen": "127.0.0.1:0", "unhealthy_after_s": grace}), [tg_adapter(tg)]
         )
         await app.start()
@@ -356,7 +357,7 @@ async def test_skipped_platform_events_are_counted_on_metrics(config_for, fake_l
             platforms={"discord": {"enabled": True, "api_base": dc.api_base, "gateway_url": dc.gateway_url}},
         )
         adapter = DiscordAdapter(cfg.platforms.discord, dc.token, ready_timeout=10, guild_ready_timeout=0.05)
-        app = GatewayApp(cfg, [adapter])
+        app = build_gateway(cfg, [adapter])
         await app.start()
         try:
             dc.push_partial_message_update(general)

@@ -11,7 +11,8 @@ import pytest
 from agent.sessions import SessionStore
 from agent.turn import STOPPED_MARKER
 from core.settings import ConfigError
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, make_config
 from tests.fakes.llm import default_responder, last_user_text, tool_call
@@ -46,7 +47,7 @@ async def until(cond, timeout: float = 10.0) -> None:
 
 
 async def started(cfg, adapter) -> GatewayApp:
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     return app
 

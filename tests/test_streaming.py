@@ -10,7 +10,7 @@ import pytest
 
 from agent.sessions import SessionStore
 from core.text import split_text
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, make_config
 from tests.fakes.llm import FakeLLM, paused, reply, tool_call
@@ -54,7 +54,7 @@ async def test_long_streamed_answer_continues_in_further_messages(fake_llm, conf
     answer = " ".join(f"word{i}" for i in range(60))  # ~ 400 chars, limit 120
     fake_llm.script(paused(answer, after_chars=200, chunk_chars=20))
     adapter = RecordingAdapter(max_message_length=120)
-    app = GatewayApp(config_for(delivery=FAST), [adapter])
+    app = build_gateway(config_for(delivery=FAST), [adapter])
     await app.start()
     try:
         await adapter.sink(dm("dee", "count for me"))
@@ -81,7 +81,7 @@ async def test_stop_mid_stream_leaves_an_interrupted_message_and_no_orphan_tool_
     )
     cfg = config_for(delivery=FAST)
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await adapter.sink(dm("eve", "tell me about my trip"))
@@ -114,7 +114,7 @@ async def test_streaming_falls_back_when_the_server_does_not_stream(tmp_path, se
     async with FakeLLM(streaming=server) as llm:
         llm.script(reply("first answer"), reply("second answer"))
         adapter = RecordingAdapter()
-        app = GatewayApp(make_config(tmp_path / "data", llm.base_url, delivery=FAST), [adapter])
+        app = build_gateway(make_config(tmp_path / "data", llm.base_url, delivery=FAST), [adapter])
         await app.start()
         try:
             for text in ("one", "two"):
@@ -134,7 +134,7 @@ async def test_usage_is_recorded_when_streaming(fake_llm, config_for):
     fake_llm.script(paused("a streamed answer with usage", after_chars=1000))  # never pauses
     cfg = config_for(delivery=FAST)
     adapter = RecordingAdapter()
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         await adapter.sink(dm("gus", "how much?"))
@@ -163,7 +163,7 @@ async def test_streamed_reply_is_edited_in_place_on_discord(fake_llm, config_for
             platforms={"discord": {"enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}},
         )
         adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
-        app = GatewayApp(cfg, [adapter])
+        app = build_gateway(cfg, [adapter])
         await app.start()
         try:
             fake.push_dm(alice, "stream please")

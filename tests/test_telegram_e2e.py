@@ -15,7 +15,8 @@ import pytest
 from adapters.telegram import TelegramAdapter
 from adapters.telegram.flood import FloodLimits
 from core.text import utf16_len
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tests.fakes.llm import last_user_text, memory_saving_responder, reply
 from tests.fakes.telegram_api import FakeTelegram
 
@@ -48,7 +49,7 @@ async def gateway(cfg):
     adapter = TelegramAdapter.from_config(
         cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5, flood_limits=LOOSE_FLOOD
     )
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     try:
         yield app, adapter

@@ -49,7 +49,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
+from gateway.runtime import GatewayApp
 from tests.conftest import RecordingAdapter, dm, group, make_config, say
 from tests.fakes.llm import (
     FakeLLM,
@@ -118,7 +119,7 @@ class World:
             tenancy={"personal_memory_in_groups": self.mode},
             limits={"rate_limit_per_minute": 1000},
         )
-        self.app = GatewayApp(cfg, list(self.adapters.values()))
+        self.app = build_gateway(cfg, list(self.adapters.values()))
         await self.app.start()
 
     async def stop(self) -> None:

@@ -86,8 +86,6 @@ async def _run(cfg: Config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # first: a Ctrl-C while starting stops cleanly too
         loop.add_signal_handler(sig, stopping)
     await _take_early_interrupt(stopping)
-    from gateway.app import GatewayApp
-
     adapters = build_adapters(cfg)
     if not adapters:
         print(
@@ -96,7 +94,11 @@ async def _run(cfg: Config) -> int:
             file=sys.stderr,
         )
         return 2
-    app = GatewayApp(cfg, adapters)
+    if cfg.cluster.enabled:
+        from gateway.cluster.build import build_cluster_gateway as build
+    else:
+        from gateway.build import build_gateway as build
+    app = build(cfg, adapters)
     log = logging.getLogger("hermes.gateway")
     await app.start()  # nothing to serve: StartupError (one sentence, see main), all closed again
     states = app.platform_states()
@@ -180,7 +182,8 @@ def _run_node(cfg: Config) -> int:
 
 async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> int:
     from adapters.console import ConsoleAdapter
-    from gateway.app import GatewayApp
+    from gateway.build import build_gateway
+    from gateway.runtime import GatewayApp
 
     app_box: list[GatewayApp] = []
     explained: list[object] = [None]
@@ -195,7 +198,7 @@ async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> i
     console = ConsoleAdapter(
         user, room, agent_name=cfg.agent_name, after_line=lambda: app_box[0].drain(timeout=None), explain_error=explain
     )
-    app = GatewayApp(cfg, [console])
+    app = build_gateway(cfg, [console])
     app_box.append(app)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -15,7 +15,7 @@ from gateway.cluster.migrations import LATEST
 
 
 class ClusterHealth:
-    """`await check()` -> (healthy, body); `GatewayApp.cluster_health = ClusterHealth(...).check`."""
+    """`await check()` -> (healthy, body): the cluster part of `/healthz` (gateway/cluster/build.py)."""
 
     def __init__(self, pool: Pool, node_id: str, *, timeout_s: float = 3.0, instance: str | None = None) -> None:
         """`instance`: this process as the nodes table names it; a row of another process

@@ -1,11 +1,11 @@
-"""Cluster mode's shared identity state, wired into a `GatewayApp`: pairing codes and
-approvals, link codes and requests in `shared_kv`, identity links in `identity_links`, so a
-code one node gave is redeemed through any node and a link made on one node routes the
-next message on every node.
+"""Cluster mode's shared identity state: pairing codes and approvals, link codes and
+requests in `shared_kv`, identity links in `identity_links`, so a code one node gave is
+redeemed through any node and a link made on one node routes the next message on every node.
 
-`await share_identity(app, pool, node_id, ttl_s)` after `GatewayApp(...)` and before
-`app.start()`. The first node of a new cluster brings in what the single-node gateway kept
-(links.json's links and gateway.db's pairing approvals), once.
+`SharedIdentity` is built with the gateway's other parts (gateway/cluster/build.py) and
+started once the node's pool is open, before anything is replayed. The first node of a new
+cluster brings in what the single-node gateway kept (links.json's links and gateway.db's
+pairing approvals), once.
 """
 
 from __future__ import annotations
@@ -14,33 +14,35 @@ import asyncio
 import json
 import sqlite3
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from gateway.access import Access
+from core.settings import Config
 from gateway.cluster.db import Pool, fetch_one
 from gateway.cluster.links import PgLinkStore, lease_guard
 from gateway.cluster.shared_kv import PgKV
-from gateway.linking import Linking
 from tenancy.identity import IdentityLinks
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gateway.app import GatewayApp
 
 _IMPORTED = "cluster:imported-single-node-state"
 
 
-async def share_identity(app: GatewayApp, pool: Pool, node_id: str, ttl_s: float) -> PgLinkStore:
-    """Give `app` PostgreSQL-backed access, linking and links; returns the link store."""
-    kv = PgKV(pool)
-    store = PgLinkStore(pool)
-    await import_single_node_state(app.cfg.data_dir, pool, kv, store)
-    links = IdentityLinks.shared(store, app.cfg.tenancy)
-    await store.refresh(links, force=True)
-    app.links = links
-    app.access = Access(app.cfg.access, kv)
-    app.linking = Linking(app, store=kv, cluster=True, merge_guard=lease_guard(pool, node_id, ttl_s))
-    app.links_refresh = lambda: store.refresh(app.links)
-    return store
+class SharedIdentity:
+    """The access store, links and merge guard of a node, kept in PostgreSQL."""
+
+    def __init__(self, cfg: Config, pool: Pool, node_id: str, ttl_s: float) -> None:
+        self.data_dir = cfg.data_dir
+        self.pool = pool
+        self.kv = PgKV(pool)  # pairing and link codes, approvals
+        self.store = PgLinkStore(pool)
+        self.links = IdentityLinks.shared(self.store, cfg.tenancy)
+        self.merge_guard = lease_guard(pool, node_id, ttl_s)
+
+    async def start(self) -> None:
+        """Bring in the single-node state (once per cluster), then read the links."""
+        await import_single_node_state(self.data_dir, self.pool, self.kv, self.store)
+        await self.store.refresh(self.links, force=True)
+
+    async def refresh(self) -> bool:
+        """Bring `links` up to date with links other nodes made (before routing a message)."""
+        return await self.store.refresh(self.links)
 
 
 async def import_single_node_state(data_dir: Path, pool: Pool, kv: PgKV, store: PgLinkStore) -> bool:

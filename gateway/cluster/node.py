@@ -20,11 +20,13 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import Any, cast
 
 from core.errors import LeaseLost
 from core.settings import ClusterConfig
-from gateway.cluster.db import ClusterError, Pool, open_pool
+from gateway.cluster.db import ClusterError, Conn, Pool, open_pool
 from gateway.cluster.leases import (
     Lease,
     NodeHolder,
@@ -320,6 +322,29 @@ class ClusterNode:
                 self._lose(held, "taken over by another node")
                 continue
             held.lease, held.deadline = lease, started + self.ttl - self.margin
+
+
+class NodePool:
+    """The node's pool for the parts built before the node starts (gateway/cluster/build.py):
+    each use reaches the pool `ClusterNode.start()` opened (RuntimeError before that)."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self._node = node
+
+    def connection(self, timeout: float | None = None) -> AbstractAsyncContextManager[Conn]:
+        return self._node.pool.connection(timeout)
+
+    @property
+    def conninfo(self) -> Any:
+        return self._node.pool.conninfo
+
+    @property
+    def kwargs(self) -> Any:
+        return self._node.pool.kwargs
+
+    def as_pool(self) -> Pool:
+        """Typed as the pool the parts take: they use only `connection`, `conninfo`, `kwargs`."""
+        return cast(Pool, self)
 
 
 class ProfileLeases:

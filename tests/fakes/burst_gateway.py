@@ -15,13 +15,13 @@ import sys
 from adapters.loopback import LoopbackAdapter
 from core.messages import InboundMessage
 from core.settings import load_config
-from gateway.app import GatewayApp
+from gateway.build import build_gateway
 
 
 async def main(config_path: str, n: int) -> None:
     cfg = load_config(config_path)
     adapter = LoopbackAdapter("burst", record=False, on_send=lambda m: print(f"SENT {m.chat_id} {m.text}", flush=True))
-    app = GatewayApp(cfg, [adapter])
+    app = build_gateway(cfg, [adapter])
     await app.start()
     print("READY", flush=True)
     people = [f"p{i}" for i in range(5)]

@@ -1,0 +1,207 @@
+"""Building a gateway: every part, completely, before the runtime exists.
+
+`build_gateway(cfg, adapters)` is the single-node factory: gateway.db holds the inbox, the
+outbox and the small shared state, links.json the identity links. Cluster mode has its own
+factory, `gateway.cluster.build.build_cluster_gateway`, which hands its PostgreSQL parts
+to the same `build_parts` (docs/development.md#layers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from agent.llm import LLMClient
+from agent.sessions import StoragePool
+from agent.tokens import TokenCounter
+from agent.turn import Agent
+from core.messages import InboundMessage
+from core.protocols import Adapter
+from core.settings import AgentSettings, Config
+from gateway.access import Access
+from gateway.commands import CommandParts
+from gateway.inbox import Inbox
+from gateway.ingress import Ingress, Refusals
+from gateway.jobs import Background, RunningTurns
+from gateway.kv import KeyValue, SqliteKV
+from gateway.linking import Linking, MergeGuard
+from gateway.media import MediaIntake
+from gateway.metrics import ClusterMetrics, InstrumentedLLM, Metrics
+from gateway.modes import Fencing, SharedInbox
+from gateway.outbox import Deliverer, Outbox
+from gateway.reminders import ReminderScheduler
+from gateway.replies import Replies
+from gateway.reviews import Reviews
+from gateway.runtime import GatewayApp, Parts
+from gateway.turns import Turns
+from tenancy.identity import IdentityLinks
+from tenancy.profiles import ProfileGate, ProfileManager
+
+log = logging.getLogger("hermes.gateway")
+
+
+@dataclass
+class ModeParts:
+    """The parts in which the two modes differ; the rest `build_parts` builds alike."""
+
+    inbox: Inbox
+    outbox: Outbox
+    links: IdentityLinks
+    #: pairing and link codes, approvals (None: gateway.db's kv table, through `inbox`)
+    kv: KeyValue | None = None
+    #: cluster mode: a profile opens only under its tenant lease
+    gate: ProfileGate | None = None
+    links_refresh: Callable[[], Awaitable[object]] | None = None
+    merge_guard: MergeGuard | None = None
+    shared: SharedInbox | None = None
+    fencing: Fencing | None = None
+    cluster_metrics: ClusterMetrics | None = None
+    #: identity state shared with other nodes: a /link merge needs `merge_guard`
+    cluster: bool = False
+    running: RunningTurns = field(default_factory=RunningTurns)
+    background: Background = field(default_factory=Background)
+
+
+def build_gateway(
+    cfg: Config, adapters: Sequence[Adapter] = (), *, llm: LLMClient | None = None, tokens: TokenCounter | None = None
+) -> GatewayApp:
+    """A single-node gateway for `cfg` serving `adapters`; `llm` and `tokens` for tests."""
+    if cfg.cluster.enabled:
+        raise ValueError("cluster.enabled is set: build this gateway with gateway.cluster.build.build_cluster_gateway")
+    inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
+    mode = ModeParts(
+        inbox=inbox, outbox=Outbox(inbox), links=IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
+    )
+    return GatewayApp(build_parts(cfg, adapters, mode, llm=llm, tokens=tokens))
+
+
+def build_parts(
+    cfg: Config,
+    adapters: Sequence[Adapter],
+    mode: ModeParts,
+    *,
+    llm: LLMClient | None = None,
+    tokens: TokenCounter | None = None,
+) -> Parts:
+    """Every part of a gateway around the parts of its mode."""
+    by_platform: dict[str, Adapter] = {a.platform: a for a in adapters}
+    inbox, outbox, links, running, background = mode.inbox, mode.outbox, mode.links, mode.running, mode.background
+    storage_pool = StoragePool(cfg.storage.io_threads)
+    profiles = ProfileManager(
+        cfg.data_dir,
+        max_open=cfg.tenancy.max_open_profiles,
+        fsync=cfg.storage.fsync,
+        memory_char_limit=cfg.memory.memory_char_limit,
+        user_char_limit=cfg.memory.user_char_limit,
+        provider_kind=cfg.memory.provider,
+        pool=storage_pool,
+        gate=mode.gate,
+        # WAL's shared-memory index is for one host; a shared data_dir needs a rollback journal
+        journal_mode="delete" if cfg.cluster.enabled else "wal",
+    )
+    own_llm = llm is None
+    client = llm or LLMClient.from_config(cfg.llm)
+    counter = tokens or TokenCounter.create(log)
+    metrics = Metrics()
+    if mode.cluster_metrics is not None:  # claim and failover figures on /metrics
+        metrics.enable_cluster(mode.cluster_metrics)
+    deliverer = Deliverer(outbox, by_platform, metrics, cfg.delivery)
+    llm_monitor = InstrumentedLLM(client, metrics)  # counts errors by kind for /metrics
+    # InstrumentedLLM proxies the LLMClient: same chat() signature, every other attribute
+    # passed through (__getattr__), so the Agent can use it as one
+    agent = Agent(AgentSettings.from_config(cfg), cast(LLMClient, llm_monitor), counter)
+    media = MediaIntake(cfg)
+    agent.compression.on_outcome = metrics.compression  # hermes_compressions_total{outcome}
+    agent.reviewer.on_outcome = metrics.review  # hermes_memory_reviews_total{kind,outcome}
+    replies = Replies(cfg, by_platform, outbox, deliverer)
+    ingress: Ingress | None = None  # built last: reminders -> linking -> turns -> ingress
+
+    async def submit_reminder(msg: InboundMessage) -> bool:
+        assert ingress is not None
+        return await ingress.submit_reminder(msg)
+
+    reminders = ReminderScheduler(lambda: inbox.db, cfg.data_dir, submit_reminder)
+    # the tool keeps the due-time index current; no reminders in cluster mode
+    agent.reminder_index = reminders.note if cfg.reminders_on else None
+    kv = mode.kv if mode.kv is not None else SqliteKV(inbox)
+    access = Access(cfg.access, kv)
+    linking = Linking(
+        cfg,
+        links,
+        profiles,
+        inbox,
+        metrics,
+        reminders,
+        replies.send,
+        store=mode.kv,
+        cluster=mode.cluster,
+        merge_guard=mode.merge_guard,
+    )
+    reviews = Reviews(cfg.memory, agent, linking, deliverer, background)
+    refusals = Refusals(cfg, by_platform, inbox, access, metrics, replies, background, shared=mode.shared is not None)
+    commands = CommandParts(cfg, access, agent, inbox, links, linking, reminders)
+    turns = Turns(
+        cfg,
+        by_platform,
+        agent,
+        linking,
+        profiles,
+        media,
+        metrics,
+        inbox,
+        outbox,
+        deliverer,
+        replies,
+        reviews,
+        reminders,
+        commands,
+        running,
+        background,
+        refusals.refuse,
+        fencing=mode.fencing,
+    )
+    ingress = Ingress(
+        cfg,
+        inbox,
+        access,
+        links,
+        linking,
+        turns.lanes,
+        metrics,
+        replies,
+        refusals,
+        running,
+        background,
+        links_refresh=mode.links_refresh,
+        shared=mode.shared,
+    )
+    return Parts(
+        cfg=cfg,
+        adapters=by_platform,
+        inbox=inbox,
+        outbox=outbox,
+        links=links,
+        access=access,
+        linking=linking,
+        storage_pool=storage_pool,
+        profiles=profiles,
+        llm=client,
+        own_llm=own_llm,
+        tokens=counter,
+        metrics=metrics,
+        llm_monitor=llm_monitor,
+        agent=agent,
+        media=media,
+        deliverer=deliverer,
+        replies=replies,
+        reminders=reminders,
+        reviews=reviews,
+        turns=turns,
+        refusals=refusals,
+        ingress=ingress,
+        running=running,
+        background=background,
+        links_refresh=mode.links_refresh,
+    )

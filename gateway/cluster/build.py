@@ -1,0 +1,176 @@
+"""The cluster-mode factory: a gateway whose inbox, outbox, small shared state and identity
+links are in PostgreSQL, whose profiles open only under their tenant lease, and whose lanes
+are claimed and run by claim workers (docs/cluster.md).
+
+Every part is built here before the runtime exists; what needs the database at start is
+started by the runtime, in order, through `ClusterParts` (gateway/modes.py `ClusterNode`):
+run lock, node start, shared state import and refresh, replay, observability, adapters,
+ingress election, claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from functools import partial
+from typing import Any, cast
+
+from agent.llm import LLMClient
+from agent.tokens import TokenCounter
+from core.protocols import Adapter
+from core.settings import Config
+from gateway.build import ModeParts, build_parts
+from gateway.cluster.claims import ClaimWorkers
+from gateway.cluster.db import dsn_from_env
+from gateway.cluster.health import ClusterHealth
+from gateway.cluster.identity import SharedIdentity
+from gateway.cluster.inbox import Claim
+from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressElection, Role, discord_shard
+from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
+from gateway.cluster.node import ClusterNode, HeldLease, NodePool, ProfileLeases
+from gateway.cluster.runner import ClaimRunner, LeaseFencing, SharedIngress
+from gateway.inbox import Inbox
+from gateway.outbox import Outbox
+from gateway.runtime import GatewayApp, Parts
+
+
+def ingress_roles(adapters: Iterable[Any], cfg: Config) -> list[Role]:
+    """One role per way in: Telegram's polling or webhook registration, each Discord shard."""
+    roles: list[Role] = []
+    for adapter in adapters:
+        if not getattr(adapter, "elected", False):
+            continue  # receives by itself (a test's loopback adapter, a console)
+        if adapter.platform == "telegram":
+            name = TELEGRAM_WEBHOOK if cfg.platforms.telegram.mode == "webhook" else TELEGRAM_POLLING
+            roles.append(Role(name, adapter.start_receiving, adapter.stop_receiving))
+        elif adapter.platform == "discord":
+            for n in range(cfg.platforms.discord.shard_count):
+                roles.append(
+                    Role(discord_shard(n), partial(adapter.start_shard, n), partial(adapter.stop_shard, n), spread=True)
+                )
+    return roles
+
+
+class ClusterParts:
+    """A node's own parts, started and stopped by the runtime in its order (the
+    `ClusterNode` protocol of gateway/modes.py)."""
+
+    def __init__(
+        self,
+        node: ClusterNode,
+        identity: SharedIdentity,
+        claims: ClaimWorkers,
+        runner: ClaimRunner,
+        election: IngressElection | None,
+        health: ClusterHealth,
+    ) -> None:
+        self.node = node
+        self.identity = identity
+        self.claims = claims
+        self.runner = runner
+        self.election = election  # None when no adapter receives by election
+        self._health = health
+        self._idle_closer: asyncio.Task | None = None
+
+    @property
+    def displaced(self) -> str | None:
+        return self.node.displaced
+
+    async def join(self) -> None:
+        await self.node.start()  # pool, migrations, registration, heartbeats
+        await self.identity.start()  # pairing, link codes and links in PostgreSQL
+
+    async def receive(self) -> None:
+        if self.election is not None:
+            await self.election.start()
+
+    def run_claims(self) -> None:
+        self.runner.accepting = True
+        self.claims.start()
+        self._idle_closer = asyncio.create_task(self.runner.close_idle_profiles(), name="idle-profiles")
+
+    async def stop_claims(self, timeout: float) -> None:
+        self.runner.accepting = False
+        await self.claims.stop(timeout)
+        if self._idle_closer is not None:
+            self._idle_closer.cancel()
+            self._idle_closer = None
+
+    async def stop_receiving(self) -> None:
+        if self.election is not None:
+            await self.election.stop()
+
+    async def leave(self) -> None:
+        await self.node.stop()
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        return await self._health.check()
+
+
+class ClusterGateway(GatewayApp):
+    """A cluster node's runtime: a `GatewayApp` that also names its node's parts."""
+
+    def __init__(self, parts: Parts, cluster: ClusterParts, shared_outbox: ClusterOutbox) -> None:
+        super().__init__(parts, cluster=cluster)
+        self.node = cluster.node
+        self.claims: ClaimWorkers | None = cluster.claims
+        self.shared_outbox = shared_outbox
+        self._election = cluster.election
+
+
+def build_cluster_gateway(
+    cfg: Config, adapters: Sequence[Adapter] = (), *, llm: LLMClient | None = None, tokens: TokenCounter | None = None
+) -> GatewayApp:
+    """A cluster node for `cfg` (cluster.enabled) serving `adapters`; `llm` and `tokens` for tests."""
+    if not cfg.cluster.enabled:
+        raise ValueError("cluster.enabled is not set: build this gateway with gateway.build.build_gateway")
+    runner: ClaimRunner | None = None  # built once the lanes exist; the node and the claim workers call it
+
+    def lease_lost(tenant: str) -> None:
+        assert runner is not None
+        runner.lease_lost(tenant)
+
+    async def run_claim(claim: Claim, held: HeldLease) -> None:
+        assert runner is not None
+        await runner.run(claim, held)
+
+    node = ClusterNode(cfg.cluster, dsn_from_env(cfg.cluster.postgres_dsn_env or ""), on_lost=lease_lost)
+    pool = NodePool(node).as_pool()  # opened by node.start()
+    shared_outbox = ClusterOutbox(node)
+    identity = SharedIdentity(cfg, pool, node.node_id, node.ttl)
+    claims = ClaimWorkers(node, run_claim, workers=cfg.cluster.max_lanes, poll_s=cfg.cluster.poll_interval_s)
+    mode = ModeParts(
+        # duck-typed: they implement what the gateway, Access and Linking call in cluster mode
+        inbox=cast(Inbox, ClusterInbox(node, shared_outbox)),
+        outbox=cast(Outbox, shared_outbox),
+        links=identity.links,
+        kv=identity.kv,
+        gate=ProfileLeases(node),
+        links_refresh=identity.refresh,
+        merge_guard=identity.merge_guard,
+        shared=SharedIngress(pool, claims),
+        fencing=LeaseFencing(node, shared_outbox),
+        cluster_metrics=node.metrics,
+        cluster=True,
+    )
+    parts = build_parts(cfg, adapters, mode, llm=llm, tokens=tokens)
+    runner = ClaimRunner(
+        node,
+        shared_outbox,
+        parts.deliverer,
+        parts.turns.lanes,
+        parts.ingress.admit,
+        parts.profiles,
+        parts.running,
+        parts.background,
+    )
+    roles = ingress_roles(parts.adapters.values(), cfg)
+    election = (
+        IngressElection(
+            pool, node.node_id, node.ttl, roles, metrics=node.metrics, may_hold=lambda: node.displaced is None
+        )
+        if roles
+        else None
+    )
+    health = ClusterHealth(pool, node.node_id, instance=node.instance)
+    return ClusterGateway(parts, ClusterParts(node, identity, claims, runner, election, health), shared_outbox)

@@ -1,0 +1,68 @@
+"""What the single-node runtime needs of cluster mode, as three protocols: gateway/cluster/
+implements them (gateway/cluster/build.py builds the parts), and no module outside it
+imports gateway.cluster or psycopg (docs/development.md#layers).
+
+- `SharedInbox`: the ingress commits a message to the shared inbox instead of gateway.db.
+- `Fencing`: the lane worker tells a turn fenced out by a lost lease, and a database that
+  went away, from other failures.
+- `ClusterNode`: the runtime starts and stops the node's parts in its own order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from core.lanes import Lane
+from core.messages import InboundMessage
+
+
+class SharedInbox(Protocol):
+    async def record(self, msg: InboundMessage, lane: Lane | None) -> bool:
+        """Commit `msg` on `lane` (None: it cannot be placed; whichever node runs it refuses
+        it) once per platform message id, and wake the claim workers; False: known already."""
+        ...
+
+
+class Fencing(Protocol):
+    def database_fault(self, exc: BaseException) -> str | None:
+        """The storage fault `exc` is when the shared database is unreachable, else None."""
+        ...
+
+    def fenced(self) -> None:
+        """A turn stopped because its tenant's lease went (counted on /metrics)."""
+        ...
+
+
+class ClusterNode(Protocol):
+    @property
+    def displaced(self) -> str | None:
+        """Why this process may hold nothing (another process took its node id), else None."""
+        ...
+
+    async def join(self) -> None:
+        """Join the cluster and bring in the shared state (before anything is replayed)."""
+        ...
+
+    async def receive(self) -> None:
+        """Start the ingress roles this node is elected for (after the adapters started)."""
+        ...
+
+    def run_claims(self) -> None:
+        """Start claiming lanes of the shared inbox (last step of the start)."""
+        ...
+
+    async def stop_claims(self, timeout: float) -> None:
+        """Take no new lane; the running ones finish and deliver within `timeout`."""
+        ...
+
+    async def stop_receiving(self) -> None:
+        """Give the ingress roles up (another node takes them over at once)."""
+        ...
+
+    async def leave(self) -> None:
+        """Leave the cluster (after the profiles closed)."""
+        ...
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        """The cluster part of /healthz."""
+        ...

@@ -14,7 +14,7 @@ from typing import Any
 
 from agent.compression import Compressor
 from agent.context import Notify, OnText, TurnContext
-from agent.llm import ContextLengthExceeded, LLMClient, LLMError
+from agent.llm import ChatResult, ContextLengthExceeded, LLMClient, LLMError
 from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
@@ -515,7 +515,9 @@ class Agent:
         history.append(msg)
         return text
 
-    async def _model_call(self, ctx: TurnContext, request: list[dict[str, Any]], tools: list[dict] | None):
+    async def _model_call(
+        self, ctx: TurnContext, request: list[dict[str, Any]], tools: list[dict] | None
+    ) -> ChatResult:
         """The HTTP request alone, raced against the stop event: stopping cancels only the
         request (nothing is being written then), never a store write."""
         kwargs: dict[str, Any] = {}
@@ -562,7 +564,7 @@ class Agent:
         except Exception:
             log.exception("memory provider on_memory_write failed")
 
-    async def _call_llm(self, ctx: TurnContext, history: list[StoredMessage], tools: list[dict] | None):
+    async def _call_llm(self, ctx: TurnContext, history: list[StoredMessage], tools: list[dict] | None) -> ChatResult:
         """One model request for the current history.
 
         Before it, the prompt (estimate, or the server's last count) is checked against the

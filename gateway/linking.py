@@ -54,10 +54,10 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.fileio import atomic_write
 from agent.reminders import Reminder, ReminderStore
@@ -333,7 +333,7 @@ class Linking:
                 "link-burnt-notice",
             )
 
-    def _spawn(self, coro, name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, object], name: str) -> None:
         """Run `coro` beside the caller (close() waits for it)."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)

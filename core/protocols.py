@@ -109,3 +109,29 @@ class Closable(Protocol):
     """Has resources to release after `stop` (an HTTP client, a webhook server)."""
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ElectedReceiver(Protocol):
+    """Cluster mode: receives only while this node holds the platform's ingress role
+    (Telegram's polling or webhook registration), started and stopped by the election."""
+
+    @property
+    def elected(self) -> bool: ...
+
+    async def start_receiving(self) -> None: ...
+
+    async def stop_receiving(self) -> None: ...
+
+
+@runtime_checkable
+class ElectedShards(Protocol):
+    """Cluster mode: each gateway shard (Discord) is its own ingress role, spread over the
+    nodes by the election."""
+
+    @property
+    def elected(self) -> bool: ...
+
+    async def start_shard(self, shard_id: int) -> None: ...
+
+    async def stop_shard(self, shard_id: int) -> None: ...

@@ -16,6 +16,7 @@ from agent.profile import Profile
 from agent.prompt import ChatPlace
 from agent.reminders import ReminderChat
 from agent.turn import Agent, TurnResult, UserInput
+from core.backoff import backoff_delay
 from core.errors import LaneMoved, LeaseLost, caused_by
 from core.lanes import Lane
 from core.messages import InboundMessage, OutboundKind, OutboundMessage
@@ -154,7 +155,7 @@ class Turns:
                 return
             except Exception as exc:
                 failures += 1
-                delay = min(self.cfg.delivery.retry_initial_s * 2 ** (failures - 1), self.cfg.delivery.retry_max_s)
+                delay = backoff_delay(failures, self.cfg.delivery.retry_initial_s, self.cfg.delivery.retry_max_s)
                 await self._turn_failed(exc, last, failures, delay, tlog)
                 try:  # a stop ends the wait
                     await asyncio.wait_for(self.stopping.wait(), delay)

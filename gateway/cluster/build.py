@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from agent.llm import LLMClient
 from agent.tokens import TokenCounter
-from core.protocols import Adapter
+from core.protocols import Adapter, ElectedReceiver, ElectedShards
 from core.settings import Config
 from gateway.build import ModeParts, build_parts
 from gateway.cluster.claims import ClaimWorkers
@@ -34,16 +34,15 @@ from gateway.outbox import Outbox
 from gateway.runtime import GatewayApp, Parts
 
 
-def ingress_roles(adapters: Iterable[Any], cfg: Config) -> list[Role]:
+def ingress_roles(adapters: Iterable[Adapter], cfg: Config) -> list[Role]:
     """One role per way in: Telegram's polling or webhook registration, each Discord shard."""
     roles: list[Role] = []
     for adapter in adapters:
-        if not getattr(adapter, "elected", False):
-            continue  # receives by itself (a test's loopback adapter, a console)
-        if adapter.platform == "telegram":
+        # an adapter that is not elected receives by itself (a test's loopback adapter, a console)
+        if adapter.platform == "telegram" and isinstance(adapter, ElectedReceiver) and adapter.elected:
             name = TELEGRAM_WEBHOOK if cfg.platforms.telegram.mode == "webhook" else TELEGRAM_POLLING
             roles.append(Role(name, adapter.start_receiving, adapter.stop_receiving))
-        elif adapter.platform == "discord":
+        elif adapter.platform == "discord" and isinstance(adapter, ElectedShards) and adapter.elected:
             for n in range(cfg.platforms.discord.shard_count):
                 roles.append(
                     Role(discord_shard(n), partial(adapter.start_shard, n), partial(adapter.stop_shard, n), spread=True)

@@ -14,6 +14,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
+from core.backoff import backoff_delay
 from core.errors import LeaseLost
 from gateway.cluster.inbox import Claim, NotClaimed, claim_lane, release_lane
 from gateway.cluster.node import ClusterNode, HeldLease, LeaseBusy
@@ -100,7 +101,7 @@ class ClaimWorkers:
                 continue
             except Exception as exc:
                 failures += 1
-                delay = min(0.5 * 2**failures, 10.0)
+                delay = backoff_delay(failures + 1, 0.5, 10.0)
                 log.error("claiming a lane failed (%s); retrying in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
                 continue

@@ -435,7 +435,7 @@ async def cmd_undo(ctx: CommandContext) -> str:
 
 
 async def cmd_more(ctx: CommandContext) -> str:
-    """The next page of the lane's last answer (README "Runaway answers and long replies")."""
+    """The next page of the lane's last answer (docs/operator-guide.md#runaway-answers-and-long-replies)."""
     nothing = "There's nothing more of my last answer to send."
     mark = await ctx.parts.inbox.get(more_key(ctx.lane))
     session_id = await ctx.profile.sessions.route(ctx.lane.session_key)

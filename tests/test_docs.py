@@ -213,3 +213,29 @@ def test_every_docs_link_and_anchor_resolves() -> None:
                 problems.append(p)
     assert checked > 20, "found almost no links: the link pattern is broken"
     assert not problems, "links that do not resolve:\n" + "\n".join(problems)
+
+
+_STALE_CITATION = re.compile(r"README(\.md)? *\"|\b[Ii]ssues? #?\d+")
+
+
+def stale_citations(text: str) -> list[str]:
+    """Lines that cite a README heading or an issue number (both move or close; a docs
+    page and its anchor are checked by the link test)."""
+    return [line.strip() for line in text.splitlines() if _STALE_CITATION.search(line)]
+
+
+def test_code_cites_docs_pages_not_readme_headings_or_issue_numbers():
+    found = []
+    for top in ("core", "gateway", "adapters", "tenancy", "agent", "bench", "tests"):
+        for path in sorted((ROOT / top).rglob("*.py")) if (ROOT / top).is_dir() else []:
+            if path.name == "test_docs.py":
+                continue
+            found += [f"{path.relative_to(ROOT)}: {line}" for line in stale_citations(path.read_text(encoding="utf-8"))]
+    assert not found, "cite docs/<page>.md#anchor instead:\n" + "\n".join(found)
+
+
+def test_the_citation_check_sees_both_kinds():
+    assert stale_citations('x = 1  # see README "Delivery"\n"""(issue 13)"""\nok = "docs/concepts.md#delivery"') == [
+        'x = 1  # see README "Delivery"',
+        '"""(issue 13)"""',
+    ]

@@ -58,6 +58,11 @@ BOT = "hermes_storm_bot"
 BIN = Path(sys.executable).parent / "hermes-gateway"
 
 
+#: every this many kills, one process is left up on both platforms (not aimed) and gets a
+#: Discord message, so every storm covers Discord across kills
+SERVING_EVERY = 6
+
+
 @dataclass
 class StormResult:
     cycles: int = 0
@@ -144,6 +149,9 @@ class Storm:
         self._journals: tuple[Path, dict[Path, int]] | None = None  # the answered person's, before the answer
         self.model_answers: dict[str, int] = defaultdict(int)  # token -> final answers the model gave
         self.rng = random.Random(seed)
+        # a serving cycle asks the traffic for one Discord message while the bot is connected:
+        # most kills land before Discord's login (~2 s), so chance alone may leave it untested
+        self._dm_wanted = False
         self._restart_timers: set[asyncio.Task] = set()  # referenced until done
         self.result = StormResult(cycles=cycles, people=people)
         # token -> (platform, chat key, sender, index in that person's chat)
@@ -172,14 +180,19 @@ class Storm:
             log = open(self.workdir / "gateway.log", "ab")  # noqa: ASYNC230, SIM115 (the children's log for the whole storm; closed below)
             try:
                 for cycle in range(self.cycles):
-                    aimed = self.rng.random() < self.aim
+                    serving = cycle % SERVING_EVERY == 0  # up on both platforms, a Discord message in
+                    aimed = not serving and self.rng.random() < self.aim
                     proc = await self._spawn(env, config, log)
                     if aimed:
                         self.result.aimed_kills += await self._kill_as_an_answer_is_stored(proc)
                     else:
-                        if self.rng.random() < 0.9:  # mostly while serving, sometimes mid-start or mid-replay
+                        if (
+                            serving or self.rng.random() < 0.9
+                        ):  # mostly while serving, sometimes mid-start or mid-replay
                             await self._wait_up(proc)
+                        self._dm_wanted = serving
                         await asyncio.sleep(self.rng.uniform(self.min_up, self.max_up))
+                        self._dm_wanted = False
                     if proc.returncode is None:  # an aimed kill may have come already
                         with contextlib.suppress(ProcessLookupError):
                             proc.send_signal(signal.SIGKILL)
@@ -281,6 +294,8 @@ class Storm:
             await asyncio.sleep(self.interval)
             n += 1
             kind = self.rng.random()
+            if self._dm_wanted and self.dc.connected:
+                kind, self._dm_wanted = 0.9, False
             remember = self.rng.random() < 0.1
             if kind < 0.55:
                 user = self.rng.choice(self.tg_users)

@@ -519,7 +519,7 @@ async def test_a_collected_turn_cut_short_after_a_tool_call_is_finished_after_re
 async def test_a_warm_turn_costs_two_storage_calls_and_keeps_its_page_cache(config_for, fake_llm):
     """Two storage calls a turn (docs/concepts.md#session-storage): one call stores the person's message, one the answer (with usage and
     compression state); no call throws the page cache away (the open profiles' memory is
-    bounded by their number), so the next turn finds its pages."""
+    bounded by memory, docs/concepts.md#open-profiles), so the next turn finds its pages."""
     fake_llm.script(reply("first"), reply("second"))
     adapter = RecordingAdapter()
     app = build_gateway(config_for(), [adapter])

@@ -11,7 +11,7 @@ What runs
 * The real `GatewayApp` (inbox, access, limits, lanes, ProfileManager, Agent, SessionStore
   dual write, delivery) over a fresh temp data dir, with an in-memory `BenchAdapter`
   (platform "bench", one DM chat per tenant). Defaults are the shipped defaults
-  (`storage.memory_budget_mib: 256`, memory on, compression config untouched) except the
+  (`storage.memory_budget_mib: 272`, memory on, compression config untouched) except the
   per-person rate limit, raised so the bench's own bursts are not refused.
 * Closed loop: `--concurrency` conversations in flight at once. A conversation sends one
   message, waits for the reply, and only then does that tenant send its next message.
@@ -831,6 +831,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 prof.dump_stats(str(args.profile))
             else:
                 result["gateway"] = await run_gateway(args, root / "gateway", fake.base_url)
+            result["args"]["max_open"] = args.max_open  # the effective cache size, set by run_gateway
         if not args.no_raw:
             result["raw"] = await run_raw(args, root / "raw")
             result["share_of_raw"] = round(result["gateway"]["messages_per_s"] / result["raw"]["messages_per_s"], 4)

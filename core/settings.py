@@ -41,7 +41,7 @@ class _Section(BaseModel):
 
 DEFAULT_ANSWER_MAX_TOKENS = 4096
 #: storage.memory_budget_mib's default: every profile open at 1,000 people (docs/concepts.md#open-profiles)
-DEFAULT_MEMORY_BUDGET_MIB = 256
+DEFAULT_MEMORY_BUDGET_MIB = 272
 
 
 class LLMConfig(_Section):

@@ -30,12 +30,13 @@ from tenancy.keys import tenant_dir, tenant_dir_name
 
 SCHEMA_VERSION = 1
 SQLITE_HEADER = b"SQLite format 3\0"
-# What one open profile costs, measured (stdlib sqlite3, SQLite 3.40): ~190 KiB once its
-# connection is open (parsed schema with FTS5, lookaside, the WAL index mapping), ~250 KiB
-# after a few turns (prepared statements, cached pages; the page cache is capped at
-# agent.sessions.db.PAGE_CACHE_KIB); and 5 descriptors (state.db, -wal, -shm, the journal,
-# the profile lock).
-PROFILE_COST_KIB = 256
+# What one open profile costs, measured (stdlib sqlite3, SQLite 3.40): its connection takes
+# ~190 KiB once open (parsed schema with FTS5, lookaside, the WAL index mapping) and ~250 KiB
+# after a few turns (prepared statements, cached pages: the page cache is capped at
+# agent.sessions.db.PAGE_CACHE_KIB); in the gateway, live sessions and the rest included,
+# 1,000 open profiles took 272 MiB (bench/gateway_bench.py, 1,000 x 5). And 5 descriptors
+# (state.db, -wal, -shm, the journal, the profile lock).
+PROFILE_COST_KIB = 272
 PROFILE_FDS = 5
 FD_RESERVE = 256  # descriptors kept for everything else (sockets, gateway.db, logs): at most half the limit
 

@@ -12,6 +12,7 @@ import pytest
 
 from agent.messages import StoredMessage
 from agent.sessions import StoragePool
+from core.settings import DEFAULT_MEMORY_BUDGET_MIB
 from tenancy import profiles as profiles_mod
 from tenancy.keys import tenant_dir
 from tenancy.profiles import ProfileDamaged, ProfileManager, open_limit
@@ -83,15 +84,15 @@ async def test_profile_layout_and_manifest(tmp_path):
 
 
 def test_the_open_profiles_are_sized_by_memory_within_the_descriptor_limit_and_the_cap():
-    """docs/concepts.md#open-profiles: budget / 256 KiB, within (RLIMIT_NOFILE - reserve) / 5
+    """docs/concepts.md#open-profiles: budget / 272 KiB, within (RLIMIT_NOFILE - reserve) / 5
     descriptors, at most max_open_profiles, at least one."""
-    assert open_limit(None, 256, 20000) == 1024  # the defaults keep 1,000 people open
-    assert open_limit(None, 1, 20000) == 4
-    assert open_limit(None, 256, resource.RLIM_INFINITY) == 1024
-    assert open_limit(None, 256, 1024) == (1024 - 256) // 5  # the descriptors decide
-    assert open_limit(None, 256, 64) == (64 - 32) // 5  # a tiny limit keeps half for the rest
-    assert open_limit(10, 256, 20000) == 10  # the hard cap
-    assert open_limit(5000, 256, 20000) == 1024  # a cap above the budget does not raise it
+    assert open_limit(None, DEFAULT_MEMORY_BUDGET_MIB, 20000) == 1024  # the defaults keep 1,000 people open
+    assert open_limit(None, 272, resource.RLIM_INFINITY) == 1024
+    assert open_limit(None, 1, 20000) == 3
+    assert open_limit(None, 272, 1024) == (1024 - 256) // 5  # the descriptors decide
+    assert open_limit(None, 272, 64) == (64 - 32) // 5  # a tiny limit keeps half for the rest
+    assert open_limit(10, 272, 20000) == 10  # the hard cap
+    assert open_limit(5000, 272, 20000) == 1024  # a cap above the budget does not raise it
     assert open_limit(None, 1, 8) == 1
 
 
@@ -103,10 +104,10 @@ def test_the_config_keys_size_the_gateways_open_profiles(tmp_path):
         app = build_gateway(make_config(tmp_path / "data", "http://127.0.0.1:9/v1", **sections), [])
         return app.profiles.max_open
 
-    assert opened() == open_limit(None, 256)
-    assert opened(storage={"memory_budget_mib": 2}) == 8
+    assert opened() == open_limit(None, DEFAULT_MEMORY_BUDGET_MIB)
+    assert opened(storage={"memory_budget_mib": 2}) == 7
     assert opened(tenancy={"max_open_profiles": 3}) == 3
-    assert opened(storage={"memory_budget_mib": 2}, tenancy={"max_open_profiles": 100}) == 8
+    assert opened(storage={"memory_budget_mib": 2}, tenancy={"max_open_profiles": 100}) == 7
 
 
 async def test_a_profile_directory_is_checked_once_per_process_on_the_storage_thread(tmp_path, monkeypatch):

@@ -473,7 +473,7 @@ class Agent:
                 assistant.content = text
                 if result.cut:  # kept as written, flagged; the person is told it was cut
                     assistant.meta["cut"] = True
-                await store.append(assistant, idle=True)  # the turn's last write
+                await store.append(assistant)  # the turn's last write
                 history.append(assistant)
                 if result.cut:
                     return f"{text}\n\n{cut_notice(self.settings.llm.answer_timeout_s)}"
@@ -511,7 +511,7 @@ class Agent:
             meta={"interrupted": True},
         )
         self.tokens.count_message(msg)
-        await ctx.profile.sessions.append(msg, idle=True)  # the turn's last write
+        await ctx.profile.sessions.append(msg)  # the turn's last write
         history.append(msg)
         return text
 

@@ -11,7 +11,7 @@ What runs
 * The real `GatewayApp` (inbox, access, limits, lanes, ProfileManager, Agent, SessionStore
   dual write, delivery) over a fresh temp data dir, with an in-memory `BenchAdapter`
   (platform "bench", one DM chat per tenant). Defaults are the shipped defaults
-  (`max_open_profiles: 256`, memory on, compression config untouched) except the
+  (`storage.memory_budget_mib: 272`, memory on, compression config untouched) except the
   per-person rate limit, raised so the bench's own bursts are not refused.
 * Closed loop: `--concurrency` conversations in flight at once. A conversation sends one
   message, waits for the reply, and only then does that tenant send its next message.
@@ -289,13 +289,14 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
             "data_dir": str(data_dir),
             "llm": {"base_url": base_url, "model": "bench-model", "max_retries": 0, "timeout_s": 60},
             "storage": {"fsync": args.fsync, "io_threads": args.io_threads},
-            "tenancy": {"max_open_profiles": args.max_open},
+            "tenancy": {} if args.max_open is None else {"max_open_profiles": args.max_open},
             "limits": {"rate_limit_per_minute": 1_000_000},
         }
     )
     llm = TimedLLM(base_url, "bench-model", timeout_s=60, max_retries=0)
     adapter = BenchAdapter()
     app = build_gateway(cfg, [adapter], llm=llm)
+    args.max_open = app.profiles.max_open  # what the budget, the fd limit and --max-open allow
 
     # Instrumentation (bench process only): count and time profile opens and closes. Skipped
     # quietly if the core renames these, so the bench keeps running.
@@ -710,7 +711,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--messages", type=int, default=5, help="messages per tenant")
     p.add_argument("--fsync", choices=("always", "batch", "never"), default="batch")
     p.add_argument("--concurrency", type=int, default=64, help="conversations in flight at once")
-    p.add_argument("--max-open", type=int, default=256, help="tenancy.max_open_profiles (default: shipped 256)")
+    p.add_argument(
+        "--max-open",
+        type=int,
+        default=None,
+        help="tenancy.max_open_profiles (default: unset, the memory budget decides)",
+    )
     p.add_argument("--order", choices=("interleaved", "grouped"), default="interleaved")
     p.add_argument(
         "--probe",
@@ -825,6 +831,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 prof.dump_stats(str(args.profile))
             else:
                 result["gateway"] = await run_gateway(args, root / "gateway", fake.base_url)
+            result["args"]["max_open"] = args.max_open  # the effective cache size, set by run_gateway
         if not args.no_raw:
             result["raw"] = await run_raw(args, root / "raw")
             result["share_of_raw"] = round(result["gateway"]["messages_per_s"] / result["raw"]["messages_per_s"], 4)

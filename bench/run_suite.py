@@ -134,7 +134,8 @@ def main() -> int:
         f"{(time.time() - t0) / 60:.1f} min; load average {load0:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (the machine is shared: wall-clock figures are noisy, "
         "CPU / turn is the steadier one). Median of the runs, min–max in brackets; `fsync: batch`, "
-        "64 in flight, `max_open_profiles: 256`, zero-latency model in another process. *Floor*: "
+        "64 in flight, the shipped open-profile cache (`storage.memory_budget_mib: 272`: 1,024 profiles), "
+        "zero-latency model in another process. *Floor*: "
         "`bench/turn_floor.py` right after each run, same tenants, order, concurrency and LRU size."
     )
     body = head + "\n\n" + table(results)

@@ -5,8 +5,8 @@
 
 Creates `--profiles` profiles (one session, one turn each), then twice over walks them all,
 `--concurrency` at a time, doing exactly a churned turn's storage: `SessionStore.open`,
-`get_or_start`, append the person's message, append the answer (the turn's last write,
-`idle=True`), close. No gateway, no model. Prints process CPU per turn (all threads) and
+`get_or_start`, append the person's message, append the answer (the turn's last write),
+close. No gateway, no model. Prints process CPU per turn (all threads) and
 turns/s: the ceiling the storage path puts on the gateway when every turn reopens a
 profile, and how much of a gateway turn's CPU it is.
 """
@@ -37,7 +37,7 @@ async def run(args: argparse.Namespace, root: Path) -> tuple[float, float]:
         try:
             sid, _ = await store.get_or_start("dm:1", source="bench")
             await store.append(StoredMessage(session_id=sid, role="user", content="hello there " * 10))
-            await store.append(StoredMessage(session_id=sid, role="assistant", content="an answer " * 30), idle=True)
+            await store.append(StoredMessage(session_id=sid, role="assistant", content="an answer " * 30))
         finally:
             await store.close()
 

@@ -40,6 +40,8 @@ class _Section(BaseModel):
 
 
 DEFAULT_ANSWER_MAX_TOKENS = 4096
+#: storage.memory_budget_mib's default: every profile open at 1,000 people (docs/concepts.md#open-profiles)
+DEFAULT_MEMORY_BUDGET_MIB = 272
 
 
 class LLMConfig(_Section):
@@ -154,6 +156,8 @@ class StorageConfig(_Section):
     fsync: Literal["always", "batch", "never"] = "batch"
     # threads that do every profile's session I/O (SQLite and journals), shared by all profiles
     io_threads: int = Field(default=4, ge=1, le=8)
+    # memory the open profiles may take; it sizes the open-profile cache (docs/concepts.md#open-profiles)
+    memory_budget_mib: int = Field(default=DEFAULT_MEMORY_BUDGET_MIB, ge=1)
 
 
 class TenancyConfig(_Section):
@@ -162,7 +166,8 @@ class TenancyConfig(_Section):
     personal_memory_in_groups: Literal["full", "read", "off"] = "full"
     # link name -> principals, e.g. {"alice": ["telegram:111", "discord:222"]}
     identity_links: dict[str, list[str]] = {}
-    max_open_profiles: int = Field(default=256, ge=1)
+    # an optional hard cap on open profiles, below what storage.memory_budget_mib allows
+    max_open_profiles: int | None = Field(default=None, ge=1)
 
     @field_validator("identity_links")
     @classmethod

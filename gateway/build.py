@@ -92,6 +92,7 @@ def build_parts(
     profiles = ProfileManager(
         cfg.data_dir,
         max_open=cfg.tenancy.max_open_profiles,
+        memory_budget_mib=cfg.storage.memory_budget_mib,
         fsync=cfg.storage.fsync,
         memory_char_limit=cfg.memory.memory_char_limit,
         user_char_limit=cfg.memory.user_char_limit,

@@ -1,7 +1,8 @@
 """Profile directories (one HERMES_HOME per tenant) and their open/close lifecycle.
 
-`ProfileManager` opens a profile lazily on first use, keeps at most `max_open` open and
-closes the least recently used idle one when it needs room. Everything is per instance.
+`ProfileManager` opens a profile lazily on first use, keeps at most `max_open` open (what
+the memory budget and the descriptor limit allow, docs/concepts.md#open-profiles) and closes
+the least recently used idle one when it needs room. Everything is per instance.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
 import sqlite3
 import time
 from collections import OrderedDict
@@ -23,10 +25,20 @@ from agent.profile import Profile, write_manifest
 from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
-from tenancy.keys import tenant_dir
+from core.settings import DEFAULT_MEMORY_BUDGET_MIB
+from tenancy.keys import tenant_dir, tenant_dir_name
 
 SCHEMA_VERSION = 1
 SQLITE_HEADER = b"SQLite format 3\0"
+# What one open profile costs, measured (stdlib sqlite3, SQLite 3.40): its connection takes
+# ~190 KiB once open (parsed schema with FTS5, lookaside, the WAL index mapping) and ~250 KiB
+# after a few turns (prepared statements, cached pages: the page cache is capped at
+# agent.sessions.db.PAGE_CACHE_KIB); in the gateway, live sessions and the rest included,
+# 1,000 open profiles took 272 MiB (bench/gateway_bench.py, 1,000 x 5). And 5 descriptors
+# (state.db, -wal, -shm, the journal, the profile lock).
+PROFILE_COST_KIB = 272
+PROFILE_FDS = 5
+FD_RESERVE = 256  # descriptors kept for everything else (sockets, gateway.db, logs): at most half the limit
 
 log = logging.getLogger("hermes.profiles")
 
@@ -187,6 +199,28 @@ def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path,
     return path, set(manifest.get("principals", []))
 
 
+def open_limit(max_open: int | None, memory_budget_mib: int, nofile: int | None = None) -> int:
+    """How many profiles may stay open: as many as `memory_budget_mib` holds at
+    PROFILE_COST_KIB each, within the descriptor limit `nofile` (RLIMIT_NOFILE's soft limit
+    when None) and never more than `max_open` (an optional hard cap); at least 1."""
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limits = [memory_budget_mib * 1024 // PROFILE_COST_KIB]
+    if nofile != resource.RLIM_INFINITY:
+        limits.append((nofile - min(FD_RESERVE, nofile // 2)) // PROFILE_FDS)
+    if max_open is not None:
+        limits.append(max_open)
+    return max(1, min(limits))
+
+
+class _Found(Exception):
+    """Raised on the pool thread when the checks before an open find the directory damaged."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
 def _writable(profile: Profile) -> bool:
     if profile.guard is None:
         return True
@@ -216,7 +250,8 @@ class ProfileManager:
         self,
         data_dir: Path,
         *,
-        max_open: int = 256,
+        max_open: int | None = None,
+        memory_budget_mib: int = DEFAULT_MEMORY_BUDGET_MIB,
         fsync: FsyncPolicy = "batch",
         memory_char_limit: int = 2200,
         user_char_limit: int = 1375,
@@ -225,13 +260,25 @@ class ProfileManager:
         gate: ProfileGate | None = None,
         journal_mode: JournalMode = "wal",
     ) -> None:
-        """`gate` guards every open and write (cluster mode); `journal_mode` "delete" opens
-        SQLite with a rollback journal, safe on a network filesystem (one host at a time)."""
+        """`max_open` caps the open profiles below what `memory_budget_mib` and the
+        descriptor limit allow (`open_limit`). `gate` guards every open and write (cluster
+        mode); `journal_mode` "delete" opens SQLite with a rollback journal, safe on a
+        network filesystem (one host at a time)."""
         self.data_dir = data_dir
         self.gate = gate
         self.journal_mode: JournalMode = journal_mode
         self.pool = pool  # storage threads shared by every profile's SessionStore
-        self.max_open = max_open
+        self.max_open = open_limit(max_open, memory_budget_mib)
+        by_budget = open_limit(max_open, memory_budget_mib, resource.RLIM_INFINITY)
+        if self.max_open < by_budget:
+            log.warning(
+                "the descriptor limit (RLIMIT_NOFILE %d) keeps at most %d profiles open, not the %d "
+                "the memory budget allows: raise it (LimitNOFILE=) to serve more people without reopening",
+                resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                self.max_open,
+                by_budget,
+                extra={"event": "profiles_fd_limited"},
+            )
         self._fsync = fsync
         self._memory_limits = (memory_char_limit, user_char_limit)
         self._provider_kind = provider_kind
@@ -241,6 +288,10 @@ class ProfileManager:
         self._closing: dict[str, asyncio.Task] = {}
         self._lock = asyncio.Lock()
         self.quarantined: dict[str, str] = {}  # tenant id -> what is damaged; its lanes wait
+        # tenant id -> principals of a profile whose directory was checked and laid out in this
+        # process: reopening it skips those checks. Single node only (cluster nodes share
+        # data_dir: another node may have changed it meanwhile); evict() forgets it.
+        self._known: dict[str, set[str]] = {}
 
     @property
     def open_count(self) -> int:
@@ -258,6 +309,7 @@ class ProfileManager:
                 extra={"event": "profile_quarantined", "tenant": tenant_id},
             )
         self.quarantined[tenant_id] = problem
+        self._known.pop(tenant_id, None)  # checked again (deep) before it opens
         return ProfileDamaged(tenant_id, problem)
 
     async def quarantine_open(self, tenant_id: str, problem: str) -> None:
@@ -357,22 +409,22 @@ class ProfileManager:
         try:
             if guard is not None:
                 guard()
-            # a quarantined profile opens again only once integrity_check passes too
-            deep = tenant_id in self.quarantined
-            problem = await asyncio.to_thread(profile_problem, tenant_dir(self.data_dir, tenant_id), deep=deep)
-            if problem is not None:
-                raise self._quarantine(tenant_id, problem)
+            known = self._known.get(tenant_id)
+            # tenant_dir's check (it resolves the path) runs on the pool thread, in `_checks`
+            path = self.data_dir / "profiles" / tenant_dir_name(tenant_id)
+            found: list[set[str]] = []
+            sessions = SessionStore(
+                path,
+                fsync=self._fsync,
+                pool=self.pool,
+                guard=guard,
+                journal_mode=self.journal_mode,
+                profile_lock=gate is None,  # under a gate its lease is the one-writer rule
+            )
             try:
-                path, principals = await asyncio.to_thread(ensure_profile_dir, self.data_dir, tenant_id, kind)
-                sessions = SessionStore(
-                    path,
-                    fsync=self._fsync,
-                    pool=self.pool,
-                    guard=guard,
-                    journal_mode=self.journal_mode,
-                    profile_lock=gate is None,  # under a gate its lease is the one-writer rule
-                )
-                await sessions.open()
+                await sessions.open(before=None if known is not None else self._checks(tenant_id, kind, path, found))
+            except _Found as damaged:
+                raise self._quarantine(tenant_id, damaged.problem) from None
             except Exception as exc:
                 damage = _damage_of(exc)
                 if damage is None:
@@ -382,6 +434,9 @@ class ProfileManager:
             if gate is not None:
                 await gate.closed(tenant_id)
             raise
+        principals = known if known is not None else found[0]
+        if gate is None:
+            self._known[tenant_id] = principals
         mem_limit, user_limit = self._memory_limits
         memory = MemoryStore(path, mem_limit, user_limit, guard=guard)
         provider = make_provider(self._provider_kind)
@@ -407,8 +462,25 @@ class ProfileManager:
                 tenant_id,
                 extra={"event": "profile_released", "tenant": tenant_id},
             )
-        profile.principals = principals
+        profile.principals = principals  # the same set as in _known: add_principal updates both
         return profile
+
+    def _checks(self, tenant_id: str, kind: str, path: Path, found: list[set[str]]) -> Callable[[], None]:
+        """The checks of a profile directory not yet known in this process, run on the pool
+        thread right before its store opens (no hop of their own): the path stays in
+        `profiles/`, the cheap damage checks (integrity_check too for a quarantined profile),
+        the layout and tenant.json created if missing. Its principals go into `found`; a
+        damaged directory raises `_Found`. Only the caller's objects are touched."""
+        deep = tenant_id in self.quarantined  # it opens again only once integrity_check passes too
+
+        def checks() -> None:
+            tenant_dir(self.data_dir, tenant_id)  # raises if the directory leads out of profiles/
+            problem = profile_problem(path, deep=deep)
+            if problem is not None:
+                raise _Found(problem)
+            found.append(ensure_profile_dir(self.data_dir, tenant_id, kind)[1])
+
+        return checks
 
     def idle(self, for_s: float) -> list[str]:
         """Open profiles nobody used for `for_s` seconds (cluster mode closes them to free
@@ -417,7 +489,9 @@ class ProfileManager:
         return [t for t, p in self._open.items() if p.users == 0 and p.last_used < cutoff]
 
     async def evict(self, tenant_id: str) -> bool:
-        """Close a profile now (e.g. before deleting it); False if it is in use."""
+        """Close a profile now (e.g. before deleting it); False if it is in use. Its
+        directory is checked again when it next opens."""
+        self._known.pop(tenant_id, None)
         async with self._lock:
             profile = self._open.get(tenant_id)
             closing = self._closing.get(tenant_id)
@@ -442,6 +516,7 @@ class ProfileManager:
             profile = self._open.get(tenant_id)
             if profile is not None:
                 profile.principals.discard(principal)
+            self._known.get(tenant_id, set()).discard(principal)
         path = tenant_dir(self.data_dir, tenant_id)
         await asyncio.to_thread(remove_principal, path, principal)
 

@@ -20,6 +20,9 @@ SCHEMA_VERSION = 1
 # PRAGMA user_version of a state.db whose schema script already ran (so open() can skip it)
 USER_VERSION = 1
 _SQL_CHUNK = 500  # uids per `IN (...)` clause, well below SQLite's variable limit
+# the most page cache one profile's connection keeps between calls (SQLite's default is
+# 2 MiB): open profiles are counted against storage.memory_budget_mib (docs/concepts.md#open-profiles)
+PAGE_CACHE_KIB = 256
 
 T = TypeVar("T")
 
@@ -127,6 +130,7 @@ def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> sqlite
     try:
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA busy_timeout=10000")
+        db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
         db.execute(f"PRAGMA journal_mode={'WAL' if journal_mode == 'wal' else 'DELETE'}")
         db.execute(f"PRAGMA synchronous={'FULL' if fsync == 'always' else 'NORMAL'}")
         if db.execute("PRAGMA user_version").fetchone()[0] != USER_VERSION:

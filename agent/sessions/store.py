@@ -163,11 +163,19 @@ class SessionStore:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def open(self) -> SessionStore:
-        """Open state.db (schema only when its version is older) and reconcile it with the journals."""
+    async def open(self, before: Callable[[], None] | None = None) -> SessionStore:
+        """Open state.db (schema only when its version is older) and reconcile it with the
+        journals. `before` runs first in the same pool job (the caller's checks of the
+        profile directory: no extra hop); if it raises, nothing is opened."""
         if self._db is not None:
             return self
-        self._db = await self._pool.run(self._open_blocking)
+
+        def job() -> sqlite3.Connection:
+            if before is not None:
+                before()
+            return self._open_blocking()
+
+        self._db = await self._pool.run(job)
         return self
 
     def _open_blocking(self) -> sqlite3.Connection:
@@ -259,7 +267,6 @@ class SessionStore:
         *,
         then: Callable[[T], None] | None = None,
         soft_first: bool = True,
-        idle: bool = False,
     ) -> T:
         """Run `fn` as one pool job under this store's lock, shielded so a cancelled caller
         can't split journal and db. Pending soft writes go first (`soft_first`) or inside
@@ -281,8 +288,6 @@ class SessionStore:
                         call.flush_soft()
                     result = fn(call)
                     call.flush_soft()
-                    if idle:
-                        call.db.execute("PRAGMA shrink_memory")
                     return result
 
                 try:
@@ -509,18 +514,15 @@ class SessionStore:
 
     # ------------------------------------------------------------------ messages
 
-    async def append(self, msg: StoredMessage, *, idle: bool = False) -> StoredMessage:
+    async def append(self, msg: StoredMessage) -> StoredMessage:
         """Store one message (journal first). Re-appending a known uid is a no-op."""
-        return (await self.append_many([msg], idle=idle))[0]
+        return (await self.append_many([msg]))[0]
 
-    async def append_many(self, msgs: list[StoredMessage], *, idle: bool = False) -> list[StoredMessage]:
+    async def append_many(self, msgs: list[StoredMessage]) -> list[StoredMessage]:
         """Store messages in one transaction, in list order. Returns them as stored.
 
         Pending usage counters and compression state commit in the same transaction.
         Lone surrogates in strings are replaced with U+FFFD (UTF-8 cannot carry them).
-        `idle`: the caller stores nothing more for a while (a turn's answer), so the same
-        call gives back the connection's page cache (the next call reads its pages again
-        from the OS): 256 open profiles then hold ~25 MiB less.
         """
         if not msgs:
             return []
@@ -552,7 +554,7 @@ class SessionStore:
                 elif m.active and not m.compacted:
                     live.history.append(m)
 
-        await self._call(job, then=then, soft_first=False, idle=idle)
+        await self._call(job, then=then, soft_first=False)
         return cleaned
 
     async def compact(

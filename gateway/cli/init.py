@@ -83,13 +83,14 @@ skills:
 storage:
   fsync: batch                  # always | batch | never
   io_threads: 4                 # threads doing every profile's session I/O (1-8)
+  memory_budget_mib: 272        # memory for open profiles (~272 KiB each): how many stay open
 
 tenancy:
   group_sessions_per_user: true     # each member of a group gets their own lane
   thread_sessions_per_user: false   # threads / forum topics are shared by default
   personal_memory_in_groups: full   # full | read | off
   identity_links: {}                # e.g. {alice: ["telegram:111", "discord:222"]}
-  max_open_profiles: 256
+  # max_open_profiles: 1000         # a hard cap below what storage.memory_budget_mib allows
 
 access:
   allowed_users: ["*"]          # "<platform>:<user_id>" or "*"

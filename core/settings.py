@@ -40,9 +40,9 @@ class _Section(BaseModel):
 
 
 DEFAULT_ANSWER_MAX_TOKENS = 4096
-#: storage.memory_budget_mib's default: about 360 profiles open, so the gateway stays under
+#: storage.memory_budget_mib's default: about 300 profiles open, so the gateway stays under
 #: 200 MiB RSS at 1,000 people (docs/concepts.md#open-profiles)
-DEFAULT_MEMORY_BUDGET_MIB = 96
+DEFAULT_MEMORY_BUDGET_MIB = 80
 
 
 class LLMConfig(_Section):

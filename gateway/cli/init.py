@@ -83,7 +83,7 @@ skills:
 storage:
   fsync: batch                  # always | batch | never
   io_threads: 4                 # threads doing every profile's session I/O (1-8)
-  memory_budget_mib: 96         # memory for open profiles (~272 KiB each): how many stay open
+  memory_budget_mib: 80         # memory for open profiles (~272 KiB each): how many stay open
 
 tenancy:
   group_sessions_per_user: true     # each member of a group gets their own lane

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -45,6 +46,46 @@ DEFAULT_ANSWER_MAX_TOKENS = 4096
 DEFAULT_MEMORY_BUDGET_MIB = 80
 
 
+_CHOICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
+_RESERVED_CHOICES = {"off", "custom", "default"}
+
+
+def _choice_names(kind: str, names: Iterable[str]) -> None:
+    """Model and persona names are typed in chat (`/model NAME`): short, lower case, and not
+    one of the command's own words."""
+    for name in names:
+        if not _CHOICE_NAME.match(name) or name in _RESERVED_CHOICES:
+            raise ValueError(
+                f"{kind} name {name!r}: use 1-32 lower-case letters, digits, '.', '_' or '-' "
+                f"(not {', '.join(sorted(_RESERVED_CHOICES))})"
+            )
+
+
+class ModelOffer(_Section):
+    """One model the operator offers people (`llm.models.NAME`); an unset field falls back
+    to the `llm` section's (docs/configuration.md#llm-the-model)."""
+
+    model: str
+    base_url: str | None = None
+    api_key_env: str | None = None
+    context_length: int | None = Field(default=None, ge=512)
+    vision: bool | None = None
+    price_in_per_mtok: float | None = Field(default=None, ge=0)
+    price_out_per_mtok: float | None = Field(default=None, ge=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        return None if url is None else _http_url(url)
+
+
+def _http_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} must be an http(s) URL such as http://127.0.0.1:11434/v1")
+    return url
+
+
 class LLMConfig(_Section):
     base_url: str = "http://127.0.0.1:11434/v1"
     model: str = "llama3.1"
@@ -57,6 +98,10 @@ class LLMConfig(_Section):
     answer_timeout_s: float = Field(default=300.0, gt=0)
     max_retries: int = Field(default=3, ge=0, le=10)
     vision: bool = False  # images go to the model as inline image parts (doctor checks it accepts one)
+    price_in_per_mtok: float | None = Field(default=None, ge=0)  # the default model's price, for budgets
+    price_out_per_mtok: float | None = Field(default=None, ge=0)
+    models: dict[str, ModelOffer] = {}  # what `/model NAME` may choose; `model` stays the default
+    max_concurrency: int = Field(default=16, ge=1, le=1024)  # model calls at once, shared fairly by tenants
 
     @model_validator(mode="after")
     def _answer_fits_the_window(self) -> LLMConfig:
@@ -78,10 +123,13 @@ class LLMConfig(_Section):
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, url: str) -> str:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{url!r} must be an http(s) URL such as http://127.0.0.1:11434/v1")
-        return url
+        return _http_url(url)
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, models: dict[str, ModelOffer]) -> dict[str, ModelOffer]:
+        _choice_names("llm.models", models)
+        return models
 
 
 class AuxModelConfig(_Section):
@@ -230,9 +278,26 @@ class TranscriptionConfig(_Section):
     model: str = "whisper-1"
     api_key_env: str | None = None
     timeout_s: float = Field(default=120.0, gt=0)
+    price_per_minute: float | None = Field(default=None, ge=0)  # counted to budgets when set
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class BudgetLimits(_Section):
+    """Caps on one tenant's model use; unset = no cap (docs/configuration.md#budgets)."""
+
+    tokens_per_day: int | None = Field(default=None, ge=1)
+    tokens_per_month: int | None = Field(default=None, ge=1)
+    cost_per_day: float | None = Field(default=None, gt=0)
+    cost_per_month: float | None = Field(default=None, gt=0)
+
+
+class BudgetsConfig(_Section):
+    per_person: BudgetLimits = BudgetLimits()  # personal tenants (DMs, and a person's own group lanes)
+    per_chat: BudgetLimits = BudgetLimits()  # shared lanes (a group's shared tenant)
+    warn_at: float = Field(default=0.8, gt=0, le=1)
+    exempt_admins: bool = True  # access.admins are never capped
 
 
 class DeliveryConfig(_Section):
@@ -371,10 +436,21 @@ class Config(_Section):
     delivery: DeliveryConfig = DeliveryConfig()
     reminders: RemindersConfig = RemindersConfig()
     transcription: TranscriptionConfig = TranscriptionConfig()
+    personas: dict[str, str] = {}  # operator personas `/persona NAME` may choose: name -> instructions
+    budgets: BudgetsConfig = BudgetsConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     logging: LoggingConfig = LoggingConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @field_validator("personas")
+    @classmethod
+    def _persona_names(cls, personas: dict[str, str]) -> dict[str, str]:
+        _choice_names("personas", personas)
+        for name, text in personas.items():
+            if not text.strip():
+                raise ValueError(f"personas.{name}: the instructions are empty")
+        return personas
 
     @model_validator(mode="after")
     def _cluster_refuses_node_local_features(self) -> Config:

@@ -294,6 +294,8 @@ class Turns:
                     await streamer.close() if streamer is not None else None
                 if result.kind == "covered":  # a replayed part of a coalesced batch: answered already
                     return Answer("", "reply", "coalesced", result=result)
+                if result.kind == "refused":  # budget used up: said once per period, else finished quietly
+                    return Answer(result.text, "notice", "over_budget", result=result)
                 if result.kind == "error":
                     if result.error in MODEL_DOWN_KINDS and platform != "console":
                         # not the message's fault: held and retried (the console's person reads the error)

@@ -689,6 +689,16 @@ class SessionStore:
 
     # ------------------------------------------------------------------ counters and info
 
+    async def transact(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn` in one transaction of state.db, on the store's pool and under its lock
+        and write guard (the budget ledger's tables, agent/ledger.py)."""
+
+        def job(c: _Call) -> T:
+            with q.Transaction(c.db):
+                return fn(c.db)
+
+        return await self._call(job)
+
     async def add_usage(self, session_id: str, input_tokens: int, output_tokens: int) -> None:
         """Add token usage to a session's counters (SQLite only). For a live session it is
         written with the next transaction (normally the turn's answer), not on its own."""

@@ -5,8 +5,10 @@ Tenant data, so it lives in the profile: removed with the person, carried by
 of the profile. Two counters per period (`d:YYYY-MM-DD`, `m:YYYY-MM`, in the tenant's time
 zone) hold tokens and cost; cost is kept in integer nano-units of the price's currency so
 sums are exact. A call is reserved (its estimate added, a pending row written) before it
-is made and settled (the estimate replaced by the response's usage) after: a crash in
-between leaves the estimate counted, an over-count, never an under-count.
+is made (in one transaction with the check against the caps) and settled (the estimate
+replaced by the response's usage) with the profile's next write, normally the turn's
+answer: a crash in between leaves the estimate counted, an over-count, never an
+under-count. The operator's per-tenant caps (`budget set`) are `budget.json` beside it.
 
 The functions take a `sqlite3.Connection` inside a transaction, so the gateway (through
 `SessionStore.transact`) and the operator's CLI (`hermes-gateway budget`) run the same SQL.
@@ -15,11 +17,13 @@ The functions take a `sqlite3.Connection` inside a transaction, so the gateway (
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
+from agent.fileio import atomic_write
 from agent.sessions import SessionStore
 
 NANOS = 1_000_000_000  # nano-units per unit of cost
@@ -38,11 +42,12 @@ CREATE TABLE IF NOT EXISTS budget_pending(
     cost_nanos INTEGER NOT NULL,
     at REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS budget_state(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS budget_said(key TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
-_OVERRIDE_KEY = "override"
-_LIMIT_KEYS = ("tokens_per_day", "tokens_per_month", "cost_per_day", "cost_per_month")
+OVERRIDE_FILE = "budget.json"
+LIMIT_KEYS = ("tokens_per_day", "tokens_per_month", "cost_per_day", "cost_per_month")
+log = logging.getLogger("hermes.agent")
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,35 @@ def _add(db: sqlite3.Connection, period: str, tokens: int, cost_nanos: int) -> N
     )
 
 
-def reserve(db: sqlite3.Connection, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
-    """Count a call's estimate before it is made."""
-    ensure_tables(db)
+def over_cap(t: Totals, limits: dict[str, float | None]) -> str | None:
+    """The first cap `t` has reached (the month's before the day's: it resets later), or None."""
+    used = {
+        "tokens_per_month": t.month_tokens,
+        "cost_per_month": t.month_cost_nanos,
+        "tokens_per_day": t.day_tokens,
+        "cost_per_day": t.day_cost_nanos,
+    }
+    for key, value in used.items():
+        cap = limits.get(key)
+        if cap is not None and value >= (int(cap) if key.startswith("tokens") else round(cap * NANOS)):
+            return key
+    return None
+
+
+def reserve(
+    db: sqlite3.Connection,
+    call_id: str,
+    day: str,
+    month: str,
+    tokens: int,
+    cost_nanos: int,
+    limits: dict[str, float | None],
+) -> tuple[Totals, bool]:
+    """Check the caps and, under them, count a call's estimate before it is made: the use
+    before this call, and whether it was reserved (False: a cap is reached, nothing written)."""
+    before = totals(db, day, month)
+    if over_cap(before, limits) is not None:
+        return before, False
     now = time.time()
     # estimates of calls never settled (stopped, or cut by a crash) stay counted; their rows go
     db.execute("DELETE FROM budget_pending WHERE at < ?", (now - 86400,))
@@ -84,6 +115,7 @@ def reserve(db: sqlite3.Connection, call_id: str, day: str, month: str, tokens: 
     )
     _add(db, f"d:{day}", tokens, cost_nanos)
     _add(db, f"m:{month}", tokens, cost_nanos)
+    return before, True
 
 
 def settle(db: sqlite3.Connection, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
@@ -113,30 +145,31 @@ def totals(db: sqlite3.Connection, day: str, month: str) -> Totals:
 def mark_once(db: sqlite3.Connection, key: str) -> bool:
     """Record that `key` (a notice of one period) was said; False when it was already."""
     ensure_tables(db)
-    cur = db.execute("INSERT OR IGNORE INTO budget_state(key, value) VALUES (?, ?)", (f"said:{key}", str(time.time())))
+    cur = db.execute("INSERT OR IGNORE INTO budget_said(key, at) VALUES (?, ?)", (key, time.time()))
     return cur.rowcount == 1
 
 
-def get_override(db: sqlite3.Connection) -> dict[str, Any]:
-    """The operator's per-tenant limits (`budget set`): key -> value, None = no cap."""
-    ensure_tables(db)
-    row = db.execute("SELECT value FROM budget_state WHERE key=?", (_OVERRIDE_KEY,)).fetchone()
-    if row is None:
+def read_override(profile_dir: Path) -> dict[str, float | None]:
+    """The operator's per-tenant caps (`budget set`, budget.json): key -> value, None = no cap."""
+    try:
+        data = json.loads((profile_dir / OVERRIDE_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
         return {}
-    data = json.loads(row[0])
-    return {k: data[k] for k in _LIMIT_KEYS if k in data} if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        log.warning("%s is unreadable; the config's budget applies", profile_dir / OVERRIDE_FILE)
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: data[k] for k in LIMIT_KEYS if k in data and (data[k] is None or isinstance(data[k], (int, float)))}
 
 
-def set_override(db: sqlite3.Connection, limits: dict[str, Any] | None) -> None:
-    """Replace the per-tenant limits (None or {}: the config's limits apply again)."""
-    ensure_tables(db)
+def write_override(profile_dir: Path, limits: dict[str, float | None]) -> None:
+    """Replace the per-tenant caps ({}: the config's caps apply again)."""
+    path = profile_dir / OVERRIDE_FILE
     if not limits:
-        db.execute("DELETE FROM budget_state WHERE key=?", (_OVERRIDE_KEY,))
+        path.unlink(missing_ok=True)
         return
-    db.execute(
-        "INSERT INTO budget_state(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-        (_OVERRIDE_KEY, json.dumps({k: limits[k] for k in _LIMIT_KEYS if k in limits})),
-    )
+    atomic_write(path, json.dumps({k: limits[k] for k in LIMIT_KEYS if k in limits}, indent=1))
 
 
 def reset(db: sqlite3.Connection) -> None:
@@ -144,7 +177,7 @@ def reset(db: sqlite3.Connection) -> None:
     ensure_tables(db)
     db.execute("DELETE FROM budget_usage")
     db.execute("DELETE FROM budget_pending")
-    db.execute("DELETE FROM budget_state WHERE key LIKE 'said:%'")
+    db.execute("DELETE FROM budget_said")
 
 
 class ProfileLedger:
@@ -154,11 +187,14 @@ class ProfileLedger:
     def __init__(self, store: SessionStore) -> None:
         self._store = store
 
-    async def reserve(self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
-        await self._store.transact(lambda db: reserve(db, call_id, day, month, tokens, cost_nanos))
+    async def reserve(
+        self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int, limits: dict[str, float | None]
+    ) -> tuple[Totals, bool]:
+        return await self._store.transact(lambda db: reserve(db, call_id, day, month, tokens, cost_nanos, limits))
 
     async def settle(self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
-        await self._store.transact(lambda db: settle(db, call_id, day, month, tokens, cost_nanos))
+        # with the profile's next write (normally the turn's answer), not a transaction of its own
+        self._store.transact_later(lambda db: settle(db, call_id, day, month, tokens, cost_nanos))
 
     async def totals(self, day: str, month: str) -> Totals:
         return await self._store.transact(lambda db: totals(db, day, month))
@@ -166,20 +202,20 @@ class ProfileLedger:
     async def mark_once(self, key: str) -> bool:
         return await self._store.transact(lambda db: mark_once(db, key))
 
-    async def override(self) -> dict[str, Any]:
-        return await self._store.transact(get_override)
-
 
 __all__ = [
+    "LIMIT_KEYS",
     "NANOS",
+    "OVERRIDE_FILE",
     "ProfileLedger",
     "Totals",
     "ensure_tables",
-    "get_override",
     "mark_once",
+    "over_cap",
+    "read_override",
     "reserve",
     "reset",
-    "set_override",
     "settle",
     "totals",
+    "write_override",
 ]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from zoneinfo import ZoneInfo
 
 from agent.fairshare import FairShare
-from agent.ledger import NANOS, ProfileLedger, Totals
+from agent.ledger import LIMIT_KEYS, NANOS, ProfileLedger, Totals, over_cap, read_override
 from agent.llm import ChatResult, LLMClient, LLMError, LLMTimeout
 from agent.reminders import ReminderStore
 from core.settings import BudgetLimits, BudgetsConfig, LLMConfig
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hermes.agent")
 
 Notify = Callable[[str, str], Awaitable[None]]
-LIMIT_KEYS = ("tokens_per_day", "tokens_per_month", "cost_per_day", "cost_per_month")
 #: image parts are counted as this many characters in a call's estimate (not their base64)
 _IMAGE_CHARS = 4000
 
@@ -47,15 +46,21 @@ class Ledger(Protocol):
     """Where one tenant's counts live: its profile's state.db (agent/ledger.py) on a single
     node; a cluster backend must make each method atomic across nodes."""
 
-    async def reserve(self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None: ...
+    async def reserve(
+        self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int, limits: dict[str, float | None]
+    ) -> tuple[Totals, bool]:
+        """Under the caps, count the estimate: (use before it, whether it was reserved)."""
+        ...
 
-    async def settle(self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None: ...
+    async def settle(self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
+        """Replace the call's estimate by its usage (may be written with the next write)."""
+        ...
 
     async def totals(self, day: str, month: str) -> Totals: ...
 
-    async def mark_once(self, key: str) -> bool: ...
-
-    async def override(self) -> dict[str, Any]: ...
+    async def mark_once(self, key: str) -> bool:
+        """Record a notice of a period as said; False when it was already."""
+        ...
 
 
 class UsageSink(Protocol):
@@ -76,6 +81,11 @@ class Payer:
     exempt: bool
     zone: tzinfo
     ledger: Ledger | None
+    limits: dict[str, float | None]  # the caps that apply: budgets.* with the tenant's override
+
+    @property
+    def capped(self) -> bool:
+        return self.ledger is not None and not self.exempt and any(v is not None for v in self.limits.values())
 
 
 class BudgetExceeded(Exception):
@@ -106,7 +116,7 @@ def period_of(zone: tzinfo, now: float) -> Period:
     return Period(local.strftime("%Y-%m-%d"), local.strftime("%Y-%m"), midnight, nxt)
 
 
-def effective_limits(limits: BudgetLimits, override: dict[str, Any]) -> dict[str, float | None]:
+def effective_limits(limits: BudgetLimits, override: dict[str, float | None]) -> dict[str, float | None]:
     """The config's caps with the operator's per-tenant override (`budget set`) on top."""
     out: dict[str, float | None] = {k: getattr(limits, k) for k in LIMIT_KEYS}
     out.update({k: override[k] for k in LIMIT_KEYS if k in override})
@@ -236,46 +246,44 @@ class Meter:
 
     # ----- who pays --------------------------------------------------------------------
     async def payer(self, profile: Profile, lane: Lane) -> Payer:
-        """The payer of a call serving `lane` (in `profile`, the lane's tenant)."""
-        if lane.kind == "person":
-            zone = await asyncio.to_thread(ReminderStore(profile.path).zone_now)
-        else:
-            zone = ZoneInfo("UTC")
+        """The payer of a call serving `lane` (in `profile`, the lane's tenant): its time
+        zone (a person's, from their reminders; UTC for a chat) and caps, read now."""
+        person = lane.kind == "person"
+
+        def read() -> tuple[tzinfo, dict[str, float | None]]:
+            zone = ReminderStore(profile.path).zone_now() if person else ZoneInfo("UTC")
+            return zone, read_override(profile.path)
+
+        zone, override = await asyncio.to_thread(read)
+        base = self.budgets.per_person if person else self.budgets.per_chat
         exempt = self.budgets.exempt_admins and lane.principal in self.admins
         ledger = self._ledger_for(profile) if self._ledger_for is not None else None
-        return Payer(profile.tenant_id, lane.kind, exempt, zone, ledger)
-
-    def _limits(self, payer: Payer) -> BudgetLimits:
-        return self.budgets.per_person if payer.kind == "person" else self.budgets.per_chat
-
-    async def limits(self, payer: Payer) -> dict[str, float | None]:
-        override = await payer.ledger.override() if payer.ledger is not None else {}
-        return effective_limits(self._limits(payer), override)
+        return Payer(profile.tenant_id, lane.kind, exempt, zone, ledger, effective_limits(base, override))
 
     # ----- the gate --------------------------------------------------------------------
     async def check(self, payer: Payer | None) -> None:
         """Raise `BudgetExceeded` when a cap of the payer is reached (no call may be made)."""
-        if payer is None or payer.ledger is None or payer.exempt:
+        if payer is None or payer.ledger is None or not payer.capped:
             return
-        limits = await self.limits(payer)
-        if all(v is None for v in limits.values()):
-            return
+        period = period_of(payer.zone, self.clock())
+        used = await payer.ledger.totals(period.day, period.month)
+        if over_cap(used, payer.limits) is not None:
+            await self._refuse(payer, used)
+
+    async def _refuse(self, payer: Payer, used: Totals) -> None:
+        assert payer.ledger is not None
         now = self.clock()
         period = period_of(payer.zone, now)
-        over = next(
-            (c for c in _caps(limits, await payer.ledger.totals(period.day, period.month)) if c.used >= c.cap), None
-        )
-        if over is None:
-            return
-        span = period.day if over.daily else period.month
-        say = await payer.ledger.mark_once(f"refused:{span}")
+        key = over_cap(used, payer.limits) or "tokens_per_day"
+        cap = next(c for c in _caps(payer.limits, used) if c.key == key)
+        say = await payer.ledger.mark_once(f"refused:{period.day if cap.daily else period.month}")
         if self._sink is not None:
             self._sink.budget_refused()
         who = "You have" if payer.kind == "person" else "This chat has"
-        which = "today's" if over.daily else "this month's"
-        ends = period.day_ends if over.daily else period.month_ends
+        which = "today's" if cap.daily else "this month's"
+        ends = period.day_ends if cap.daily else period.month_ends
         raise BudgetExceeded(
-            f"{who} used {which} model budget ({over.describe()}), so I can't answer until it resets on "
+            f"{who} used {which} model budget ({cap.describe()}), so I can't answer until it resets on "
             f"{_when(ends, now)}.",
             say,
         )
@@ -289,8 +297,8 @@ class Meter:
         notify: Notify | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        """One model call for `payer`: checked, reserved, fairly scheduled, settled."""
-        await self.check(payer)
+        """One model call for `payer`: checked and reserved (one ledger write), fairly
+        scheduled, settled from the response's usage."""
         model = str(kwargs.get("model") or client.model)
         prices = price_of(self.llm, model)
         est_prompt = estimate_prompt_tokens(messages)
@@ -298,10 +306,15 @@ class Meter:
         ledger = payer.ledger if payer is not None else None
         period = period_of(payer.zone if payer is not None else ZoneInfo("UTC"), self.clock())
         call_id = secrets.token_hex(8)
-        if ledger is not None:
-            await ledger.reserve(
-                call_id, period.day, period.month, est_prompt + est_out, cost_nanos(prices, est_prompt, est_out)
+        before = Totals()
+        if payer is not None and ledger is not None:
+            limits = payer.limits if payer.capped else {}
+            est_cost = cost_nanos(prices, est_prompt, est_out)
+            before, reserved = await ledger.reserve(
+                call_id, period.day, period.month, est_prompt + est_out, est_cost, limits
             )
+            if not reserved:
+                await self._refuse(payer, before)
         try:
             async with self.fair.slot(payer.tenant_id if payer is not None else "-"):
                 result = await client.chat(messages, **kwargs)
@@ -319,24 +332,25 @@ class Meter:
             await ledger.settle(call_id, period.day, period.month, p + c, cost)
         if self._sink is not None:
             self._sink.model_usage(p, c, cost / NANOS)
-        if notify is not None and payer is not None:
-            await self._warn(payer, notify)
+        if notify is not None and payer is not None and payer.capped:
+            after = Totals(
+                before.day_tokens + p + c,
+                before.day_cost_nanos + cost,
+                before.month_tokens + p + c,
+                before.month_cost_nanos + cost,
+            )
+            await self._warn(payer, after, notify)
         return result
 
-    async def _warn(self, payer: Payer, notify: Notify) -> None:
+    async def _warn(self, payer: Payer, used: Totals, notify: Notify) -> None:
         """Say once per period that `budgets.warn_at` of a cap is used."""
-        if payer.ledger is None or payer.exempt:
-            return
-        limits = await self.limits(payer)
-        if all(v is None for v in limits.values()):
-            return
+        assert payer.ledger is not None
         now = self.clock()
         period = period_of(payer.zone, now)
-        for cap in _caps(limits, await payer.ledger.totals(period.day, period.month)):
+        for cap in _caps(payer.limits, used):
             if cap.used < cap.cap * self.budgets.warn_at:
                 continue
-            span = period.day if cap.daily else period.month
-            if not await payer.ledger.mark_once(f"warned:{cap.key}:{span}"):
+            if not await payer.ledger.mark_once(f"warned:{cap.key}:{period.day if cap.daily else period.month}"):
                 continue
             who = "You have" if payer.kind == "person" else "This chat has"
             which = "today's" if cap.daily else "this month's"
@@ -356,7 +370,7 @@ class Meter:
         now = self.clock()
         period = period_of(payer.zone, now)
         t = await payer.ledger.totals(period.day, period.month)
-        limits = await self.limits(payer)
+        limits = payer.limits
         lines = []
         for label, tokens, cost, tkey, ckey, ends in (
             ("Today", t.day_tokens, t.day_cost_nanos, "tokens_per_day", "cost_per_day", period.day_ends),
@@ -364,10 +378,11 @@ class Meter:
         ):
             line = f"{label}: {tokens:,} tokens, {_money(cost)}"
             left = []
-            if not payer.exempt and limits[tkey] is not None:
-                left.append(f"{max(0, int(limits[tkey] or 0) - tokens):,} of {int(limits[tkey] or 0):,} tokens")
-            if not payer.exempt and limits[ckey] is not None:
-                cap = round((limits[ckey] or 0) * NANOS)
+            token_cap, cost_cap = limits.get(tkey), limits.get(ckey)
+            if not payer.exempt and token_cap is not None:
+                left.append(f"{max(0, int(token_cap) - tokens):,} of {int(token_cap):,} tokens")
+            if not payer.exempt and cost_cap is not None:
+                cap = round(cost_cap * NANOS)
                 left.append(f"{_money(max(0, cap - cost))} of {_money(cap)}")
             if left:
                 line += f"; left: {', '.join(left)} (resets {_when(ends, now)})"

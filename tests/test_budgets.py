@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
+import sqlite3
+import sys
 from pathlib import Path
-from zoneinfo import ZoneInfo
 
-from agent.ledger import ProfileLedger
-from agent.llm import LLMClient
-from agent.metering import Meter, Payer, period_of
-from agent.sessions import SessionStore
-from core.settings import parse_config
 from gateway.build import build_gateway
 from gateway.cli import main as cli_main
 from tests.conftest import RecordingAdapter, dm, group, say
-from tests.fakes.llm import FakeLLM, hang, reply
+from tests.fakes.llm import FakeLLM
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PERSON_CAP = {"per_person": {"tokens_per_day": 100}}
 
@@ -204,26 +204,54 @@ async def test_compression_summaries_and_reviews_count_to_the_tenant(config_for,
 
 
 async def test_a_crash_between_the_call_and_the_count_over_counts_never_under_counts(tmp_path, fake_llm):
-    """The estimate is written before the call; a process that dies before the settle
-    (here: the call never returns and the store is closed under it) leaves it counted."""
-    fake_llm.script(hang(30, reply("late")))
-    profile = tmp_path / "p"
-    store = await SessionStore(profile, fsync="always").open()
-    cfg = parse_config({"llm": {"base_url": fake_llm.base_url, "model": "fake-model"}})
-    meter = Meter(cfg.llm)
-    payer = Payer("t1", "person", False, ZoneInfo("UTC"), ProfileLedger(store))
-    messages = [{"role": "user", "content": "x" * 3000}]
-    async with LLMClient(fake_llm.base_url, "fake-model", max_retries=0) as client:
-        call = asyncio.ensure_future(meter.chat(payer, client, messages, max_tokens=100))
-        while not fake_llm.requests:
-            await asyncio.sleep(0.01)
-        call.cancel()
-    await store.close()
-    period = period_of(ZoneInfo("UTC"), meter.clock())
-    reopened = await SessionStore(profile, fsync="always").open()
-    try:
-        totals = await ProfileLedger(reopened).totals(period.day, period.month)
-    finally:
-        await reopened.close()
-    real_prompt = 3000 // 4  # what the fake would have reported
-    assert totals.day_tokens >= real_prompt + 100
+    """SIGKILL while the model is answering (after the reservation, before the count), then
+    a restart that answers everything: every tenant's count is at least the usage the model
+    reported, the killed call's estimate included, and the cap still holds afterwards."""
+    proc: asyncio.subprocess.Process | None = None
+    seen = 0
+
+    async def kill_on_the_fifth(request):
+        nonlocal seen
+        seen += 1
+        if seen == 5 and proc is not None:
+            proc.send_signal(signal.SIGKILL)  # the request is in flight: reserved, never settled
+            await asyncio.sleep(1)
+        return None  # the default answer
+
+    fake_llm.responder = kill_on_the_fifth
+    config = tmp_path / "gw.json"
+    config.write_text(
+        json.dumps(
+            {
+                "data_dir": str(tmp_path / "data"),
+                "llm": {"base_url": fake_llm.base_url, "model": "fake", "max_retries": 0},
+                "storage": {"fsync": "batch"},
+                "limits": {"rate_limit_per_minute": 1000, "max_queued_turns": 100, "busy_mode": "queue"},
+                "budgets": {"per_person": {"tokens_per_month": 10**9}},
+            }
+        )
+    )
+    for run in range(2):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.fakes.burst_gateway",
+            str(config),
+            "20",
+            cwd=ROOT,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        code = await asyncio.wait_for(proc.wait(), 90)
+        assert (code == -signal.SIGKILL) == (run == 0)
+    counted = 0
+    for profile in sorted((tmp_path / "data" / "profiles").iterdir()):
+        con = sqlite3.connect(profile / "state.db")
+        try:
+            counted += sum(t for (t,) in con.execute("SELECT tokens FROM budget_usage WHERE period LIKE 'm:%'"))
+        finally:
+            con.close()
+    delivered = sum(u["prompt_tokens"] + u["completion_tokens"] for u in fake_llm.usage_sent)
+    assert counted >= delivered
+    assert counted > delivered, "the killed call's estimate stays counted"

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from agent import ledger
-from agent.ledger import NANOS
-from agent.metering import LIMIT_KEYS, effective_limits, period_of
+from agent.ledger import LIMIT_KEYS, NANOS
+from agent.metering import effective_limits, period_of
 from agent.reminders import ReminderStore
 from core.settings import Config
 from gateway.cli.common import CONFIG_HELP, guard
@@ -26,10 +26,10 @@ from gateway.tenants import TenantInfo, find_tenant
 T = TypeVar("T")
 
 
-def _in_ledger(info: TenantInfo, fn: Callable[[sqlite3.Connection], T], *, create: bool) -> T | None:
-    """Run `fn` in one transaction of the tenant's state.db (None: no state.db and not `create`)."""
+def _in_ledger(info: TenantInfo, fn: Callable[[sqlite3.Connection], T]) -> T | None:
+    """Run `fn` in one transaction of the tenant's state.db (None: it has none yet)."""
     path = info.path / "state.db"
-    if not path.exists() and not create:
+    if not path.exists():
         return None
     db = sqlite3.connect(path, timeout=10, isolation_level=None)
     try:
@@ -51,10 +51,8 @@ def _in_ledger(info: TenantInfo, fn: Callable[[sqlite3.Connection], T], *, creat
 def _status(cfg: Config, info: TenantInfo) -> dict[str, Any]:
     zone = ReminderStore(info.path).zone_now()
     period = period_of(zone, time.time())
-    got = _in_ledger(
-        info, lambda db: (ledger.totals(db, period.day, period.month), ledger.get_override(db)), create=False
-    )
-    totals, override = got if got is not None else (ledger.Totals(), {})
+    totals = _in_ledger(info, lambda db: ledger.totals(db, period.day, period.month)) or ledger.Totals()
+    override = ledger.read_override(info.path)
     base = cfg.budgets.per_person if info.kind == "person" else cfg.budgets.per_chat
     return {
         "tenant": info.tenant_id,
@@ -118,13 +116,9 @@ def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
     if not given and not args.default:
         raise AdminError("name at least one of --tokens-per-day, --tokens-per-month, --cost-per-day, --cost-per-month")
 
-    def change(db: sqlite3.Connection) -> dict[str, Any]:
-        override = {} if args.default else ledger.get_override(db)
-        override.update(given)
-        ledger.set_override(db, override)
-        return override
-
-    override = _in_ledger(info, change, create=True) or {}
+    override = {} if args.default else ledger.read_override(info.path)
+    override.update(given)
+    ledger.write_override(info.path, override)
     shown = ", ".join(f"{k}={'none' if v is None else v}" for k, v in override.items()) or "the config's limits"
     print(f"{info.tenant_id}: budget now {shown}")
     return 0
@@ -132,7 +126,7 @@ def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_budget_reset(cfg: Config, args: argparse.Namespace) -> int:
     info = find_tenant(cfg, args.tenant)
-    _in_ledger(info, ledger.reset, create=False)
+    _in_ledger(info, ledger.reset)
     print(f"{info.tenant_id}: usage counts reset to zero (its limits are unchanged)")
     return 0
 

@@ -201,6 +201,22 @@ def _caps(limits: dict[str, float | None], t: Totals) -> list[_Cap]:
     return caps
 
 
+@dataclass(frozen=True)
+class AudioCharge:
+    """Transcription for one payer at `transcription.price_per_minute`: checked before,
+    counted after (gateway/media.py)."""
+
+    meter: Meter
+    payer: Payer
+    price_per_minute: float
+
+    async def check(self) -> None:
+        await self.meter.check(self.payer)
+
+    async def minutes(self, seconds: float) -> None:
+        await self.meter.charge_cost(self.payer, round(seconds / 60 * self.price_per_minute * NANOS))
+
+
 class Meter:
     """The gate: budgets, the ledger and the fair share of every model call (see above)."""
 
@@ -362,6 +378,16 @@ class Meter:
             )
             return
 
+    async def charge_cost(self, payer: Payer, nanos: int) -> None:
+        """Count a cost that is known when it is incurred (a transcription's minutes)."""
+        if payer.ledger is not None and nanos > 0:
+            period = period_of(payer.zone, self.clock())
+            call_id = secrets.token_hex(8)
+            await payer.ledger.reserve(call_id, period.day, period.month, 0, nanos, {})
+            await payer.ledger.settle(call_id, period.day, period.month, 0, nanos)
+        if self._sink is not None:
+            self._sink.model_usage(0, 0, nanos / NANOS)
+
     # ----- /usage ----------------------------------------------------------------------
     async def report(self, payer: Payer) -> list[str]:
         """Today's and this month's use and what is left, as lines for `/usage`."""
@@ -393,6 +419,7 @@ class Meter:
 
 
 __all__ = [
+    "AudioCharge",
     "BudgetExceeded",
     "Ledger",
     "Meter",

@@ -13,12 +13,18 @@ import sqlite3
 import sys
 from pathlib import Path
 
+from adapters.telegram import TelegramAdapter
 from gateway.build import build_gateway
 from gateway.cli import main as cli_main
+from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, group, say
 from tests.fakes.llm import FakeLLM
+from tests.fakes.telegram_api import FakeTelegram
+from tests.fakes.transcription import FakeTranscription
 
 ROOT = Path(__file__).resolve().parents[1]
+TG_TOKEN = "123456:AAE2eBUDGETtokenSECRET_-xyz"
+TG_TOKEN_ENV = "HERMES_BUDGET_TG_TOKEN"
 
 PERSON_CAP = {"per_person": {"tokens_per_day": 100}}
 
@@ -255,3 +261,43 @@ async def test_a_crash_between_the_call_and_the_count_over_counts_never_under_co
     delivered = sum(u["prompt_tokens"] + u["completion_tokens"] for u in fake_llm.usage_sent)
     assert counted >= delivered
     assert counted > delivered, "the killed call's estimate stays counted"
+
+
+async def test_transcription_minutes_count_to_the_sender_and_the_cap_stops_the_next_one(
+    fake_llm, config_for, monkeypatch
+):
+    """A priced transcription asks for `verbose_json` and counts its duration's minutes; over
+    the cost cap the next voice note is not sent to the service at all."""
+    monkeypatch.setenv(TG_TOKEN_ENV, TG_TOKEN)
+    async with FakeTelegram(token=TG_TOKEN, bot_username="hermes_test_bot") as tg, FakeTranscription() as stt:
+        stt.duration_s = 90.0
+        cfg = config_for(
+            platforms={
+                "telegram": {"enabled": True, "token_env": TG_TOKEN_ENV, "base_url": tg.base_url, "poll_timeout_s": 2}
+            },
+            transcription={"base_url": stt.base_url, "price_per_minute": 0.006},
+            budgets={"per_person": {"cost_per_day": 0.005}},
+        )
+        adapter = TelegramAdapter.from_config(cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5)
+        app = build_gateway(cfg, [adapter])
+        await app.start()
+        try:
+            tg.push_media(111, "voice", b"OggS first voice note")
+            await tg.wait_sent(1, 111, timeout=20)
+            assert await app.drain(20)
+            assert [r["fields"]["response_format"] for r in stt.requests] == ["verbose_json"]
+            con = sqlite3.connect(tenant_dir(cfg.data_dir, "telegram-111") / "state.db")
+            try:
+                [(cost,)] = con.execute("SELECT cost_nanos FROM budget_usage WHERE period LIKE 'd:%'").fetchall()
+            finally:
+                con.close()
+            assert cost == round(90 / 60 * 0.006 * 1e9)  # the model has no price: only the minutes cost
+            # 0.009 counted against a 0.005 cap: refused, no further transcription
+            tg.push_media(111, "voice", b"OggS second voice note")
+            await asyncio.sleep(0.5)
+            assert await app.drain(20)
+            assert len(stt.requests) == 1
+            assert any("model budget" in m["text"] for m in tg.sent_messages(111))
+        finally:
+            await app.stop()
+            await adapter.aclose()

@@ -67,6 +67,7 @@ from agent.llm import (
 )
 from agent.media import IMAGE_TOKENS, image_parts, image_refs
 from agent.messages import StoredMessage
+from agent.metering import BudgetExceeded, Meter, Payer
 from agent.prompt import COMPACTION_NOTE, ChatPlace
 from agent.sessions import StaleRouteError
 from agent.tokens import MESSAGE_OVERHEAD, TokenCounter
@@ -240,10 +241,17 @@ class Compressor:
     """Compression for any session; holds configuration only (no per-session state)."""
 
     def __init__(
-        self, settings: AgentSettings, llm: LLMClient, tokens: TokenCounter, *, system_factory: SystemFactory
+        self,
+        settings: AgentSettings,
+        llm: LLMClient,
+        tokens: TokenCounter,
+        *,
+        system_factory: SystemFactory,
+        meter: Meter | None = None,
     ) -> None:
         self.settings = settings
         self.llm = llm
+        self.meter = meter or Meter(settings.llm)  # summaries count to the lane's tenant (agent/metering.py)
         self.tokens = tokens
         self._system_factory = system_factory
         self.on_outcome: Callable[[str], None] | None = None  # e.g. a metrics counter
@@ -448,6 +456,8 @@ class Compressor:
         instead of failing the turn."""
         try:
             return await self.compress(ctx, history, trigger=trigger, focus=focus)
+        except BudgetExceeded:  # the turn says it (agent/turn.py)
+            raise
         except Exception:
             log.exception("compression failed unexpectedly (%s); conversation left unchanged", trigger)
             self._count("error")
@@ -535,7 +545,9 @@ class Compressor:
 
         # stages 4-5: the summary (an update of the previous one), with its failure layers
         middle_tokens = sum(self._tok(it) for it in turns)
-        body, fallback, failure = await self._summarize(turns, previous, focus, state, trigger, middle_tokens)
+        body, fallback, failure = await self._summarize(
+            turns, previous, focus, state, trigger, middle_tokens, ctx.payer
+        )
         if body is None:
             assert failure is not None
             if not manual:
@@ -752,6 +764,7 @@ class Compressor:
         state: CompressionState,
         trigger: str,
         middle_tokens: int,
+        payer: Payer | None,
     ) -> tuple[str | None, bool, _Failure | None]:
         """(body, used_fallback, failure); body None means abort (messages untouched)."""
         failure: _Failure | None
@@ -767,7 +780,7 @@ class Compressor:
                 focus=focus,
                 budget_tokens=summary_budget(middle_tokens, self.settings.llm.context_length),
             )
-            text, failure = await self._ask_summary(prompt, state)
+            text, failure = await self._ask_summary(prompt, state, payer)
             if text is not None:
                 state.cooldown_until = 0.0
                 state.cooldown_kind = None
@@ -788,26 +801,27 @@ class Compressor:
     def _summary_target(self) -> AuxTarget:
         return aux_target(self.settings.auxiliary.compression, self.settings.llm, self.llm)
 
-    @staticmethod
-    async def _ask(client: LLMClient, model: str | None, prompt: str) -> str:
+    async def _ask(self, payer: Payer | None, client: LLMClient, model: str | None, prompt: str) -> str:
         # no tools and, on purpose, no max_tokens: the cap must never cut a summary
-        result = await client.chat([{"role": "user", "content": prompt}], model=model)
+        result = await self.meter.chat(payer, client, [{"role": "user", "content": prompt}], model=model)
         text = strip_think(result.content or "")
         if not text:
             raise LLMBadResponse("the summary model returned an empty summary")
         return text
 
-    async def _ask_summary(self, prompt: str, state: CompressionState) -> tuple[str | None, _Failure | None]:
+    async def _ask_summary(
+        self, prompt: str, state: CompressionState, payer: Payer | None
+    ) -> tuple[str | None, _Failure | None]:
         target = self._summary_target()
         try:
             try:
-                return await self._ask(target.client, target.model, prompt), None
+                return await self._ask(payer, target.client, target.model, prompt), None
             except LLMError as err:
                 kind = classify_failure(err)
                 if target.distinct and kind in RETRY_ON_MAIN:
                     log.warning("summary model failed (%s: %s); retrying once with the main model", kind, err.detail)
                     try:
-                        return await self._ask(self.llm, None, prompt), None
+                        return await self._ask(payer, self.llm, None, prompt), None
                     except LLMError as err2:
                         err, kind = err2, classify_failure(err2)
                 return None, self._record_failure(state, err, kind)

@@ -14,6 +14,7 @@ from agent.providers import NO_ACCESS, ProviderAccess
 if TYPE_CHECKING:
     from agent.compression import CompressionState
     from agent.memory import MemoryStore
+    from agent.metering import Payer
     from agent.profile import Profile
     from agent.prompt import ChatPlace
     from agent.reminders import ReminderChat
@@ -48,6 +49,7 @@ class TurnContext:
     partial: str = ""  # text of the current model answer so far (streaming only)
     chat: ReminderChat | None = None  # where the turn runs: reminders set in it are delivered there
     interrupted: bool = False
+    payer: Payer | None = None  # whose budget the turn's model calls count to (agent/metering.py)
 
 
 __all__ = ["Notify", "OnText", "TurnContext"]

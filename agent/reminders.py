@@ -189,6 +189,16 @@ class ReminderStore:
         finally:
             os.close(fd)
 
+    def zone_now(self) -> tzinfo:
+        """The person's time zone as their reminders know it: that of the latest reminder
+        set with one, else UTC (budget days roll over at its midnight, agent/metering.py)."""
+        try:
+            raws = [r for r in self._read().get("reminders", []) if isinstance(r, dict) and r.get("tz")]
+            latest = max(raws, key=lambda r: float(r.get("created_at") or 0), default=None)
+            return _tzinfo(str(latest["tz"])) if latest is not None else ZoneInfo("UTC")
+        except (OSError, ValueError, ReminderError):
+            return ZoneInfo("UTC")
+
     async def all(self) -> list[Reminder]:
         data = await asyncio.to_thread(self._read)
         return sorted((self._parse(r) for r in data.get("reminders", [])), key=lambda r: r.due)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from agent.auxiliary import aux_target
 from agent.llm import LLMClient, LLMError
 from agent.messages import StoredMessage
+from agent.metering import BudgetExceeded, Meter
 from agent.tools import ToolBox
 from core.redact import redact_secrets
 
@@ -99,9 +100,12 @@ class Reviewer:
     """Schedules and runs reviews for any tenant; per-lane counters and per-tenant locks are
     keyed explicitly by `Lane.key` and tenant_id."""
 
-    def __init__(self, settings: AgentSettings, llm: LLMClient, *, wire: Wire, toolbox: Toolbox) -> None:
+    def __init__(
+        self, settings: AgentSettings, llm: LLMClient, *, wire: Wire, toolbox: Toolbox, meter: Meter | None = None
+    ) -> None:
         self.settings = settings
         self.llm = llm
+        self.meter = meter or Meter(settings.llm)  # reviews count to the lane's tenant (agent/metering.py)
         self._wire = wire
         self._toolbox = toolbox
         self._lanes: OrderedDict[str, _LaneCounts] = OrderedDict()
@@ -186,6 +190,8 @@ class Reviewer:
                 log.warning(
                     "background %s review timed out after %.0fs", trigger, self.settings.memory.review_timeout_s
                 )
+            except BudgetExceeded:  # nothing is said: the person's next message is told
+                outcome = "over_budget"
             except LLMError as err:
                 outcome = "llm_error"
                 log.warning("background %s review failed: %s", trigger, err.kind)
@@ -230,11 +236,12 @@ class Reviewer:
                 ),
             }
         )
+        payer = await self.meter.payer(profile, lane)
         target = aux_target(self.settings.auxiliary.review, self.settings.llm, self.llm)
         saved = 0
         try:
             for _ in range(self.settings.max_tool_iterations):
-                result = await target.client.chat(messages, tools=tools, model=target.model)
+                result = await self.meter.chat(payer, target.client, messages, tools=tools, model=target.model)
                 if not result.tool_calls:
                     break
                 messages.append({"role": "assistant", "content": result.content, "tool_calls": result.tool_calls})

@@ -3,11 +3,14 @@
 Works with whisper.cpp's server (`--inference-path /v1/audio/transcriptions`),
 faster-whisper servers and hosted APIs: a multipart form with `file` and `model`, answered
 with JSON `{"text": ...}`. Errors are `TranscriptionError` with a message fit for chat.
+With `timed=True` it asks for `verbose_json`, whose `duration` prices the minutes
+(`transcription.price_per_minute`, docs/concepts.md#budgets).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import httpx
 
@@ -16,6 +19,17 @@ log = logging.getLogger("hermes.transcription")
 
 class TranscriptionError(Exception):
     """Transcription failed; the message says why in words a person understands."""
+
+
+#: when a server answers without a duration, the minutes are reckoned from the file's size at
+#: this rate (a voice note's Opus bit rate), so compressed audio is over-counted, never under
+FALLBACK_BYTES_PER_SECOND = 2000
+
+
+@dataclass(frozen=True)
+class Transcript:
+    text: str
+    seconds: float  # the audio's length: the server's `duration`, else reckoned from its size
 
 
 class Transcriber:
@@ -28,10 +42,12 @@ class Transcriber:
         self._api_key = api_key
         self._timeout = timeout_s
 
-    async def transcribe(self, data: bytes, filename: str, mime: str = "application/octet-stream") -> str:
+    async def transcribe(
+        self, data: bytes, filename: str, mime: str = "application/octet-stream", *, timed: bool = False
+    ) -> Transcript:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         files = {"file": (filename or "audio.ogg", data, mime or "application/octet-stream")}
-        form = {"model": self.model, "response_format": "json"}
+        form = {"model": self.model, "response_format": "verbose_json" if timed else "json"}
         try:
             async with httpx.AsyncClient(timeout=self._timeout) as client:
                 resp = await client.post(self.url, data=form, files=files, headers=headers)
@@ -46,9 +62,14 @@ class Transcriber:
             log.warning("transcription service answered HTTP %d", resp.status_code)
             raise TranscriptionError(f"the transcription service answered with an error (HTTP {resp.status_code})")
         try:
-            text = resp.json().get("text")
+            body = resp.json()
+            text, duration = body.get("text"), body.get("duration")
         except (ValueError, AttributeError):
-            text = None
+            text, duration = None, None
         if not isinstance(text, str):
             raise TranscriptionError("the transcription service sent an unreadable answer")
-        return text.strip()
+        if isinstance(duration, (int, float)) and not isinstance(duration, bool) and duration >= 0:
+            seconds = float(duration)
+        else:
+            seconds = len(data) / FALLBACK_BYTES_PER_SECOND
+        return Transcript(text.strip(), seconds)

@@ -18,6 +18,7 @@ from agent.llm import ChatResult, ContextLengthExceeded, LLMClient, LLMError
 from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
+from agent.metering import BudgetExceeded, Meter
 from agent.profile import Profile
 from agent.prompt import ChatPlace, build_system_prompt
 from agent.providers import ProviderAccess, provider_access
@@ -68,7 +69,7 @@ class UserInput:
 @dataclass
 class TurnResult:
     text: str
-    kind: str  # "reply" | "error" | "covered" (answered as part of a later message's turn)
+    kind: str  # "reply" | "error" | "covered" (answered as part of a later message's turn) | "refused" (budget)
     session_id: str
     replayed: bool = False
     tool_iterations: int = 0  # model requests of this turn that called tools (skill nudges)
@@ -79,13 +80,19 @@ class TurnResult:
 class Agent:
     """Runs turns for any tenant; holds no per-tenant state itself."""
 
-    def __init__(self, settings: AgentSettings, llm: LLMClient, tokens: TokenCounter) -> None:
+    def __init__(
+        self, settings: AgentSettings, llm: LLMClient, tokens: TokenCounter, *, meter: Meter | None = None
+    ) -> None:
         self.settings = settings
         self.llm = llm
         self.tokens = tokens
-        self.compression = Compressor(settings, llm, tokens, system_factory=self._system_for)
+        # every model call goes through the meter: budgets, ledger, fair share (agent/metering.py)
+        self.meter = meter or Meter(settings.llm)
+        self.compression = Compressor(settings, llm, tokens, system_factory=self._system_for, meter=self.meter)
         self.compression.on_flush = self._flush_before_compression
-        self.reviewer = Reviewer(settings, llm, wire=self.compression.wire, toolbox=self._review_toolbox)
+        self.reviewer = Reviewer(
+            settings, llm, wire=self.compression.wire, toolbox=self._review_toolbox, meter=self.meter
+        )
         # set by the gateway: records a tenant's next reminder due time in its index
         self.reminder_index: Callable[[str, float | None, bool], Awaitable[None]] | None = None
 
@@ -283,9 +290,13 @@ class Agent:
             memory=self.lane_memory(profile, lane),
             notify=_no_notice,
             provider_access=self.provider_access(lane),
+            payer=await self.meter.payer(profile, lane),
         )
         history = await profile.sessions.history(session_id)
-        outcome = await self.compression.compress_guarded(ctx, history, trigger="manual", focus=focus)
+        try:
+            outcome = await self.compression.compress_guarded(ctx, history, trigger="manual", focus=focus)
+        except BudgetExceeded as over:
+            return over.text
         return outcome.feedback()
 
     # ----- the turn -------------------------------------------------------------------
@@ -304,6 +315,11 @@ class Agent:
         """Answer `inputs`. `stop` ends the turn early (the partial answer is kept, flagged
         `interrupted`); `on_text` makes the model stream and gets the answer so far."""
         session_id = await self.open_session(profile, lane, place)
+        payer = await self.meter.payer(profile, lane)
+        try:  # over the budget: nothing is stored, no model call is made (docs/concepts.md#budgets)
+            await self.meter.check(payer)
+        except BudgetExceeded as over:
+            return _refused(over, "", session_id)
         store = profile.sessions
         history = await store.history(session_id)
         if await self._refresh_prompt(profile, lane, place, session_id, history):
@@ -340,10 +356,13 @@ class Agent:
             on_text=on_text,
             chat=chat,
             provider_access=self.provider_access(lane),
+            payer=payer,
         )
         if resume:
             try:
                 earlier = _joined(earlier, await self._tool_loop(ctx, history))
+            except BudgetExceeded as over:
+                return _refused(over, earlier, ctx.session_id)
             except LLMError as err:
                 log.warning("turn failed: llm %s", err.kind)
                 return TurnResult(_joined(earlier, err.user_message), "error", ctx.session_id, error=err.kind)
@@ -363,6 +382,8 @@ class Agent:
         ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
         try:
             text = await self._tool_loop(ctx, history)
+        except BudgetExceeded as over:
+            return _refused(over, earlier, ctx.session_id)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
             return TurnResult(_joined(earlier, err.user_message), "error", ctx.session_id, error=err.kind)
@@ -531,7 +552,15 @@ class Agent:
 
             kwargs["on_text"] = on_text
         call = asyncio.ensure_future(
-            self.llm.chat(request, tools=tools, max_tokens=self.settings.llm.answer_max_tokens(), **kwargs)
+            self.meter.chat(
+                ctx.payer,
+                self.llm,
+                request,
+                notify=ctx.notify,
+                tools=tools,
+                max_tokens=self.settings.llm.answer_max_tokens(),
+                **kwargs,
+            )
         )
         if ctx.stop is None:
             return await call
@@ -599,6 +628,11 @@ class Agent:
                 raise
             await comp.after_response(ctx, result.usage)
             return result
+
+
+def _refused(over: BudgetExceeded, earlier: str, session_id: str) -> TurnResult:
+    """The budget is used up: said once per period, later messages finished quietly."""
+    return TurnResult(_joined(earlier, over.text if over.say else ""), "refused", session_id)
 
 
 def _joined(earlier: str, text: str) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from agent.llm import LLMClient
+from agent.metering import Meter
 from agent.sessions import StoragePool
 from agent.tokens import TokenCounter
 from agent.turn import Agent
@@ -112,7 +113,9 @@ def build_parts(
     llm_monitor = InstrumentedLLM(client, metrics)  # counts errors by kind for /metrics
     # InstrumentedLLM proxies the LLMClient: same chat() signature, every other attribute
     # passed through (__getattr__), so the Agent can use it as one
-    agent = Agent(AgentSettings.from_config(cfg), cast(LLMClient, llm_monitor), counter)
+    # every model call of a turn, summary or review: budgets, ledger, fair share (agent/metering.py)
+    meter = Meter.for_profiles(cfg.llm, cfg.budgets, admins=frozenset(cfg.access.admins), sink=metrics)
+    agent = Agent(AgentSettings.from_config(cfg), cast(LLMClient, llm_monitor), counter, meter=meter)
     media = MediaIntake(cfg)
     agent.compression.on_outcome = metrics.compression  # hermes_compressions_total{outcome}
     agent.reviewer.on_outcome = metrics.review  # hermes_memory_reviews_total{kind,outcome}

@@ -151,9 +151,11 @@ async def cmd_status(ctx: CommandContext) -> str:
 async def cmd_usage(ctx: CommandContext) -> str:
     app = ctx.parts
     store = ctx.profile.sessions
+    # the tenant's budget: today's and this month's use, what is left (docs/concepts.md#budgets)
+    budget = await app.agent.meter.report(await app.agent.meter.payer(ctx.profile, ctx.lane))
     session_id = await store.route(ctx.lane.session_key)
     if not session_id:
-        return "No conversation yet, so no tokens used."
+        return "\n".join([*budget, "No conversation yet in this chat."])
     info = await store.session_info(session_id) or {}
     history = await store.history(session_id)
     comp = app.agent.compression
@@ -162,6 +164,7 @@ async def cmd_usage(ctx: CommandContext) -> str:
     threshold = app.agent.threshold_tokens()
     state = await store.compression_state(session_id)
     lines = [
+        *budget,
         f"Tokens this session: {info.get('input_tokens') or 0:,} in, {info.get('output_tokens') or 0:,} out",
         f"Context: {context_tokens:,} of {window:,} tokens ({100 * context_tokens // window}%), "
         f"compression at {threshold:,} ({100 * threshold // window}%)",

@@ -23,6 +23,7 @@ from typing import Any
 
 from agent.attachments import Kind, extract_text, kind_of, sniff_image
 from agent.media import MEDIA_DIR, save_media
+from agent.metering import AudioCharge
 from agent.transcription import Transcriber, TranscriptionError
 from core.messages import Attachment, DownloadError, InboundMessage
 from core.protocols import Downloads
@@ -109,7 +110,13 @@ class MediaIntake:
         return Transcriber(t.base_url, t.model, api_key=t.api_key(), timeout_s=t.timeout_s)
 
     async def prepare(
-        self, msg: InboundMessage, adapter: Any, profile_path: Path, uid: str, guard: Callable[[], None] | None = None
+        self,
+        msg: InboundMessage,
+        adapter: Any,
+        profile_path: Path,
+        uid: str,
+        guard: Callable[[], None] | None = None,
+        charge: AudioCharge | None = None,
     ) -> Prepared:
         """`uid` (the stored message's) names the files, so a message replayed after a
         crash rewrites its files instead of storing them twice."""
@@ -117,7 +124,7 @@ class MediaIntake:
         body = msg.text.strip()
         if not msg.attachments:
             return Prepared("\n".join(p for p in (quote, msg.text) if p))
-        work = _Work(profile_path, uid, Prepared(""), said=[body] if body else [], guard=guard)
+        work = _Work(profile_path, uid, Prepared(""), said=[body] if body else [], guard=guard, charge=charge)
         content = bool(body)
         for n, att in enumerate(msg.attachments):
             got = await self._one(att, n, adapter, work)
@@ -207,7 +214,14 @@ class MediaIntake:
             work.notes.append(f"[{what}: not transcribed]")
             return False
         try:
-            transcript = await transcriber.transcribe(data, name, att.mime_type or "audio/ogg")
+            if work.charge is not None:
+                await work.charge.check()  # over the budget: no call (BudgetExceeded ends the turn)
+            heard = await transcriber.transcribe(
+                data, name, att.mime_type or "audio/ogg", timed=work.charge is not None
+            )
+            transcript = heard.text
+            if work.charge is not None:
+                await work.charge.minutes(heard.seconds)
         except TranscriptionError as err:
             work.out.notices.append(f"I couldn't transcribe your {what}: {err}. Please try again or send it as text.")
             work.notes.append(f"[{what}: transcription failed]")
@@ -252,6 +266,7 @@ class _Work:
     notes: list[str] = field(default_factory=list)  # short bracketed notes about attachments
     blocks: list[str] = field(default_factory=list)  # extracted document text
     guard: Callable[[], None] | None = None  # may raise to refuse a write (cluster mode: lease lost)
+    charge: AudioCharge | None = None  # transcription's price, counted to the lane's tenant
 
     def file_key(self, n: int) -> str:
         return f"{self.uid}-{n}"

@@ -220,6 +220,16 @@ class Metrics:
             ["platform", "outcome"],
         )
         self.in_flight = Gauge("hermes_turns_in_progress", "Lane jobs running now.", ["platform"])
+        # budgets (docs/concepts.md#budgets): gateway-wide totals, never per tenant
+        self.llm_tokens = Counter(
+            "hermes_llm_tokens_total",
+            "Model tokens used, from the responses' usage (kind=prompt|completion).",
+            ["kind"],
+        )
+        self.llm_cost = Counter("hermes_llm_cost_total", "Model cost at the configured prices (llm.*price*).")
+        self.budget_refusals = Counter(
+            "hermes_budget_refusals_total", "Model calls refused because the tenant's budget was used up."
+        )
         self.cluster: ClusterMetrics | None = None  # cluster mode only: enable_cluster()
         self._gauges: list[Gauge] = []
         self._platforms: tuple[str, ...] = ()
@@ -236,6 +246,15 @@ class Metrics:
         else:
             self.llm_requests.inc(outcome="error")
             self.llm_errors.inc(kind=error_kind)
+
+    def model_usage(self, prompt_tokens: int, completion_tokens: int, cost: float) -> None:
+        """One model call's usage (the meter's sink, agent/metering.py)."""
+        self.llm_tokens.inc(prompt_tokens, kind="prompt")
+        self.llm_tokens.inc(completion_tokens, kind="completion")
+        self.llm_cost.inc(cost)
+
+    def budget_refused(self) -> None:
+        self.budget_refusals.inc()
 
     def compression(self, outcome: str = "ok") -> None:
         self.compressions.inc(outcome=outcome)
@@ -312,6 +331,9 @@ class Metrics:
             self.turn_seconds,
             self.llm_requests,
             self.llm_errors,
+            self.llm_tokens,
+            self.llm_cost,
+            self.budget_refusals,
             self.compressions,
             self.reviews,
             self.refusals,

@@ -12,6 +12,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from agent.attachments import kind_of
+from agent.metering import AudioCharge, BudgetExceeded
 from agent.profile import Profile
 from agent.prompt import ChatPlace
 from agent.reminders import ReminderChat
@@ -241,12 +243,21 @@ class Turns:
                     )
                     return Answer(await run_command(spec.name, ctx), "reply", "replied")
                 # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
-                prepared = [
-                    await self.media.prepare(
-                        j.msg, self.adapters.get(j.msg.platform), profile.path, input_uid(j.msg), profile.guard
-                    )
-                    for j in jobs
-                ]
+                charge = await self._audio_charge(profile, lane, jobs)
+                try:
+                    prepared = [
+                        await self.media.prepare(
+                            j.msg,
+                            self.adapters.get(j.msg.platform),
+                            profile.path,
+                            input_uid(j.msg),
+                            profile.guard,
+                            charge,
+                        )
+                        for j in jobs
+                    ]
+                except BudgetExceeded as over:  # no transcription over the budget: said once per period
+                    return Answer(over.text if over.say else "", "notice", "over_budget")
                 inputs = [
                     UserInput(
                         uid=input_uid(j.msg),
@@ -294,6 +305,8 @@ class Turns:
                     await streamer.close() if streamer is not None else None
                 if result.kind == "covered":  # a replayed part of a coalesced batch: answered already
                     return Answer("", "reply", "coalesced", result=result)
+                if result.kind == "refused":  # budget used up: said once per period, else finished quietly
+                    return Answer(result.text, "notice", "over_budget", result=result)
                 if result.kind == "error":
                     if result.error in MODEL_DOWN_KINDS and platform != "console":
                         # not the message's fault: held and retried (the console's person reads the error)
@@ -313,6 +326,14 @@ class Turns:
         finally:
             typing.cancel()
             self.metrics.in_flight.add(-1, platform=platform)
+
+    async def _audio_charge(self, profile: Profile, lane: Lane, jobs: list[Job]) -> AudioCharge | None:
+        """Transcription's price for this lane's tenant, when it has one and audio came."""
+        price = self.cfg.transcription.price_per_minute
+        audio = any(kind_of(a.type, a.name, a.mime_type) == "audio" for j in jobs for a in j.msg.attachments)
+        if not price or not audio:
+            return None
+        return AudioCharge(self.agent.meter, await self.agent.meter.payer(profile, lane), price)
 
     async def _first_page(self, lane: Lane, text: str) -> str:
         """An answer longer than `delivery.max_reply_chars` goes out as its first page and

@@ -516,8 +516,9 @@ async def test_a_collected_turn_cut_short_after_a_tool_call_is_finished_after_re
     assert "done:" in sent and "ok: four" in sent, sent
 
 
-async def test_a_warm_turn_costs_two_storage_calls_and_keeps_its_page_cache(config_for, fake_llm):
-    """Two storage calls a turn (docs/concepts.md#session-storage): one call stores the person's message, one the answer (with usage and
+async def test_a_warm_turn_costs_three_storage_calls_and_keeps_its_page_cache(config_for, fake_llm):
+    """Three storage calls a turn (docs/concepts.md#session-storage): one call stores the person's message, one reserves
+    the model call's estimate in the budget ledger, one stores the answer (with usage, the ledger's count and
     compression state); no call throws the page cache away (the open profiles' memory is
     bounded by memory, docs/concepts.md#open-profiles), so the next turn finds its pages."""
     fake_llm.script(reply("first"), reply("second"))
@@ -532,7 +533,7 @@ async def test_a_warm_turn_costs_two_storage_calls_and_keeps_its_page_cache(conf
         store._db.set_trace_callback(statements.append)
         calls = app.storage_pool.calls
         assert await say(app, adapter, dm("ada", "and again")) == ["second"]
-        assert app.storage_pool.calls - calls == 2
+        assert app.storage_pool.calls - calls == 3
         assert not [s for s in statements if "shrink_memory" in s]
         writes = [s for s in statements if s.startswith("INSERT")]
         assert sum(s.startswith("INSERT INTO messages") or "INTO messages(" in s for s in writes) >= 2

@@ -70,9 +70,10 @@ class _Soft:
 
     usage: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     states: dict[str, str] = dataclasses.field(default_factory=dict)
+    later: list[Callable[[sqlite3.Connection], None]] = dataclasses.field(default_factory=list)  # transact(soft=True)
 
     def __bool__(self) -> bool:
-        return bool(self.usage or self.states)
+        return bool(self.usage or self.states or self.later)
 
     def apply(self, db: sqlite3.Connection) -> None:
         ts = now()
@@ -80,6 +81,11 @@ class _Soft:
             q.add_usage(db, sid, i, o)
         for sid, text in self.states.items():
             q.put_compression_state(db, sid, text, ts)
+        for fn in self.later:
+            try:
+                fn(db)
+            except sqlite3.Error:  # never let a queued extra hold back the write it rides on
+                log.exception("a queued state.db write failed; skipped")
 
     def merge_older(self, older: _Soft) -> None:
         """Put back writes of a failed call under newer ones queued meanwhile."""
@@ -89,6 +95,7 @@ class _Soft:
             cur[1] += o
         for sid, text in older.states.items():
             self.states.setdefault(sid, text)
+        self.later[:0] = older.later
 
 
 class _Call:
@@ -688,6 +695,23 @@ class SessionStore:
         return await self._call(lambda c: search(c.db, query, n, session_key))
 
     # ------------------------------------------------------------------ counters and info
+
+    async def transact(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn` in one transaction of state.db, on the store's pool and under its lock
+        and write guard (the budget ledger's tables, agent/ledger.py)."""
+
+        def job(c: _Call) -> T:
+            with q.Transaction(c.db):
+                return fn(c.db)
+
+        return await self._call(job)
+
+    def transact_later(self, fn: Callable[[sqlite3.Connection], None]) -> None:
+        """Queue `fn` for the store's next transaction (normally the turn's answer), like the
+        usage counters: a crash before it loses only what `fn` would write (the ledger's
+        settle, which replaces an estimate already counted)."""
+        self._require_db()
+        self._soft.later.append(fn)
 
     async def add_usage(self, session_id: str, input_tokens: int, output_tokens: int) -> None:
         """Add token usage to a session's counters (SQLite only). For a live session it is

@@ -9,7 +9,7 @@ import os
 import sys
 
 from core.settings import ConfigError, load_config
-from gateway.cli import cluster, doctor, init, profiles, run
+from gateway.cli import budget, cluster, doctor, init, profiles, run
 from gateway.cli.common import CONFIG_HELP, DEFAULT_CONFIG, setup_logging
 from gateway.faults import StartupError
 from gateway.runlock import AdminError
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.register_doctor(sub)
     init.register(sub)
     profiles.register(sub)  # profiles, backup, restore
+    budget.register(sub)
     doctor.register_health(sub)
     cluster.register(sub)
     # the global -c may also come after the subcommand

@@ -574,6 +574,7 @@ class FakeLLM:
         self.request_headers: list[CIMultiDict[str]] = []
         self.peers: list[Any] = []  # (host, port) of the client connection of each request
         self.statuses: list[int] = []
+        self.usage_sent: list[dict[str, int]] = []  # the usage of each answer as the client received it
         self.violations: list[str] = []
         self.responder_errors: list[BaseException] = []
         self._api_key = api_key
@@ -625,6 +626,7 @@ class FakeLLM:
         self.request_headers.clear()
         self.peers.clear()
         self.statuses.clear()
+        self.usage_sent.clear()
         self.violations.clear()
         self.responder_errors.clear()
         self._queue.clear()
@@ -850,7 +852,7 @@ class FakeLLM:
     async def _stream(self, request: web.Request, resp: Response, body: dict[str, Any]) -> web.StreamResponse | None:
         """The answer as OpenAI streams it: role, content pieces, tool-call pieces (id and
         name first, arguments in two halves), finish_reason, then usage if asked, [DONE]."""
-        full = self._render(resp, body)
+        full = self._render(resp, body, record=False)
         assert isinstance(full, web.Response) and full.body is not None
         data = json.loads(full.body)
         choice = data["choices"][0]
@@ -906,6 +908,7 @@ class FakeLLM:
             await send(chunk({}, choice["finish_reason"]))
             if (body.get("stream_options") or {}).get("include_usage") and "usage" in data:
                 await send(chunk(None, usage=data["usage"]))
+                self.usage_sent.append(data["usage"])
             await out.write(b"data: [DONE]\n\n")
             await out.write_eof()
         except (ConnectionResetError, ConnectionError):
@@ -921,7 +924,7 @@ class FakeLLM:
             for w in waiters:
                 w.cancel()
 
-    def _render(self, resp: Response, body: dict[str, Any]) -> web.StreamResponse | None:
+    def _render(self, resp: Response, body: dict[str, Any], *, record: bool = True) -> web.StreamResponse | None:
         if resp.kind == "disconnect":
             return None
         if resp.kind == "http":
@@ -947,4 +950,6 @@ class FakeLLM:
             if "total_tokens" not in given:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             out["usage"] = usage
+            if record:
+                self.usage_sent.append(usage)
         return web.json_response(out, status=resp.status, headers=resp.headers)

@@ -11,7 +11,8 @@ whisper.cpp's server, faster-whisper servers and OpenAI do) and answers `{"text"
 the transcript registered for the file's bytes, else `"transcript of <filename>"`. A form
 without `file` or `model` is a 400. `fail_next(status)` answers the next request with an
 error; `api_key` makes it require `Authorization: Bearer <key>`. Each request is recorded
-as {"model", "filename", "content_type", "data", "authorization", "fields"}.
+as {"model", "filename", "content_type", "data", "authorization", "fields"}. With
+`duration_s` set, a `response_format: verbose_json` request gets it as `duration`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class FakeTranscription:
     def __init__(self, *, api_key: str | None = None) -> None:
         self.api_key = api_key
         self.transcripts: dict[bytes, str] = {}
+        self.duration_s: float | None = None  # set: `verbose_json` answers carry this duration
         self.requests: list[dict[str, Any]] = []
         self._fail: list[int] = []
         self._runner: web.AppRunner | None = None
@@ -82,4 +84,6 @@ class FakeTranscription:
         if "data" not in record or not record["model"]:
             return web.json_response({"error": {"message": "file and model are required"}}, status=400)
         text = self.transcripts.get(record["data"], f"transcript of {record.get('filename')}")
+        if record["fields"].get("response_format") == "verbose_json" and self.duration_s is not None:
+            return web.json_response({"text": text, "duration": self.duration_s, "segments": []})
         return web.json_response({"text": text})

@@ -1,0 +1,159 @@
+"""`budget show|set|reset REF`: one tenant's model budget (docs/operator-guide.md#costs-and-budgets).
+
+The counts live in the tenant's own state.db (agent/ledger.py); these commands run the
+same SQL as the gateway, in one transaction each, and work while it runs: the gateway reads
+the override and the counts on every model call, so `budget set` lifts a cap at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from agent import ledger
+from agent.ledger import LIMIT_KEYS, NANOS
+from agent.metering import effective_limits, period_of
+from agent.reminders import ReminderStore
+from core.settings import Config
+from gateway.cli.common import CONFIG_HELP, guard
+from gateway.runlock import AdminError
+from gateway.tenants import TenantInfo, find_tenant
+
+T = TypeVar("T")
+
+
+def _in_ledger(info: TenantInfo, fn: Callable[[sqlite3.Connection], T]) -> T | None:
+    """Run `fn` in one transaction of the tenant's state.db (None: it has none yet)."""
+    path = info.path / "state.db"
+    if not path.exists():
+        return None
+    db = sqlite3.connect(path, timeout=10, isolation_level=None)
+    try:
+        db.execute("PRAGMA busy_timeout=10000")
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return result
+    except sqlite3.Error as err:
+        raise AdminError(f"cannot read or write the budget in {path}: {err}") from err
+    finally:
+        db.close()
+
+
+def _status(cfg: Config, info: TenantInfo) -> dict[str, Any]:
+    zone = ReminderStore(info.path).zone_now()
+    period = period_of(zone, time.time())
+    totals = _in_ledger(info, lambda db: ledger.totals(db, period.day, period.month)) or ledger.Totals()
+    override = ledger.read_override(info.path)
+    base = cfg.budgets.per_person if info.kind == "person" else cfg.budgets.per_chat
+    return {
+        "tenant": info.tenant_id,
+        "kind": info.kind,
+        "time_zone": str(zone),
+        "day": period.day,
+        "month": period.month,
+        "used": {
+            "tokens_today": totals.day_tokens,
+            "cost_today": totals.day_cost_nanos / NANOS,
+            "tokens_this_month": totals.month_tokens,
+            "cost_this_month": totals.month_cost_nanos / NANOS,
+        },
+        "limits": effective_limits(base, override),
+        "override": override,
+    }
+
+
+def cmd_budget_show(cfg: Config, args: argparse.Namespace) -> int:
+    data = _status(cfg, find_tenant(cfg, args.tenant))
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return 0
+    used, limits = data["used"], data["limits"]
+
+    def cap(key: str) -> str:
+        value = limits[key]
+        mark = " (override)" if key in data["override"] else ""
+        return "no cap" + mark if value is None else f"{value:,}{mark}"
+
+    print(f"tenant:      {data['tenant']} ({data['kind']}), days in {data['time_zone']}")
+    print(
+        f"today:       {used['tokens_today']:,} tokens (cap {cap('tokens_per_day')}), "
+        f"{used['cost_today']:.4f} (cap {cap('cost_per_day')})"
+    )
+    print(
+        f"this month:  {used['tokens_this_month']:,} tokens (cap {cap('tokens_per_month')}), "
+        f"{used['cost_this_month']:.4f} (cap {cap('cost_per_month')})"
+    )
+    return 0
+
+
+def _limit(kind: type[int] | type[float]) -> Callable[[str], int | float | None]:
+    def parse(text: str) -> int | float | None:
+        if text.strip().lower() in ("none", "off"):
+            return None
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number (or 'none' for no cap)") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be above 0 (or 'none' for no cap)")
+        return value
+
+    return parse
+
+
+def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
+    info = find_tenant(cfg, args.tenant)
+    given = {k: getattr(args, k) for k in LIMIT_KEYS if getattr(args, k) is not ...}
+    if not given and not args.default:
+        raise AdminError("name at least one of --tokens-per-day, --tokens-per-month, --cost-per-day, --cost-per-month")
+
+    override = {} if args.default else ledger.read_override(info.path)
+    override.update(given)
+    ledger.write_override(info.path, override)
+    shown = ", ".join(f"{k}={'none' if v is None else v}" for k, v in override.items()) or "the config's limits"
+    print(f"{info.tenant_id}: budget now {shown}")
+    return 0
+
+
+def cmd_budget_reset(cfg: Config, args: argparse.Namespace) -> int:
+    info = find_tenant(cfg, args.tenant)
+    _in_ledger(info, ledger.reset)
+    print(f"{info.tenant_id}: usage counts reset to zero (its limits are unchanged)")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `budget show|set|reset` to the command line."""
+    tenant_help = "tenant id (telegram-111), principal (telegram:111) or profile directory name"
+    budget = sub.add_parser("budget", help="show, set or reset a tenant's model budget")
+    bsub = budget.add_subparsers(dest="budget_command", required=True)
+    p = bsub.add_parser("show", help="today's and this month's use and the caps that apply")
+    p.add_argument("tenant", help=tenant_help)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=guard(cmd_budget_show))
+    p = bsub.add_parser("set", help="a per-tenant override of the budgets.* caps ('none': no cap)")
+    p.add_argument("tenant", help=tenant_help)
+    for key in LIMIT_KEYS:
+        p.add_argument(
+            f"--{key.replace('_', '-')}",
+            dest=key,
+            default=...,
+            type=_limit(int if key.startswith("tokens") else float),
+            metavar="N" if key.startswith("tokens") else "X",
+        )
+    p.add_argument("--default", action="store_true", help="drop the override first (the config's caps apply)")
+    p.set_defaults(handler=guard(cmd_budget_set))
+    p = bsub.add_parser("reset", help="set the tenant's counts back to zero (caps unchanged)")
+    p.add_argument("tenant", help=tenant_help)
+    p.set_defaults(handler=guard(cmd_budget_reset))
+    for p in bsub.choices.values():
+        p.add_argument("-c", "--config", dest="config", default=argparse.SUPPRESS, help=CONFIG_HELP)

@@ -453,6 +453,16 @@ class Config(_Section):
         return personas
 
     @model_validator(mode="after")
+    def _refuses_choices_not_built(self) -> Config:
+        """`/model` and `/persona` are not built yet: offering models or personas would be a
+        key that does nothing, so it is refused (docs/concepts.md#models-and-personas)."""
+        if self.llm.models:
+            raise ValueError("llm.models: choosing a model per person is not available yet; remove the key")
+        if self.personas:
+            raise ValueError("personas: personas are not available yet; remove the key")
+        return self
+
+    @model_validator(mode="after")
     def _cluster_refuses_node_local_features(self) -> Config:
         """Reminders and streamed drafts keep state on one node; in cluster mode they are
         off, and turning one on explicitly is an error rather than a silent no-op."""

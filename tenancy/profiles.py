@@ -25,6 +25,7 @@ from agent.profile import Profile, write_manifest
 from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
+from agent.sessions.errors import damaged_sqlite
 from core.settings import DEFAULT_MEMORY_BUDGET_MIB
 from tenancy.keys import tenant_dir, tenant_dir_name
 
@@ -158,7 +159,7 @@ def journal_records(path: Path) -> list[dict]:
 def _damage_of(exc: BaseException) -> str | None:
     """The damage an open failure shows (SQLite finding a file that is not a sound
     database, a layout entry of the wrong type), or None for anything that may pass."""
-    if type(exc) is sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
+    if damaged_sqlite(exc):  # "file is not a database", "disk image is malformed"
         return f"state.db cannot be read ({exc})"
     if isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)):
         return f"{Path(exc.filename).name if exc.filename else 'a file'} has the wrong type ({exc.strerror})"

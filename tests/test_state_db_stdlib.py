@@ -141,3 +141,15 @@ async def test_a_killed_process_leaves_a_wal_the_stdlib_reads_whole(tmp_path: Pa
         sid = await s.route("dm:ann")
         assert sid is not None
         assert [m.content for m in await s.history(sid)] == contents
+
+
+async def test_the_wal_a_close_leaves_stays_bounded_however_much_is_written(tmp_path: Path) -> None:
+    profile = tmp_path / "p"
+    for _ in range(4):  # open, write ~1 MiB, close without a checkpoint, again
+        async with SessionStore(profile, "never") as s:
+            sid, _ = await s.get_or_start("dm:ann")
+            for i in range(100):
+                await s.append(StoredMessage(sid, "user", f"turn {i} " + "word " * 400))
+        limit = session_db.WAL_SIZE_LIMIT + session_db.WAL_AUTOCHECKPOINT_PAGES * 4096 // 4
+        assert (profile / "state.db-wal").stat().st_size <= limit
+    assert stdlib_rows(profile / "state.db")["integrity"] == "ok"

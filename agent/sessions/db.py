@@ -28,9 +28,9 @@ _SQL_CHUNK = 500  # uids per `IN (...)` clause, well below SQLite's variable lim
 # the most page cache one profile's connection keeps between calls (SQLite's default is
 # 2 MiB): open profiles are counted against storage.memory_budget_mib (docs/concepts.md#open-profiles)
 PAGE_CACHE_KIB = 256
-# prepared statements kept per connection (APSW's cache, keyed by SQL text): the hot path
-# uses about 20, the FTS triggers' included
-STATEMENT_CACHE = 64
+# prepared statements kept per connection (APSW's cache, keyed by SQL text; ~2.3 KiB each):
+# a turn uses about 10; the open's one-shot statements bypass it (can_cache=False)
+STATEMENT_CACHE = 24
 # WAL pages after which a commit checkpoints (SQLite's default is 1,000 = 4 MiB), and the
 # size a WAL is cut back to after a checkpoint: a close does not checkpoint, so this is
 # what bounds the -wal file a profile keeps between opens
@@ -170,10 +170,11 @@ def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> apsw.C
         version = db.execute(
             f"PRAGMA cache_size=-{PAGE_CACHE_KIB}; PRAGMA synchronous={'FULL' if fsync == 'always' else 'NORMAL'}; "
             f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}; PRAGMA journal_size_limit={WAL_SIZE_LIMIT}; "
-            f"PRAGMA journal_mode={mode}; PRAGMA user_version"
+            f"PRAGMA journal_mode={mode}; PRAGMA user_version",
+            can_cache=False,  # one-shot statements would crowd the turn's out of the cache
         ).fetchall()[-1][0]
         if version != USER_VERSION:
-            db.execute(SCHEMA)
+            db.execute(SCHEMA, can_cache=False)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -288,9 +289,7 @@ def set_route(db: apsw.Connection, session_key: str, sid: str, ts: float) -> Non
     )
 
 
-def apply_end(
-    db: apsw.Connection, sid: str, reason: str | None, ts: float, move_routes_to: str | None = None
-) -> None:
+def apply_end(db: apsw.Connection, sid: str, reason: str | None, ts: float, move_routes_to: str | None = None) -> None:
     db.execute("UPDATE sessions SET ended_at=?, end_reason=? WHERE id=? AND ended_at IS NULL", (ts, reason, sid))
     if move_routes_to is None:
         db.execute("DELETE FROM routes WHERE session_id=?", (sid,))

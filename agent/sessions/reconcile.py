@@ -31,17 +31,19 @@ def _agree(db: apsw.Connection, journal: Journal, offsets: dict[str, int]) -> bo
     if offsets != journal.sizes():
         return False
     lines, rows = db.execute(
-        "SELECT (SELECT COALESCE(sum(messages), 0) FROM journal_offsets), (SELECT count(*) FROM messages)"
+        "SELECT (SELECT COALESCE(sum(messages), 0) FROM journal_offsets), (SELECT count(*) FROM messages)",
+        can_cache=False,
     ).fetchone()
     if lines != rows:
         return False
     # every session is journaled (a session row without a journal is rebuilt below)
-    return db.execute("SELECT count(*) FROM sessions").fetchone()[0] <= len(offsets)
+    return db.execute("SELECT count(*) FROM sessions", can_cache=False).fetchone()[0] <= len(offsets)
 
 
 def reconcile(db: apsw.Connection, journal: Journal) -> None:
     """Bring state.db and the journals to the same set of messages (runs in open())."""
-    offsets = {r[0]: r[1] for r in db.execute('SELECT session_id, "offset" FROM journal_offsets')}
+    # the open's one-shot statements stay out of the statement cache (agent/sessions/db.py)
+    offsets = {r[0]: r[1] for r in db.execute('SELECT session_id, "offset" FROM journal_offsets', can_cache=False)}
     if _agree(db, journal, offsets):
         return
     # Sessions whose SQLite message count differs from what their journal holds (rows

@@ -758,7 +758,8 @@ class SessionStore:
         """Every sessions row, oldest first."""
         return await self._call(
             lambda c: [
-                q.session_dict(r) for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")
+                q.session_dict(r)
+                for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")
             ]
         )
 
@@ -781,7 +782,8 @@ class SessionStore:
 
         def job(c: _Call) -> dict[str, Any]:
             sessions = [
-                q.session_dict(r) for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")
+                q.session_dict(r)
+                for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")
             ]
             by_id: dict[str, list[dict[str, Any]]] = {s["id"]: [] for s in sessions}
             for r in c.db.execute(f"SELECT {q.MSG_COLS} FROM messages ORDER BY id"):

@@ -11,13 +11,14 @@ import asyncio
 import json
 import logging
 import resource
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
+
+import apsw
 
 from agent.fileio import private_mkdir
 from agent.memory import MemoryStore
@@ -100,12 +101,15 @@ def profile_problem(path: Path, *, deep: bool = False) -> str | None:
         return "state.db is not a SQLite database (damaged header)"
     if deep and header:
         try:
-            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+            # APSW, as the store: in the gateway this runs right before the store opens the
+            # file, and one process keeps to one SQLite library per file (docs/concepts.md#session-storage)
+            conn = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
             try:
-                verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])
+                conn.set_busy_timeout(10000)
+                verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])  # type: ignore[index]
             finally:
                 conn.close()
-        except sqlite3.DatabaseError as err:
+        except apsw.Error as err:
             return f"state.db cannot be read ({err})"
         if verdict != "ok":
             return f"state.db fails integrity_check ({verdict.splitlines()[0]})"

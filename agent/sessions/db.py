@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import apsw
 
@@ -191,6 +191,11 @@ SESSION_NAMES = tuple(c.strip() for c in SESSION_COLS.split(","))
 MSG_NAMES = tuple(c.strip() for c in MSG_COLS.split(","))
 
 
+def aggregate(db: apsw.Connection, sql: str) -> Row:
+    """The one row of an aggregate query (always there), not kept in the statement cache."""
+    return cast(Row, db.execute(sql, can_cache=False).fetchone())
+
+
 def session_dict(row: Row) -> dict[str, Any]:
     """A `SELECT {SESSION_COLS}` row by column name."""
     return dict(zip(SESSION_NAMES, row, strict=True))
@@ -211,7 +216,9 @@ def live_route(db: apsw.Connection, session_key: str) -> str | None:
 def existing_uids(db: apsw.Connection, uids: list[str]) -> set[str]:
     found: set[str] = set()
     for part in chunks(uids):
-        rows = db.execute(f"SELECT uid FROM messages WHERE uid IN ({','.join('?' * len(part))})", part).fetchall()
+        rows: list[Row] = db.execute(
+            f"SELECT uid FROM messages WHERE uid IN ({','.join('?' * len(part))})", part
+        ).fetchall()
         found.update(r[0] for r in rows)
     return found
 
@@ -220,7 +227,7 @@ def uids_of(db: apsw.Connection, session_id: str, uids: list[str]) -> list[str]:
     """The given uids that belong to `session_id`, in insertion order."""
     found: list[str] = []
     for part in chunks(list(dict.fromkeys(uids))):
-        rows = db.execute(
+        rows: list[Row] = db.execute(
             f"SELECT uid FROM messages WHERE session_id=? AND uid IN ({','.join('?' * len(part))}) ORDER BY id",
             (session_id, *part),
         ).fetchall()
@@ -231,7 +238,7 @@ def uids_of(db: apsw.Connection, session_id: str, uids: list[str]) -> list[str]:
 def uids_by_session(db: apsw.Connection, uids: list[str]) -> dict[str, list[str]]:
     by_session: dict[str, list[str]] = {}
     for part in chunks(list(dict.fromkeys(uids))):
-        rows = db.execute(
+        rows: list[Row] = db.execute(
             f"SELECT uid, session_id FROM messages WHERE uid IN ({','.join('?' * len(part))}) ORDER BY id", part
         ).fetchall()
         for uid, sid in rows:

@@ -20,6 +20,7 @@ import apsw
 from agent.messages import StoredMessage
 from agent.sessions import db as q
 from agent.sessions.codec import check_session_id, end_line, message_line, msg_row, now, row_msg, start_line
+from agent.sessions.db import Row
 from agent.sessions.journal import Journal, Record
 from agent.sessions.write import journaled
 
@@ -30,14 +31,14 @@ def _agree(db: apsw.Connection, journal: Journal, offsets: dict[str, int]) -> bo
     """True when the journals and state.db are known to hold the same messages."""
     if offsets != journal.sizes():
         return False
-    lines, rows = db.execute(
-        "SELECT (SELECT COALESCE(sum(messages), 0) FROM journal_offsets), (SELECT count(*) FROM messages)",
-        can_cache=False,
-    ).fetchone()
-    if lines != rows:
+    counts = q.aggregate(
+        db, "SELECT (SELECT COALESCE(sum(messages), 0) FROM journal_offsets), (SELECT count(*) FROM messages)"
+    )
+    if counts[0] != counts[1]:
         return False
     # every session is journaled (a session row without a journal is rebuilt below)
-    return db.execute("SELECT count(*) FROM sessions", can_cache=False).fetchone()[0] <= len(offsets)
+    sessions = q.aggregate(db, "SELECT count(*) FROM sessions")
+    return int(sessions[0]) <= len(offsets)
 
 
 def reconcile(db: apsw.Connection, journal: Journal) -> None:
@@ -61,7 +62,8 @@ def reconcile(db: apsw.Connection, journal: Journal) -> None:
     files, todo = journal.scan(offsets, suspects)
     for sid, path, start, full in todo:
         _reconcile_file(db, journal, sid, path, start, full=full)
-    for (sid,) in db.execute("SELECT id FROM sessions ORDER BY started_at, id").fetchall():
+    ids: list[Row] = db.execute("SELECT id FROM sessions ORDER BY started_at, id").fetchall()
+    for (sid,) in ids:
         if sid in files:
             continue
         try:

@@ -655,7 +655,7 @@ class SessionStore:
             ).fetchone()
             if last is None:
                 return 0
-            rows = c.db.execute(
+            rows: list[q.Row] = c.db.execute(
                 f"SELECT uid FROM messages WHERE session_id=? AND id>=? AND active=1 AND NOT {q.IS_SUMMARY_SQL} "
                 "ORDER BY id",
                 (session_id, last[0]),
@@ -767,12 +767,13 @@ class SessionStore:
         """Counts of sessions and messages, and the latest message/session timestamp."""
 
         def job(c: _Call) -> dict[str, Any]:
-            row = c.db.execute(
+            row = q.aggregate(
+                c.db,
                 "SELECT (SELECT count(*) FROM sessions) AS sessions, (SELECT count(*) FROM messages) AS messages, "
                 "max(COALESCE((SELECT max(timestamp) FROM messages), 0), "
                 "    COALESCE((SELECT max(max(COALESCE(started_at,0), COALESCE(ended_at,0))) FROM sessions), 0)) "
-                "AS last"
-            ).fetchone()
+                "AS last",
+            )
             return {"sessions": row[0], "messages": row[1], "last_activity": row[2] or None}
 
         return await self._call(job)

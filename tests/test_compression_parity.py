@@ -72,7 +72,7 @@ async def test_compression_cooldown_remembers_why_it_started(monkeypatch, cause:
     comp = _compressor()
     state = CompressionState(cooldown_until=1060.0, cooldown_kind=cause)
     turns = [{"role": "user", "content": f"turn {i}", "_uid": f"u{i}"} for i in range(4)]
-    body, fallback, failure = await comp._summarize(turns, None, None, state, "context", 100)
+    body, fallback, failure = await comp._summarize(turns, None, None, state, "context", 100, None)
     assert failure is not None
     assert failure.abort is aborts
     assert (body is None) is aborts and fallback is (not aborts)

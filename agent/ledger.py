@@ -10,8 +10,9 @@ replaced by the response's usage) with the profile's next write, normally the tu
 answer: a crash in between leaves the estimate counted, an over-count, never an
 under-count. The operator's per-tenant caps (`budget set`) are `budget.json` beside it.
 
-The functions take a `sqlite3.Connection` inside a transaction, so the gateway (through
-`SessionStore.transact`) and the operator's CLI (`hermes-gateway budget`) run the same SQL.
+The functions take a connection inside a transaction (APSW in the gateway, through
+`SessionStore.transact`; the stdlib's in the operator's CLI, `hermes-gateway budget`, its
+own process), so both run the same SQL.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import apsw
 
 from agent.fileio import atomic_write
 from agent.sessions import SessionStore
@@ -46,6 +49,8 @@ CREATE TABLE IF NOT EXISTS budget_said(key TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
 OVERRIDE_FILE = "budget.json"
+#: the gateway's store hands an APSW connection; `hermes-gateway budget` (its own process) a stdlib one
+Conn = apsw.Connection | sqlite3.Connection
 LIMIT_KEYS = ("tokens_per_day", "tokens_per_month", "cost_per_day", "cost_per_month")
 log = logging.getLogger("hermes.agent")
 
@@ -60,13 +65,13 @@ class Totals:
     month_cost_nanos: int = 0
 
 
-def ensure_tables(db: sqlite3.Connection) -> None:
+def ensure_tables(db: Conn) -> None:
     for stmt in _DDL.split(";"):
         if stmt.strip():
             db.execute(stmt)
 
 
-def _add(db: sqlite3.Connection, period: str, tokens: int, cost_nanos: int) -> None:
+def _add(db: Conn, period: str, tokens: int, cost_nanos: int) -> None:
     """Add to one period's counters (a settle's negative delta never takes them below 0)."""
     t, c = int(tokens), int(cost_nanos)
     db.execute(
@@ -93,7 +98,7 @@ def over_cap(t: Totals, limits: dict[str, float | None]) -> str | None:
 
 
 def reserve(
-    db: sqlite3.Connection,
+    db: Conn,
     call_id: str,
     day: str,
     month: str,
@@ -118,7 +123,7 @@ def reserve(
     return before, True
 
 
-def settle(db: sqlite3.Connection, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
+def settle(db: Conn, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
     """Replace a call's estimate by what it used (all of it when a reset dropped the estimate)."""
     ensure_tables(db)
     row = db.execute("SELECT day, month, tokens, cost_nanos FROM budget_pending WHERE call_id=?", (call_id,)).fetchone()
@@ -130,7 +135,7 @@ def settle(db: sqlite3.Connection, call_id: str, day: str, month: str, tokens: i
     _add(db, f"m:{month}", tokens, cost_nanos)
 
 
-def totals(db: sqlite3.Connection, day: str, month: str) -> Totals:
+def totals(db: Conn, day: str, month: str) -> Totals:
     ensure_tables(db)
     got = {
         r[0]: (int(r[1]), int(r[2]))
@@ -142,11 +147,13 @@ def totals(db: sqlite3.Connection, day: str, month: str) -> Totals:
     return Totals(d[0], d[1], m[0], m[1])
 
 
-def mark_once(db: sqlite3.Connection, key: str) -> bool:
+def mark_once(db: Conn, key: str) -> bool:
     """Record that `key` (a notice of one period) was said; False when it was already."""
     ensure_tables(db)
-    cur = db.execute("INSERT OR IGNORE INTO budget_said(key, at) VALUES (?, ?)", (key, time.time()))
-    return cur.rowcount == 1
+    if db.execute("SELECT 1 FROM budget_said WHERE key=?", (key,)).fetchone() is not None:
+        return False
+    db.execute("INSERT INTO budget_said(key, at) VALUES (?, ?)", (key, time.time()))
+    return True
 
 
 def read_override(profile_dir: Path) -> dict[str, float | None]:
@@ -172,7 +179,7 @@ def write_override(profile_dir: Path, limits: dict[str, float | None]) -> None:
     atomic_write(path, json.dumps({k: limits[k] for k in LIMIT_KEYS if k in limits}, indent=1))
 
 
-def reset(db: sqlite3.Connection) -> None:
+def reset(db: Conn) -> None:
     """Start the tenant's count afresh: every period's use, open estimates and the notices said."""
     ensure_tables(db)
     db.execute("DELETE FROM budget_usage")

@@ -71,7 +71,7 @@ class _Soft:
 
     usage: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     states: dict[str, str] = dataclasses.field(default_factory=dict)
-    later: list[Callable[[sqlite3.Connection], None]] = dataclasses.field(default_factory=list)  # transact(soft=True)
+    later: list[Callable[[apsw.Connection], None]] = dataclasses.field(default_factory=list)  # transact(soft=True)
 
     def __bool__(self) -> bool:
         return bool(self.usage or self.states or self.later)
@@ -85,7 +85,7 @@ class _Soft:
         for fn in self.later:
             try:
                 fn(db)
-            except sqlite3.Error:  # never let a queued extra hold back the write it rides on
+            except apsw.Error:  # never let a queued extra hold back the write it rides on
                 log.exception("a queued state.db write failed; skipped")
 
     def merge_older(self, older: _Soft) -> None:
@@ -697,7 +697,7 @@ class SessionStore:
 
     # ------------------------------------------------------------------ counters and info
 
-    async def transact(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def transact(self, fn: Callable[[apsw.Connection], T]) -> T:
         """Run `fn` in one transaction of state.db, on the store's pool and under its lock
         and write guard (the budget ledger's tables, agent/ledger.py)."""
 
@@ -707,7 +707,7 @@ class SessionStore:
 
         return await self._call(job)
 
-    def transact_later(self, fn: Callable[[sqlite3.Connection], None]) -> None:
+    def transact_later(self, fn: Callable[[apsw.Connection], None]) -> None:
         """Queue `fn` for the store's next transaction (normally the turn's answer), like the
         usage counters: a crash before it loses only what `fn` would write (the ledger's
         settle, which replaces an estimate already counted)."""

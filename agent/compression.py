@@ -764,7 +764,7 @@ class Compressor:
         state: CompressionState,
         trigger: str,
         middle_tokens: int,
-        payer: Payer | None,
+        payer: Payer | None = None,
     ) -> tuple[str | None, bool, _Failure | None]:
         """(body, used_fallback, failure); body None means abort (messages untouched)."""
         failure: _Failure | None
@@ -810,7 +810,7 @@ class Compressor:
         return text
 
     async def _ask_summary(
-        self, prompt: str, state: CompressionState, payer: Payer | None
+        self, prompt: str, state: CompressionState, payer: Payer | None = None
     ) -> tuple[str | None, _Failure | None]:
         target = self._summary_target()
         try:

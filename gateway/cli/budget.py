@@ -149,6 +149,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             default=...,
             type=_limit(int if key.startswith("tokens") else float),
             metavar="N" if key.startswith("tokens") else "X",
+            help=f"this tenant's {key.replace('_', ' ')} ('none': no cap); unnamed caps keep the config's",
         )
     p.add_argument("--default", action="store_true", help="drop the override first (the config's caps apply)")
     p.set_defaults(handler=guard(cmd_budget_set))

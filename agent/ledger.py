@@ -10,9 +10,9 @@ replaced by the response's usage) with the profile's next write, normally the tu
 answer: a crash in between leaves the estimate counted, an over-count, never an
 under-count. The operator's per-tenant caps (`budget set`) are `budget.json` beside it.
 
-The functions take a connection inside a transaction (APSW in the gateway, through
-`SessionStore.transact`; the stdlib's in the operator's CLI, `hermes-gateway budget`, its
-own process), so both run the same SQL.
+The functions take a connection inside a transaction (APSW, through
+`SessionStore.transact` in the gateway and directly in `hermes-gateway budget`), so both run
+the same SQL.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS budget_said(key TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
 OVERRIDE_FILE = "budget.json"
-#: the gateway's store hands an APSW connection; `hermes-gateway budget` (its own process) a stdlib one
+#: an APSW connection (the store's or the budget CLI's); a stdlib one works too (tests read the ledger so)
 Conn = apsw.Connection | sqlite3.Connection
 LIMIT_KEYS = ("tokens_per_day", "tokens_per_month", "cost_per_day", "cost_per_month")
 log = logging.getLogger("hermes.agent")

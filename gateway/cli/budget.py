@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import apsw
 
 from agent import ledger
 from agent.ledger import LIMIT_KEYS, NANOS
@@ -26,14 +27,21 @@ from gateway.tenants import TenantInfo, find_tenant
 T = TypeVar("T")
 
 
-def _in_ledger(info: TenantInfo, fn: Callable[[sqlite3.Connection], T]) -> T | None:
-    """Run `fn` in one transaction of the tenant's state.db (None: it has none yet)."""
+def _in_ledger(info: TenantInfo, fn: Callable[[apsw.Connection], T]) -> T | None:
+    """Run `fn` in one transaction of the tenant's state.db (None: it has none yet).
+
+    APSW, like the gateway's store: two SQLite libraries with one file open in one process
+    do not see each other's locks, and the stdlib's close can truncate the shared-memory
+    index under APSW's mapping (a bus error), as when this runs inside a live gateway's process."""
     path = info.path / "state.db"
     if not path.exists():
         return None
-    db = sqlite3.connect(path, timeout=10, isolation_level=None)
     try:
-        db.execute("PRAGMA busy_timeout=10000")
+        db = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE)
+    except apsw.Error as err:
+        raise AdminError(f"cannot read or write the budget in {path}: {err}") from err
+    try:
+        db.set_busy_timeout(10000)
         db.execute("BEGIN IMMEDIATE")
         try:
             result = fn(db)
@@ -42,7 +50,7 @@ def _in_ledger(info: TenantInfo, fn: Callable[[sqlite3.Connection], T]) -> T | N
             raise
         db.execute("COMMIT")
         return result
-    except sqlite3.Error as err:
+    except apsw.Error as err:
         raise AdminError(f"cannot read or write the budget in {path}: {err}") from err
     finally:
         db.close()

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import resource
+import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -18,15 +19,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
 
-import apsw
-
 from agent.fileio import private_mkdir
 from agent.memory import MemoryStore
 from agent.profile import Profile, write_manifest
 from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
-from agent.sessions.errors import damaged_sqlite
 from core.settings import DEFAULT_MEMORY_BUDGET_MIB
 from tenancy.keys import tenant_dir, tenant_dir_name
 
@@ -101,15 +99,12 @@ def profile_problem(path: Path, *, deep: bool = False) -> str | None:
         return "state.db is not a SQLite database (damaged header)"
     if deep and header:
         try:
-            # APSW, as the store: in the gateway this runs right before the store opens the
-            # file, and one process keeps to one SQLite library per file (docs/concepts.md#session-storage)
-            conn = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
+            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
             try:
-                conn.set_busy_timeout(10000)
-                verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])  # type: ignore[index]
+                verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])
             finally:
                 conn.close()
-        except apsw.Error as err:
+        except sqlite3.DatabaseError as err:
             return f"state.db cannot be read ({err})"
         if verdict != "ok":
             return f"state.db fails integrity_check ({verdict.splitlines()[0]})"
@@ -163,7 +158,7 @@ def journal_records(path: Path) -> list[dict]:
 def _damage_of(exc: BaseException) -> str | None:
     """The damage an open failure shows (SQLite finding a file that is not a sound
     database, a layout entry of the wrong type), or None for anything that may pass."""
-    if damaged_sqlite(exc):  # "file is not a database", "disk image is malformed"
+    if type(exc) is sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
         return f"state.db cannot be read ({exc})"
     if isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)):
         return f"{Path(exc.filename).name if exc.filename else 'a file'} has the wrong type ({exc.strerror})"

@@ -14,14 +14,13 @@
 from __future__ import annotations
 
 import errno
-import sqlite3
 
+from agent.sessions.errors import damaged_sqlite, sqlite_cannot_open, sqlite_transient
 from core.errors import cause_chain
 from tenancy.profiles import ProfileDamaged
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NO_DESCRIPTORS = {errno.EMFILE, errno.ENFILE}
-_SQLITE_TRANSIENT = ("database is locked", "database or disk is full", "disk is full", "database table is locked")
 
 __all__ = [
     "MODEL_DOWN_KINDS",
@@ -59,10 +58,9 @@ def storage_fault(exc: BaseException) -> str | None:
     for cur in cause_chain(exc):
         if isinstance(cur, OSError) and cur.errno in _DISK_FULL:
             return "disk full"
-        if isinstance(cur, sqlite3.OperationalError):
-            text = str(cur).lower()
-            if any(t in text for t in _SQLITE_TRANSIENT):
-                return "disk full" if "full" in text else "database locked"
+        fault = sqlite_transient(cur)
+        if fault is not None:
+            return fault
     return None
 
 
@@ -76,7 +74,7 @@ def resource_fault(exc: BaseException) -> str | None:
             return "out of memory"
         if isinstance(cur, OSError) and cur.errno in _NO_DESCRIPTORS:
             return "too many open files"
-        if isinstance(cur, sqlite3.OperationalError) and "unable to open database file" in str(cur).lower():
+        if sqlite_cannot_open(cur):
             return "too many open files"
     return None
 
@@ -85,7 +83,7 @@ def damaged_database(exc: BaseException) -> str | None:
     """What SQLite said when `exc` (or its cause) shows a damaged database file ("database
     disk image is malformed", "file is not a database"), else None."""
     for cur in cause_chain(exc):
-        if type(cur) is sqlite3.DatabaseError:  # its subclasses are other failures
+        if damaged_sqlite(cur):
             return f"state.db cannot be read ({cur})"
     return None
 

@@ -15,10 +15,11 @@ import json
 import logging
 import os
 import shutil
-import sqlite3
 import time
 from collections.abc import Set
 from pathlib import Path
+
+import apsw
 
 from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
@@ -179,15 +180,18 @@ def _merge_journals(src: Path, target: Path) -> None:
         atomic_write(dest, data)
 
 
-def _columns(conn: sqlite3.Connection, schema: str, table: str) -> list[str]:
-    return [r[1] for r in conn.execute(f"PRAGMA {schema}.table_info({table})")]
+def _columns(conn: apsw.Connection, schema: str, table: str) -> list[str]:
+    return [str(r[1]) for r in conn.execute(f"PRAGMA {schema}.table_info({table})")]
 
 
 def _merge_db(src: Path, target: Path) -> None:
     if not (src / "state.db").exists():
         return
-    conn = sqlite3.connect(target / "state.db", timeout=30, isolation_level=None)
+    # APSW, as the store: the merge runs inside the gateway, which keeps to one SQLite
+    # library per state.db (docs/concepts.md#session-storage)
+    conn = apsw.Connection(str(target / "state.db"))
     try:
+        conn.set_busy_timeout(30000)
         conn.execute("ATTACH DATABASE ? AS src", (str(src / "state.db"),))
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -205,7 +209,7 @@ def _merge_db(src: Path, target: Path) -> None:
             )
             missing = conn.execute(
                 "SELECT count(*) FROM src.messages WHERE uid NOT IN (SELECT uid FROM main.messages)"
-            ).fetchone()[0]
+            ).fetchone()[0]  # type: ignore[index]
             if missing:
                 raise RuntimeError(f"{missing} message(s) did not copy")
             conn.execute("COMMIT")

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import resource
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -19,12 +18,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
 
+import apsw
+
 from agent.fileio import private_mkdir
 from agent.memory import MemoryStore
 from agent.profile import Profile, write_manifest
 from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
+from agent.sessions.errors import damaged_sqlite
 from core.settings import DEFAULT_MEMORY_BUDGET_MIB
 from tenancy.keys import tenant_dir, tenant_dir_name
 
@@ -99,12 +101,15 @@ def profile_problem(path: Path, *, deep: bool = False) -> str | None:
         return "state.db is not a SQLite database (damaged header)"
     if deep and header:
         try:
-            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+            # APSW, as the store: in the gateway this runs right before the store opens the
+            # file, and one process keeps to one SQLite library per file (docs/concepts.md#session-storage)
+            conn = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
             try:
-                verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])
+                conn.set_busy_timeout(10000)
+                verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])  # type: ignore[index]
             finally:
                 conn.close()
-        except sqlite3.DatabaseError as err:
+        except apsw.Error as err:
             return f"state.db cannot be read ({err})"
         if verdict != "ok":
             return f"state.db fails integrity_check ({verdict.splitlines()[0]})"
@@ -158,7 +163,7 @@ def journal_records(path: Path) -> list[dict]:
 def _damage_of(exc: BaseException) -> str | None:
     """The damage an open failure shows (SQLite finding a file that is not a sound
     database, a layout entry of the wrong type), or None for anything that may pass."""
-    if type(exc) is sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
+    if damaged_sqlite(exc):  # "file is not a database", "disk image is malformed"
         return f"state.db cannot be read ({exc})"
     if isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)):
         return f"{Path(exc.filename).name if exc.filename else 'a file'} has the wrong type ({exc.strerror})"

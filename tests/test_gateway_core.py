@@ -530,7 +530,7 @@ async def test_a_warm_turn_costs_three_storage_calls_and_keeps_its_page_cache(co
         store = app.profiles._open["testchat-ada"].sessions
         assert store._db is not None
         statements: list[str] = []
-        store._db.set_trace_callback(statements.append)
+        store._db.exec_trace = lambda _cur, sql, _bindings: statements.append(sql) or True  # True: run it
         calls = app.storage_pool.calls
         assert await say(app, adapter, dm("ada", "and again")) == ["second"]
         assert app.storage_pool.calls - calls == 3

@@ -140,7 +140,7 @@ async def test_journal_line_is_flushed_before_sqlite_insert(profile: Path) -> No
             seen.append(uid in path.read_text("utf-8"))
             return 0
 
-        await on_connection(s, lambda db: db.create_function("peek", 1, peek))
+        await on_connection(s, lambda db: db.create_scalar_function("peek", peek, 1))
         await on_connection(s, "CREATE TEMP TRIGGER t AFTER INSERT ON messages BEGIN SELECT peek(new.uid); END")
         await s.append_many(msgs(sid, 3))
     assert seen == [True, True, True]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from agent.messages import StoredMessage
@@ -140,21 +140,23 @@ def msg_row(m: StoredMessage) -> tuple[Any, ...]:
     )
 
 
-def row_msg(r: sqlite3.Row) -> StoredMessage:
+def row_msg(r: Sequence[Any]) -> StoredMessage:
+    """A message from a `SELECT {db.MSG_COLS}` row (positional: the column list's order)."""
+    uid, sid, role, content, tool_call_id, tool_calls, tool_name, ts, tokens, finish, active, compacted, meta = r
     return StoredMessage(
-        session_id=r["session_id"],
-        role=r["role"],
-        content=r["content"],
-        uid=r["uid"],
-        tool_call_id=r["tool_call_id"],
-        tool_calls=None if r["tool_calls"] is None else json.loads(r["tool_calls"]),
-        tool_name=r["tool_name"],
-        timestamp=r["timestamp"],
-        token_count=r["token_count"],
-        finish_reason=r["finish_reason"],
-        active=bool(r["active"]),
-        compacted=bool(r["compacted"]),
-        meta=json.loads(r["meta"]) if r["meta"] else {},
+        session_id=sid,
+        role=role,
+        content=content,
+        uid=uid,
+        tool_call_id=tool_call_id,
+        tool_calls=None if tool_calls is None else json.loads(tool_calls),
+        tool_name=tool_name,
+        timestamp=ts,
+        token_count=tokens,
+        finish_reason=finish,
+        active=bool(active),
+        compacted=bool(compacted),
+        meta=json.loads(meta) if meta else {},
     )
 
 

@@ -1,16 +1,21 @@
 """state.db: the schema, opening a connection, and the statements the store runs.
 
-Plain `sqlite3` on purpose: every function here runs on a storage pool thread inside one
-store call, with the connection handed in explicitly (no connection is shared between
-profiles, and one call at a time uses it).
+APSW (its bundled SQLite), not the stdlib `sqlite3`: a close does not checkpoint, statements
+stay prepared per connection, and each call costs less (docs/concepts.md#session-storage).
+The files stay plain SQLite, which the stdlib (the Hermes CLI) reads. Every function here
+runs on a storage pool thread inside one store call, with the connection handed in
+explicitly (no connection is shared between profiles, and one call at a time uses it).
+Rows are tuples in the order of the column lists below (SESSION_COLS, MSG_COLS).
 """
 
 from __future__ import annotations
 
-import sqlite3
+import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
+
+import apsw
 
 from agent.messages import StoredMessage
 from agent.sessions.codec import msg_row
@@ -23,8 +28,36 @@ _SQL_CHUNK = 500  # uids per `IN (...)` clause, well below SQLite's variable lim
 # the most page cache one profile's connection keeps between calls (SQLite's default is
 # 2 MiB): open profiles are counted against storage.memory_budget_mib (docs/concepts.md#open-profiles)
 PAGE_CACHE_KIB = 256
+# prepared statements kept per connection (APSW's cache, keyed by SQL text; ~2.3 KiB each):
+# a turn uses about 10; the open's one-shot statements bypass it (can_cache=False)
+STATEMENT_CACHE = 24
+# WAL pages after which a commit checkpoints (SQLite's default is 1,000 = 4 MiB), and the
+# size a WAL is cut back to after a checkpoint: a close does not checkpoint, so this is
+# what bounds the -wal file a profile keeps between opens
+WAL_AUTOCHECKPOINT_PAGES = 256
+WAL_SIZE_LIMIT = 1 << 20
+# lookaside per connection (SQLite's default 1,200 B x 40 = 47 KiB): 8 KiB saves ~36 KiB
+# per open profile at no measured CPU cost
+LOOKASIDE = (256, 32)
 
+Connection = apsw.Connection
+Row = tuple[Any, ...]
+Error = apsw.Error
 T = TypeVar("T")
+log = logging.getLogger("agent.sessions")
+
+
+def _configure_library() -> None:
+    """Process-wide SQLite settings of APSW's library (before its first connection)."""
+    try:
+        apsw.shutdown()
+        apsw.config(apsw.SQLITE_CONFIG_LOOKASIDE, *LOOKASIDE)
+        apsw.initialize()
+    except apsw.Error as e:  # a connection exists already: SQLite's default lookaside stays
+        log.debug("SQLite lookaside left at its default: %s", e)
+
+
+_configure_library()
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
@@ -120,21 +153,28 @@ def chunks(items: list[T], n: int = _SQL_CHUNK) -> Iterable[list[T]]:
 JournalMode = Literal["wal", "delete"]
 
 
-def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> sqlite3.Connection:
+def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> apsw.Connection:
     """Open state.db for one profile (usable from any pool thread, one call at a time).
 
     `journal_mode` "delete" (a rollback journal) is for a data_dir on a network filesystem
     (cluster mode): WAL's shared-memory index only works among processes of one host.
+    A close leaves the WAL for the next open or SQLite's auto-checkpoint (no checkpoint and
+    fsyncs per close); the journal, written first, covers what an un-fsynced WAL loses.
     The schema script runs only when PRAGMA user_version says it has not run yet."""
-    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db = apsw.Connection(str(path), statementcachesize=STATEMENT_CACHE)
     try:
-        db.row_factory = sqlite3.Row
-        db.execute("PRAGMA busy_timeout=10000")
-        db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
-        db.execute(f"PRAGMA journal_mode={'WAL' if journal_mode == 'wal' else 'DELETE'}")
-        db.execute(f"PRAGMA synchronous={'FULL' if fsync == 'always' else 'NORMAL'}")
-        if db.execute("PRAGMA user_version").fetchone()[0] != USER_VERSION:
-            db.executescript(SCHEMA)
+        db.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
+        db.set_busy_timeout(10000)
+        mode = "WAL" if journal_mode == "wal" else "DELETE"
+        # one call: the mode is read from the file (a no-op when it is already set)
+        version = db.execute(
+            f"PRAGMA cache_size=-{PAGE_CACHE_KIB}; PRAGMA synchronous={'FULL' if fsync == 'always' else 'NORMAL'}; "
+            f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}; PRAGMA journal_size_limit={WAL_SIZE_LIMIT}; "
+            f"PRAGMA journal_mode={mode}; PRAGMA user_version",
+            can_cache=False,  # one-shot statements would crowd the turn's out of the cache
+        ).fetchall()[-1][0]
+        if version != USER_VERSION:
+            db.execute(SCHEMA, can_cache=False)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -147,31 +187,47 @@ def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> sqlite
     return db
 
 
-def session_row(db: sqlite3.Connection, sid: str) -> sqlite3.Row:
+SESSION_NAMES = tuple(c.strip() for c in SESSION_COLS.split(","))
+MSG_NAMES = tuple(c.strip() for c in MSG_COLS.split(","))
+
+
+def aggregate(db: apsw.Connection, sql: str) -> Row:
+    """The one row of an aggregate query (always there), not kept in the statement cache."""
+    return cast(Row, db.execute(sql, can_cache=False).fetchone())
+
+
+def session_dict(row: Row) -> dict[str, Any]:
+    """A `SELECT {SESSION_COLS}` row by column name."""
+    return dict(zip(SESSION_NAMES, row, strict=True))
+
+
+def session_row(db: apsw.Connection, sid: str) -> dict[str, Any]:
     row = db.execute(f"SELECT {SESSION_COLS} FROM sessions WHERE id=?", (sid,)).fetchone()
     if row is None:
         raise UnknownSessionError(sid)
-    return row
+    return session_dict(row)
 
 
-def live_route(db: sqlite3.Connection, session_key: str) -> str | None:
+def live_route(db: apsw.Connection, session_key: str) -> str | None:
     row = db.execute(LIVE_ROUTE_SQL, (session_key,)).fetchone()
     return None if row is None else row[0]
 
 
-def existing_uids(db: sqlite3.Connection, uids: list[str]) -> set[str]:
+def existing_uids(db: apsw.Connection, uids: list[str]) -> set[str]:
     found: set[str] = set()
     for part in chunks(uids):
-        rows = db.execute(f"SELECT uid FROM messages WHERE uid IN ({','.join('?' * len(part))})", part).fetchall()
+        rows: list[Row] = db.execute(
+            f"SELECT uid FROM messages WHERE uid IN ({','.join('?' * len(part))})", part
+        ).fetchall()
         found.update(r[0] for r in rows)
     return found
 
 
-def uids_of(db: sqlite3.Connection, session_id: str, uids: list[str]) -> list[str]:
+def uids_of(db: apsw.Connection, session_id: str, uids: list[str]) -> list[str]:
     """The given uids that belong to `session_id`, in insertion order."""
     found: list[str] = []
     for part in chunks(list(dict.fromkeys(uids))):
-        rows = db.execute(
+        rows: list[Row] = db.execute(
             f"SELECT uid FROM messages WHERE session_id=? AND uid IN ({','.join('?' * len(part))}) ORDER BY id",
             (session_id, *part),
         ).fetchall()
@@ -179,23 +235,23 @@ def uids_of(db: sqlite3.Connection, session_id: str, uids: list[str]) -> list[st
     return found
 
 
-def uids_by_session(db: sqlite3.Connection, uids: list[str]) -> dict[str, list[str]]:
+def uids_by_session(db: apsw.Connection, uids: list[str]) -> dict[str, list[str]]:
     by_session: dict[str, list[str]] = {}
     for part in chunks(list(dict.fromkeys(uids))):
-        rows = db.execute(
+        rows: list[Row] = db.execute(
             f"SELECT uid, session_id FROM messages WHERE uid IN ({','.join('?' * len(part))}) ORDER BY id", part
         ).fetchall()
-        for r in rows:
-            by_session.setdefault(r["session_id"], []).append(r["uid"])
+        for uid, sid in rows:
+            by_session.setdefault(sid, []).append(uid)
     return by_session
 
 
-def session_messages(db: sqlite3.Connection, sid: str, *, include_inactive: bool = True) -> list[sqlite3.Row]:
+def session_messages(db: apsw.Connection, sid: str, *, include_inactive: bool = True) -> list[Row]:
     where = "" if include_inactive else " AND active=1 AND compacted=0"
     return db.execute(f"SELECT {MSG_COLS} FROM messages WHERE session_id=?{where} ORDER BY id", (sid,)).fetchall()
 
 
-def insert_messages(db: sqlite3.Connection, fresh: list[StoredMessage]) -> None:
+def insert_messages(db: apsw.Connection, fresh: list[StoredMessage]) -> None:
     """Insert rows and bump message counts (inside the caller's transaction)."""
     if not fresh:
         return
@@ -210,7 +266,7 @@ def insert_messages(db: sqlite3.Connection, fresh: list[StoredMessage]) -> None:
 
 
 def insert_session(
-    db: sqlite3.Connection,
+    db: apsw.Connection,
     sid: str,
     session_key: str | None,
     *,
@@ -234,15 +290,13 @@ def insert_session(
     )
 
 
-def set_route(db: sqlite3.Connection, session_key: str, sid: str, ts: float) -> None:
+def set_route(db: apsw.Connection, session_key: str, sid: str, ts: float) -> None:
     db.execute(
         "INSERT OR REPLACE INTO routes(session_key, session_id, updated_at) VALUES (?, ?, ?)", (session_key, sid, ts)
     )
 
 
-def apply_end(
-    db: sqlite3.Connection, sid: str, reason: str | None, ts: float, move_routes_to: str | None = None
-) -> None:
+def apply_end(db: apsw.Connection, sid: str, reason: str | None, ts: float, move_routes_to: str | None = None) -> None:
     db.execute("UPDATE sessions SET ended_at=?, end_reason=? WHERE id=? AND ended_at IS NULL", (ts, reason, sid))
     if move_routes_to is None:
         db.execute("DELETE FROM routes WHERE session_id=?", (sid,))
@@ -250,21 +304,21 @@ def apply_end(
         db.execute("UPDATE routes SET session_id=?, updated_at=? WHERE session_id=?", (move_routes_to, ts, sid))
 
 
-def apply_flags(db: sqlite3.Connection, uids: list[str], active: bool | None, compacted: bool | None) -> int:
+def apply_flags(db: apsw.Connection, uids: list[str], active: bool | None, compacted: bool | None) -> int:
     a = None if active is None else int(bool(active))
     c = None if compacted is None else int(bool(compacted))
     n = 0
     for part in chunks(uids):
-        cur = db.execute(
+        db.execute(
             f"UPDATE messages SET active=COALESCE(?, active), compacted=COALESCE(?, compacted) "
             f"WHERE uid IN ({','.join('?' * len(part))})",
             (a, c, *part),
         )
-        n += max(cur.rowcount, 0)
+        n += db.changes()
     return n
 
 
-def record_offsets(db: sqlite3.Connection, rows: list[tuple[str, int, int]]) -> None:
+def record_offsets(db: apsw.Connection, rows: list[tuple[str, int, int]]) -> None:
     """New journal end offsets and message-line counts per session (inside the transaction)."""
     db.executemany(
         'INSERT INTO journal_offsets(session_id, "offset", messages) VALUES (?, ?, ?) '
@@ -274,15 +328,16 @@ def record_offsets(db: sqlite3.Connection, rows: list[tuple[str, int, int]]) -> 
     )
 
 
-def add_usage(db: sqlite3.Connection, sid: str, input_tokens: int, output_tokens: int) -> int:
-    return db.execute(
+def add_usage(db: apsw.Connection, sid: str, input_tokens: int, output_tokens: int) -> int:
+    db.execute(
         "UPDATE sessions SET input_tokens = COALESCE(input_tokens,0) + ?, "
         "output_tokens = COALESCE(output_tokens,0) + ? WHERE id=?",
         (int(input_tokens), int(output_tokens), sid),
-    ).rowcount
+    )
+    return db.changes()
 
 
-def put_compression_state(db: sqlite3.Connection, sid: str, text: str, ts: float) -> None:
+def put_compression_state(db: apsw.Connection, sid: str, text: str, ts: float) -> None:
     db.execute(
         "INSERT INTO compression_state(session_id, state, updated_at) VALUES (?, ?, ?) "
         "ON CONFLICT(session_id) DO UPDATE SET state=excluded.state, updated_at=excluded.updated_at",
@@ -290,7 +345,7 @@ def put_compression_state(db: sqlite3.Connection, sid: str, text: str, ts: float
     )
 
 
-def get_compression_state(db: sqlite3.Connection, sid: str) -> str | None:
+def get_compression_state(db: apsw.Connection, sid: str) -> str | None:
     row = db.execute("SELECT state FROM compression_state WHERE session_id=?", (sid,)).fetchone()
     return None if row is None else row[0]
 
@@ -298,10 +353,10 @@ def get_compression_state(db: sqlite3.Connection, sid: str) -> str | None:
 class Transaction:
     """`with Transaction(db):` BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: apsw.Connection) -> None:
         self.db = db
 
-    def __enter__(self) -> sqlite3.Connection:
+    def __enter__(self) -> apsw.Connection:
         self.db.execute("BEGIN IMMEDIATE")
         return self.db
 

@@ -12,35 +12,39 @@ journal longer than its offset, and the next open reads that tail.
 from __future__ import annotations
 
 import logging
-import sqlite3
 from pathlib import Path
 from typing import Any
+
+import apsw
 
 from agent.messages import StoredMessage
 from agent.sessions import db as q
 from agent.sessions.codec import check_session_id, end_line, message_line, msg_row, now, row_msg, start_line
+from agent.sessions.db import Row
 from agent.sessions.journal import Journal, Record
 from agent.sessions.write import journaled
 
 log = logging.getLogger("agent.sessions")
 
 
-def _agree(db: sqlite3.Connection, journal: Journal, offsets: dict[str, int]) -> bool:
+def _agree(db: apsw.Connection, journal: Journal, offsets: dict[str, int]) -> bool:
     """True when the journals and state.db are known to hold the same messages."""
     if offsets != journal.sizes():
         return False
-    lines, rows = db.execute(
-        "SELECT (SELECT COALESCE(sum(messages), 0) FROM journal_offsets), (SELECT count(*) FROM messages)"
-    ).fetchone()
-    if lines != rows:
+    counts = q.aggregate(
+        db, "SELECT (SELECT COALESCE(sum(messages), 0) FROM journal_offsets), (SELECT count(*) FROM messages)"
+    )
+    if counts[0] != counts[1]:
         return False
     # every session is journaled (a session row without a journal is rebuilt below)
-    return db.execute("SELECT count(*) FROM sessions").fetchone()[0] <= len(offsets)
+    sessions = q.aggregate(db, "SELECT count(*) FROM sessions")
+    return int(sessions[0]) <= len(offsets)
 
 
-def reconcile(db: sqlite3.Connection, journal: Journal) -> None:
+def reconcile(db: apsw.Connection, journal: Journal) -> None:
     """Bring state.db and the journals to the same set of messages (runs in open())."""
-    offsets = {r[0]: r[1] for r in db.execute('SELECT session_id, "offset" FROM journal_offsets')}
+    # the open's one-shot statements stay out of the statement cache (agent/sessions/db.py)
+    offsets = {r[0]: r[1] for r in db.execute('SELECT session_id, "offset" FROM journal_offsets', can_cache=False)}
     if _agree(db, journal, offsets):
         return
     # Sessions whose SQLite message count differs from what their journal holds (rows
@@ -58,7 +62,8 @@ def reconcile(db: sqlite3.Connection, journal: Journal) -> None:
     files, todo = journal.scan(offsets, suspects)
     for sid, path, start, full in todo:
         _reconcile_file(db, journal, sid, path, start, full=full)
-    for (sid,) in db.execute("SELECT id FROM sessions ORDER BY started_at, id").fetchall():
+    ids: list[Row] = db.execute("SELECT id FROM sessions ORDER BY started_at, id").fetchall()
+    for (sid,) in ids:
         if sid in files:
             continue
         try:
@@ -69,7 +74,7 @@ def reconcile(db: sqlite3.Connection, journal: Journal) -> None:
         _rebuild_journal(db, journal, sid)
 
 
-def _reconcile_file(db: sqlite3.Connection, journal: Journal, sid: str, path: Path, offset: int, *, full: bool) -> None:
+def _reconcile_file(db: apsw.Connection, journal: Journal, sid: str, path: Path, offset: int, *, full: bool) -> None:
     """Replay the journal from `offset` (from 0 when `full`, then re-journal SQLite-only messages)."""
     records, end = Journal.read(path, offset)
     with q.Transaction(db):
@@ -82,7 +87,7 @@ def _reconcile_file(db: sqlite3.Connection, journal: Journal, sid: str, path: Pa
         )
     if not full:
         return
-    missing = [row_msg(r) for r in q.session_messages(db, sid) if r["uid"] not in journal_uids]
+    missing = [m for m in map(row_msg, q.session_messages(db, sid)) if m.uid not in journal_uids]
     if not missing:
         return
     log.warning("re-journaling %d message(s) of %s found only in state.db", len(missing), sid)
@@ -93,7 +98,7 @@ def _reconcile_file(db: sqlite3.Connection, journal: Journal, sid: str, path: Pa
     journaled(db, journal, {sid: lines})
 
 
-def _replay(db: sqlite3.Connection, sid: str, records: list[Record]) -> set[str]:
+def _replay(db: apsw.Connection, sid: str, records: list[Record]) -> set[str]:
     """Apply journal records to SQLite idempotently (inside the caller's transaction).
 
     Returns the uids of this session's message lines that SQLite now holds; records that
@@ -109,18 +114,18 @@ def _replay(db: sqlite3.Connection, sid: str, records: list[Record]) -> set[str]
                 m = StoredMessage.from_json(d)
                 row = msg_row(m)
                 db.execute("INSERT OR IGNORE INTO sessions(id, started_at) VALUES (?, ?)", (sid, float(m.timestamp)))
-                cur = db.execute(q.INSERT_MSG, row)
-                if cur.rowcount > 0:
+                db.execute(q.INSERT_MSG, row)
+                if db.changes() > 0:
                     db.execute("UPDATE sessions SET message_count = COALESCE(message_count, 0) + 1 WHERE id=?", (sid,))
                 held.add(m.uid)
             elif d.get("type") == "event":
                 _replay_event(db, sid, d)
-        except (TypeError, ValueError, sqlite3.InterfaceError, sqlite3.ProgrammingError) as e:
+        except (TypeError, ValueError, OverflowError, apsw.BindingsError) as e:
             log.warning("skipping unusable journal line of %s at byte %d: %s", sid, rec.start, e)
     return held
 
 
-def _replay_event(db: sqlite3.Connection, sid: str, d: dict[str, Any]) -> None:
+def _replay_event(db: apsw.Connection, sid: str, d: dict[str, Any]) -> None:
     ev = d.get("event")
     ts = float(d.get("ts") or now())
     if ev == "session_start":
@@ -146,17 +151,17 @@ def _replay_event(db: sqlite3.Connection, sid: str, d: dict[str, Any]) -> None:
         q.apply_flags(db, uids, d.get("active"), d.get("compacted"))
 
 
-def _restore_route(db: sqlite3.Connection, key: str, sid: str, ts: float) -> None:
+def _restore_route(db: apsw.Connection, key: str, sid: str, ts: float) -> None:
     """A replayed session_start takes its lane unless the lane routes to a newer live session."""
     cur = db.execute(
         "SELECT s.ended_at, s.started_at FROM routes r JOIN sessions s ON s.id = r.session_id WHERE r.session_key=?",
         (key,),
     ).fetchone()
-    if cur is None or cur["ended_at"] is not None or (cur["started_at"] or 0) <= ts:
+    if cur is None or cur[0] is not None or (cur[1] or 0) <= ts:
         q.set_route(db, key, sid, ts)
 
 
-def _start_line_from_db(db: sqlite3.Connection, sid: str) -> dict[str, Any]:
+def _start_line_from_db(db: apsw.Connection, sid: str) -> dict[str, Any]:
     row = q.session_row(db, sid)
     return start_line(
         sid,
@@ -170,7 +175,7 @@ def _start_line_from_db(db: sqlite3.Connection, sid: str) -> dict[str, Any]:
     )
 
 
-def _rebuild_journal(db: sqlite3.Connection, journal: Journal, sid: str) -> None:
+def _rebuild_journal(db: apsw.Connection, journal: Journal, sid: str) -> None:
     """Write a whole journal for a session that exists only in state.db."""
     info = q.session_row(db, sid)
     rows = q.session_messages(db, sid)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-import sqlite3
 from typing import Any
+
+import apsw
 
 log = logging.getLogger("agent.sessions")
 
@@ -25,7 +26,7 @@ def clamp_limit(limit: Any) -> int:
         return 10
 
 
-def search(db: sqlite3.Connection, query: str, limit: int, session_key: str | None) -> list[dict[str, Any]]:
+def search(db: apsw.Connection, query: str, limit: int, session_key: str | None) -> list[dict[str, Any]]:
     """FTS5 search over this profile's messages, inactive and compacted ones included;
     with `session_key`, only over the sessions of that one lane. System prompts (they hold
     memory snapshots) are never returned, even where an older database indexed them.
@@ -39,25 +40,25 @@ def search(db: sqlite3.Connection, query: str, limit: int, session_key: str | No
         "FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid "
         f"WHERE messages_fts MATCH ? AND m.role IS NOT 'system'{lane_filter} ORDER BY rank LIMIT ?"
     )
-    rows: list[sqlite3.Row] = []
+    rows: list[tuple[Any, ...]] = []
     for q in dict.fromkeys((fts_query(query), fts_query(query, join=" OR "))):
         params = (q, session_key, limit) if session_key else (q, limit)
         try:
             rows = db.execute(sql, params).fetchall()
-        except sqlite3.OperationalError as e:  # defensive: quoting should prevent this
+        except apsw.SQLError as e:  # defensive: quoting should prevent this
             log.warning("session search failed for %r: %s", query, e)
             return []
         if rows:
             break
     return [
         {
-            "session_id": r["session_id"],
-            "role": r["role"],
-            "snippet": (r["snippet"] or "").replace("\x00", ""),
-            "timestamp": r["timestamp"],
-            "uid": r["uid"],
-            "active": bool(r["active"]),
-            "compacted": bool(r["compacted"]),
+            "session_id": sid,
+            "role": role,
+            "snippet": (snippet or "").replace("\x00", ""),
+            "timestamp": ts,
+            "uid": uid,
+            "active": bool(active),
+            "compacted": bool(compacted),
         }
-        for r in rows
+        for uid, sid, role, ts, active, compacted, snippet in rows
     ]

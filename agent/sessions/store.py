@@ -16,12 +16,13 @@ import fcntl
 import json
 import logging
 import os
-import sqlite3
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
+
+import apsw
 
 from agent.fileio import private_file, private_mkdir
 from agent.messages import StoredMessage
@@ -75,7 +76,7 @@ class _Soft:
     def __bool__(self) -> bool:
         return bool(self.usage or self.states or self.later)
 
-    def apply(self, db: sqlite3.Connection) -> None:
+    def apply(self, db: apsw.Connection) -> None:
         ts = now()
         for sid, (i, o) in self.usage.items():
             q.add_usage(db, sid, i, o)
@@ -103,7 +104,7 @@ class _Call:
 
     __slots__ = ("db", "journal", "soft", "soft_done")
 
-    def __init__(self, db: sqlite3.Connection, journal: Journal, soft: _Soft | None) -> None:
+    def __init__(self, db: apsw.Connection, journal: Journal, soft: _Soft | None) -> None:
         self.db = db
         self.journal = journal
         self.soft = soft
@@ -161,7 +162,7 @@ class SessionStore:
         self.sessions_dir = self.profile_dir / "sessions"
         self._pool = pool or default_pool()
         self._journal = Journal(self.sessions_dir, fsync, self._pool.syncer)
-        self._db: sqlite3.Connection | None = None
+        self._db: apsw.Connection | None = None
         self._lock = asyncio.Lock()
         self._lock_fd: int | None = None
         self._routes: dict[str, str] = {}  # session_key -> live session id
@@ -177,7 +178,7 @@ class SessionStore:
         if self._db is not None:
             return self
 
-        def job() -> sqlite3.Connection:
+        def job() -> apsw.Connection:
             if before is not None:
                 before()
             return self._open_blocking()
@@ -185,13 +186,13 @@ class SessionStore:
         self._db = await self._pool.run(job)
         return self
 
-    def _open_blocking(self) -> sqlite3.Connection:
+    def _open_blocking(self) -> apsw.Connection:
         private_mkdir(self.sessions_dir)
         if self._guard is not None:
             self._guard()
         if self._profile_lock:
             self._take_profile_lock()
-        db: sqlite3.Connection | None = None
+        db: apsw.Connection | None = None
         try:  # whatever fails (a descriptor limit too) releases the profile lock again
             private_file(self.db_path)  # SQLite gives -wal/-shm the database file's mode
             db = q.connect(self.db_path, self.fsync, self._journal_mode)
@@ -263,7 +264,7 @@ class SessionStore:
 
     # ------------------------------------------------------------------ the call
 
-    def _require_db(self) -> sqlite3.Connection:
+    def _require_db(self) -> apsw.Connection:
         if self._db is None:
             raise SessionStoreError("session store is not open")
         return self._db
@@ -386,7 +387,7 @@ class SessionStore:
         kw = {"source": source, "user_id": user_id, "model": model}
         line = start_line(sid, session_key, parent=parent_session_id, route=route, ts=ts, **kw)
 
-        def tx(db: sqlite3.Connection) -> None:
+        def tx(db: apsw.Connection) -> None:
             q.insert_session(db, sid, session_key, parent=parent_session_id, ts=ts, **kw)
             if route:
                 q.set_route(db, session_key, sid, ts)
@@ -452,7 +453,7 @@ class SessionStore:
             if flagged:
                 old_lines.insert(0, flags_line(flagged, None, True, reason, ts))
 
-            def tx(db: sqlite3.Connection) -> None:
+            def tx(db: apsw.Connection) -> None:
                 q.apply_end(db, old_session_id, reason, ts, move_routes_to=new_id)
                 q.insert_session(db, new_id, session_key, parent=old_session_id, ts=ts, **kw)
                 q.set_route(db, session_key, new_id, ts)
@@ -586,7 +587,7 @@ class SessionStore:
             if not lines:
                 return 0
 
-            def tx(db: sqlite3.Connection) -> None:
+            def tx(db: apsw.Connection) -> None:
                 q.insert_messages(db, fresh)
                 if flagged:
                     q.apply_flags(db, flagged, None, True)
@@ -620,11 +621,11 @@ class SessionStore:
         return await self._call(job, then=then)
 
     @staticmethod
-    def _load_history(db: sqlite3.Connection, sid: str) -> list[StoredMessage]:
+    def _load_history(db: apsw.Connection, sid: str) -> list[StoredMessage]:
         return conversation_order([row_msg(r) for r in q.session_messages(db, sid, include_inactive=False)])
 
     @staticmethod
-    def _load_state(db: sqlite3.Connection, sid: str) -> dict[str, Any]:
+    def _load_state(db: apsw.Connection, sid: str) -> dict[str, Any]:
         text = q.get_compression_state(db, sid)
         if text is None:
             return {}
@@ -661,7 +662,7 @@ class SessionStore:
             ).fetchone()
             if last is None:
                 return 0
-            rows = c.db.execute(
+            rows: list[q.Row] = c.db.execute(
                 f"SELECT uid FROM messages WHERE session_id=? AND id>=? AND active=1 AND NOT {q.IS_SUMMARY_SQL} "
                 "ORDER BY id",
                 (session_id, last[0]),
@@ -679,7 +680,7 @@ class SessionStore:
         lines = {sid: [flags_line(us, active, compacted, reason, ts)] for sid, us in by_session.items()}
         count = 0
 
-        def tx(db: sqlite3.Connection) -> None:
+        def tx(db: apsw.Connection) -> None:
             nonlocal count
             count = q.apply_flags(db, [u for us in by_session.values() for u in us], active, compacted)
 
@@ -762,7 +763,8 @@ class SessionStore:
 
     async def _update_session(self, session_id: str, assignments: str, params: tuple[Any, ...]) -> None:
         def job(c: _Call) -> None:
-            if c.db.execute(f"UPDATE sessions SET {assignments} WHERE id=?", (*params, session_id)).rowcount == 0:
+            c.db.execute(f"UPDATE sessions SET {assignments} WHERE id=?", (*params, session_id))
+            if c.db.changes() == 0:
                 raise UnknownSessionError(session_id)
 
         await self._call(job)
@@ -772,27 +774,31 @@ class SessionStore:
 
         def job(c: _Call) -> dict[str, Any] | None:
             row = c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions WHERE id=?", (session_id,)).fetchone()
-            return None if row is None else dict(row)
+            return None if row is None else q.session_dict(row)
 
         return await self._call(job)
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         """Every sessions row, oldest first."""
         return await self._call(
-            lambda c: [dict(r) for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")]
+            lambda c: [
+                q.session_dict(r)
+                for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")
+            ]
         )
 
     async def stats(self) -> dict[str, Any]:
         """Counts of sessions and messages, and the latest message/session timestamp."""
 
         def job(c: _Call) -> dict[str, Any]:
-            row = c.db.execute(
+            row = q.aggregate(
+                c.db,
                 "SELECT (SELECT count(*) FROM sessions) AS sessions, (SELECT count(*) FROM messages) AS messages, "
                 "max(COALESCE((SELECT max(timestamp) FROM messages), 0), "
                 "    COALESCE((SELECT max(max(COALESCE(started_at,0), COALESCE(ended_at,0))) FROM sessions), 0)) "
-                "AS last"
-            ).fetchone()
-            return {"sessions": row["sessions"], "messages": row["messages"], "last_activity": row["last"] or None}
+                "AS last",
+            )
+            return {"sessions": row[0], "messages": row[1], "last_activity": row[2] or None}
 
         return await self._call(job)
 
@@ -800,10 +806,14 @@ class SessionStore:
         """Every session with all its messages (inactive and compacted too), JSON-serialisable."""
 
         def job(c: _Call) -> dict[str, Any]:
-            sessions = [dict(r) for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")]
+            sessions = [
+                q.session_dict(r)
+                for r in c.db.execute(f"SELECT {q.SESSION_COLS} FROM sessions ORDER BY started_at, id")
+            ]
             by_id: dict[str, list[dict[str, Any]]] = {s["id"]: [] for s in sessions}
             for r in c.db.execute(f"SELECT {q.MSG_COLS} FROM messages ORDER BY id"):
-                by_id.setdefault(r["session_id"], []).append(row_msg(r).to_json())
+                m = row_msg(r)
+                by_id.setdefault(m.session_id, []).append(m.to_json())
             for s in sessions:
                 s["messages"] = by_id.get(s["id"], [])
             return {"schema_version": q.SCHEMA_VERSION, "exported_at": now(), "sessions": sessions}
@@ -811,15 +821,18 @@ class SessionStore:
         return await self._call(job)
 
     async def backup_to(self, dest_path: Path) -> None:
-        """Copy state.db to `dest_path` with SQLite's online backup API."""
+        """Copy state.db to `dest_path` with SQLite's online backup API (a self-contained
+        file with a rollback journal, which the stdlib `sqlite3` reads)."""
         dest_path = Path(dest_path)
 
         def job(c: _Call) -> None:
             private_mkdir(dest_path.parent)
             private_file(dest_path)
-            target = sqlite3.connect(str(dest_path))
+            target = apsw.Connection(str(dest_path))
             try:
-                c.db.backup(target)
+                with target.backup("main", c.db, "main") as b:
+                    b.step()
+                target.execute("PRAGMA journal_mode=DELETE")
             finally:
                 target.close()
 

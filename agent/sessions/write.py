@@ -7,9 +7,10 @@ exception means "not stored" on both sides.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable
 from typing import Any
+
+import apsw
 
 from agent.sessions.codec import journal_line
 from agent.sessions.db import Transaction, record_offsets
@@ -17,11 +18,11 @@ from agent.sessions.errors import DatabaseWriteError, JournalWriteError
 from agent.sessions.journal import Journal
 
 Lines = dict[str, list[dict[str, Any]]]
-Tx = Callable[[sqlite3.Connection], None]
+Tx = Callable[[apsw.Connection], None]
 
 
 def journaled(
-    db: sqlite3.Connection, journal: Journal, lines: Lines, tx: Tx | None = None, extra: Tx | None = None
+    db: apsw.Connection, journal: Journal, lines: Lines, tx: Tx | None = None, extra: Tx | None = None
 ) -> None:
     """Journal `lines` (per session), then run `tx` (and `extra`, e.g. counters that ride
     along) and record the new offsets, all in one transaction."""
@@ -45,6 +46,6 @@ def journaled(
             )
     except Exception as e:
         journal.withdraw(spans)
-        if isinstance(e, sqlite3.Error):
+        if isinstance(e, apsw.Error):
             raise DatabaseWriteError(f"state.db write failed ({e}); journal entry withdrawn") from e
         raise

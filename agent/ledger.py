@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +48,8 @@ CREATE TABLE IF NOT EXISTS budget_said(key TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
 OVERRIDE_FILE = "budget.json"
-#: an APSW connection (the store's or the budget CLI's); a stdlib one works too (tests read the ledger so)
-Conn = apsw.Connection | sqlite3.Connection
+#: a state.db connection: APSW, one SQLite library per file (docs/concepts.md#one-sqlite-library-per-file)
+Conn = apsw.Connection
 LIMIT_KEYS = ("tokens_per_day", "tokens_per_month", "cost_per_day", "cost_per_month")
 log = logging.getLogger("hermes.agent")
 

@@ -15,9 +15,11 @@ import shutil
 import sqlite3
 import tarfile
 import zlib
+from contextlib import closing
 from pathlib import Path
 
 from agent.fileio import private_file, private_mkdir, tighten_tree
+from agent.sessions.db import backup_file, open_reader
 from gateway.runlock import AdminError
 
 STATE_FILES = {"state.db", "state.db-wal", "state.db-shm", "state.db-journal"}
@@ -55,31 +57,33 @@ def copy_profile_files(src: Path, dst: Path) -> list[str]:
 
 
 def sqlite_backup(src: Path, dst: Path) -> None:
-    """Online backup of `src` to `dst` (a consistent snapshot; writers are not blocked)."""
+    """Online backup of `src` to `dst` (a consistent snapshot; writers are not blocked).
+
+    A profile's state.db through APSW, as its store opens it; gateway.db and the other
+    files of the data directory through the stdlib, as the gateway does: one SQLite library
+    per file in a process (docs/concepts.md#one-sqlite-library-per-file)."""
     private_mkdir(dst.parent)
     if dst.exists():
         dst.unlink()
     private_file(dst)
-    source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)
-    try:
-        target = sqlite3.connect(dst)
-        try:
-            source.backup(target)
+    if src.name == "state.db":
+        with closing(open_reader(src)) as source:
+            backup_file(source, dst)
+    else:
+        with (
+            closing(sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)) as ro,
+            closing(sqlite3.connect(dst)) as target,
+        ):
+            ro.backup(target)
             target.execute("PRAGMA journal_mode=DELETE")  # a self-contained file, no -wal
-        finally:
-            target.close()
-    finally:
-        source.close()
     for suffix in ("-wal", "-shm"):
         Path(f"{dst}{suffix}").unlink(missing_ok=True)
 
 
 def integrity_check(db: Path) -> str:
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute("PRAGMA integrity_check").fetchone()[0]
-    finally:
-        conn.close()
+    """PRAGMA integrity_check of a copy (staged by a backup or restore: no other connection has it open)."""
+    with closing(sqlite3.connect(db)) as conn:
+        return str(conn.execute("PRAGMA integrity_check").fetchone()[0])
 
 
 def fsync_tree(path: Path) -> None:

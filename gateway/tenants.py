@@ -30,15 +30,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+import apsw
+
 from agent.fileio import open_private, private_file, private_mkdir, write_private
 from agent.profile import write_manifest
 from agent.reminders import ReminderStore
 from agent.sessions import SessionStore
+from agent.sessions.db import open_reader
 from core.settings import Config
 from gateway.archive import (
     STATE_FILES,
@@ -183,6 +187,7 @@ def find_tenant(cfg: Config, ref: str) -> TenantInfo:
 
 
 def _connect_ro(db: Path) -> sqlite3.Connection:
+    """gateway.db, read beside a running gateway (the stdlib, as the gateway opens it)."""
     try:
         conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
         conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")
@@ -209,20 +214,19 @@ def profile_stats(path: Path) -> dict[str, Any]:
     problem = profile_problem(path)
     db = path / "state.db"
     if problem is None and db.exists():
-        conn = _connect_ro(db)
         try:
-            row = conn.execute(
-                "SELECT (SELECT count(*) FROM sessions), (SELECT count(*) FROM messages), "
-                "max(COALESCE((SELECT max(timestamp) FROM messages), 0), "
-                "COALESCE((SELECT max(max(COALESCE(started_at,0), COALESCE(ended_at,0))) FROM sessions), 0))"
-            ).fetchone()
+            with closing(open_reader(db)) as conn:
+                row = conn.execute(
+                    "SELECT (SELECT count(*) FROM sessions), (SELECT count(*) FROM messages), "
+                    "max(COALESCE((SELECT max(timestamp) FROM messages), 0), "
+                    "COALESCE((SELECT max(max(COALESCE(started_at,0), COALESCE(ended_at,0))) FROM sessions), 0))"
+                ).fetchone()
+            assert row is not None
             stats.update(sessions=row[0], messages=row[1], last_activity=row[2] or None)
-        except sqlite3.OperationalError as err:
+        except (apsw.BusyError, apsw.LockedError, apsw.SQLError) as err:  # busy, or an older schema
             stats["error"] = f"state.db unreadable: {err}"
-        except sqlite3.DatabaseError as err:
+        except apsw.Error as err:
             problem = f"state.db cannot be read ({err})"
-        finally:
-            conn.close()
     if problem is not None:
         records = journal_records(path)
         stamps = [r["ts"] for r in records if isinstance(r.get("ts"), (int, float))]
@@ -240,23 +244,17 @@ def session_rows(path: Path) -> list[dict[str, Any]]:
     db = path / "state.db"
     if not db.exists():
         return []
+    cols = (
+        "id, session_key, started_at, ended_at, end_reason, parent_session_id, message_count, "
+        "input_tokens, output_tokens, compressions"
+    )
+    names = [c.strip() for c in cols.split(",")]
     try:
-        conn = _connect_ro(db)
-    except sqlite3.Error:
+        with closing(open_reader(db)) as conn:
+            rows = conn.execute(f"SELECT {cols} FROM sessions ORDER BY started_at, id").fetchall()
+    except apsw.Error:  # damaged: profile_stats says so
         return []
-    conn.row_factory = sqlite3.Row
-    try:
-        return [
-            dict(r)
-            for r in conn.execute(
-                "SELECT id, session_key, started_at, ended_at, end_reason, parent_session_id, message_count, "
-                "input_tokens, output_tokens, compressions FROM sessions ORDER BY started_at, id"
-            )
-        ]
-    except sqlite3.Error:  # damaged: profile_stats says so
-        return []
-    finally:
-        conn.close()
+    return [dict(zip(names, r, strict=True)) for r in rows]
 
 
 # ----- gateway.db traces ------------------------------------------------------------------------
@@ -405,7 +403,7 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
         stage = private_mkdir(Path(tmp) / "profile")
         if (info.path / "state.db").exists():
             sqlite_backup(info.path / "state.db", stage / "state.db")  # database first, journals after
-            conn = sqlite3.connect(stage / "state.db")
+            conn = sqlite3.connect(stage / "state.db")  # the staged copy: nothing else has it open
             try:
                 with open_private(stage / "state.sql", "w") as fh:
                     for line in conn.iterdump():
@@ -712,11 +710,8 @@ def repair_profile(cfg: Config, info: TenantInfo, ref: str) -> RepairReport:
             await store.close()
 
         asyncio.run(reopen())
-        conn = _connect_ro(db)
-        try:
-            report.messages = conn.execute("SELECT count(*) FROM messages").fetchone()[0]
-        finally:
-            conn.close()
+        with closing(open_reader(db)) as conn:
+            report.messages = int(conn.execute("SELECT count(*) FROM messages").fetchall()[0][0] or 0)
     finally:
         os.close(lock_fd)
     left = profile_problem(path, deep=True)

@@ -13,6 +13,9 @@ from core.messages import InboundMessage
 from core.settings import Config, parse_config
 from tests.fakes.llm import FakeLLM
 from tests.pg import pool, schema  # noqa: F401 (fixtures: a fresh PostgreSQL schema per test)
+from tests.statedb import refuse_stdlib_beside_apsw
+
+refuse_stdlib_beside_apsw()
 
 
 @pytest.fixture(autouse=True)

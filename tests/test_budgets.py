@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import sqlite3
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tests.conftest import RecordingAdapter, dm, group, say
 from tests.fakes.llm import FakeLLM
 from tests.fakes.telegram_api import FakeTelegram
 from tests.fakes.transcription import FakeTranscription
+from tests.statedb import open_state_db
 
 ROOT = Path(__file__).resolve().parents[1]
 TG_TOKEN = "123456:AAE2eBUDGETtokenSECRET_-xyz"
@@ -253,7 +253,7 @@ async def test_a_crash_between_the_call_and_the_count_over_counts_never_under_co
         assert (code == -signal.SIGKILL) == (run == 0)
     counted = 0
     for profile in sorted((tmp_path / "data" / "profiles").iterdir()):
-        con = sqlite3.connect(profile / "state.db")
+        con = open_state_db(profile / "state.db")
         try:
             counted += sum(t for (t,) in con.execute("SELECT tokens FROM budget_usage WHERE period LIKE 'm:%'"))
         finally:
@@ -286,7 +286,7 @@ async def test_transcription_minutes_count_to_the_sender_and_the_cap_stops_the_n
             await tg.wait_sent(1, 111, timeout=20)
             assert await app.drain(20)
             assert [r["fields"]["response_format"] for r in stt.requests] == ["verbose_json"]
-            con = sqlite3.connect(tenant_dir(cfg.data_dir, "telegram-111") / "state.db")
+            con = open_state_db(tenant_dir(cfg.data_dir, "telegram-111") / "state.db")
             try:
                 [(cost,)] = con.execute("SELECT cost_nanos FROM budget_usage WHERE period LIKE 'd:%'").fetchall()
             finally:

@@ -8,11 +8,12 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import sys
 from pathlib import Path
 
 import yaml
+
+from tests.statedb import open_state_db
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def journal_uids(profile: Path) -> set[str]:
 
 
 def db_messages(profile: Path) -> dict[str, tuple[str, str]]:
-    con = sqlite3.connect(profile / "state.db")
+    con = open_state_db(profile / "state.db")
     try:
         return {uid: (role, content) for uid, role, content in con.execute("SELECT uid, role, content FROM messages")}
     finally:

@@ -15,6 +15,7 @@ from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.llm import last_user_text, memory_saving_responder, reply
+from tests.statedb import open_state_db
 
 SECRET = "locker code 4711-QX"
 
@@ -297,9 +298,7 @@ async def test_group_dm_is_a_group_never_a_dm(rig, fake, fake_llm):
     (sent,) = await r.replies(gdm, 1)
     assert "private chat" in sent["content"] and "code" not in sent["content"].lower()
     routes_dir = tenant_dir(r.cfg.data_dir, f"discord-{fake.alice}")
-    import sqlite3
-
-    conn = sqlite3.connect(routes_dir / "state.db")
+    conn = open_state_db(routes_dir / "state.db")
     keys = [k for (k,) in conn.execute("SELECT session_key FROM sessions")]
     conn.close()
     assert keys == [] or all(":group:" in k for k in keys)

@@ -17,6 +17,7 @@ import pytest
 from gateway.build import build_gateway
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import disconnect, error, memory_saving_responder, reply
+from tests.statedb import integrity_of
 from tests.test_crash_recovery import db_messages, journal_uids
 
 # long answers stay one message here: these tests write more than the disk's slack in one turn
@@ -70,11 +71,7 @@ def consistent(data: Path) -> None:
         if (profile / "state.db").exists():
             assert journal_uids(profile) == set(db_messages(profile)), f"journal and SQLite differ in {profile.name}"
     for db in data.rglob("*.db"):
-        con = sqlite3.connect(db)
-        try:
-            assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        finally:
-            con.close()
+        assert integrity_of(db) == "ok", db
 
 
 async def test_disk_full_while_storing_a_turn_is_told_then_answered_when_space_returns(tmp_path, config_for, fake_llm):

@@ -27,6 +27,7 @@ from gateway.observability import Observability
 from gateway.runtime import GatewayApp
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm
+from tests.statedb import open_state_db
 from tests.test_faults import fill, free, small_disk, wait_until
 
 FAST = {"retry_initial_s": 0.05, "retry_max_s": 0.2}
@@ -84,8 +85,16 @@ def sessions_replaced_by_a_file(profile: Path) -> None:
 
 
 def damage_pages(profile: Path) -> None:
-    """Every page of state.db behind the first is noise; its header still reads right."""
+    """Every page of state.db behind the first is noise; its header still reads right.
+
+    Checkpointed first: a close leaves the pages in the WAL, where noise in the main file
+    would be overwritten by the next checkpoint, not damage."""
     db = profile / "state.db"
+    conn = open_state_db(db)
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    finally:
+        conn.close()
     size = db.stat().st_size
     with db.open("r+b") as fh:
         fh.seek(4096)
@@ -107,7 +116,7 @@ async def statuses(app: GatewayApp) -> list[tuple[str, str]]:
 
 
 def db_uids(profile: Path) -> set[str]:
-    con = sqlite3.connect(profile / "state.db")
+    con = open_state_db(profile / "state.db")
     try:
         return {r[0] for r in con.execute("SELECT uid FROM messages")}
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import time
 
 from gateway.build import build_gateway
@@ -13,6 +12,7 @@ from tenancy.keys import link_tenant_id, tenant_dir
 from tenancy.merge import combine_entries
 from tests.conftest import RecordingAdapter, dm, group, say
 from tests.fakes.llm import memory_saving_responder, tool_call
+from tests.statedb import open_state_db
 
 SECRET_TG = "alice keeps her bike at dock 17"
 SECRET_DC = "alice's cat is called Pixel"
@@ -35,7 +35,7 @@ def code_in(texts: list[str]) -> str:
 
 
 def routes(path) -> dict[str, str]:
-    conn = sqlite3.connect(path / "state.db")
+    conn = open_state_db(path / "state.db")
     try:
         return dict(conn.execute("SELECT session_key, session_id FROM routes"))
     finally:

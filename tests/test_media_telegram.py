@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import sqlite3
 import tarfile
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.fakes.llm import image_urls, last_user_text, tool_call
 from tests.fakes.telegram_api import FakeTelegram
 from tests.fakes.transcription import FakeTranscription
 from tests.media_files import pdf, png
+from tests.statedb import open_state_db
 
 TOKEN = "123456:AAE2eMEDIAtokenSECRET_-xyz"
 TOKEN_ENV = "HERMES_MEDIA_TG_TOKEN"
@@ -80,8 +80,11 @@ def media_files(profile: Path) -> dict[str, bytes]:
 
 
 def user_rows(profile: Path) -> list[tuple[str, dict]]:
-    with sqlite3.connect(profile / "state.db") as conn:
+    conn = open_state_db(profile / "state.db")
+    try:
         rows = conn.execute("SELECT content, meta FROM messages WHERE role = 'user' ORDER BY id").fetchall()
+    finally:
+        conn.close()
     return [(content, json.loads(meta or "{}")) for content, meta in rows]
 
 

@@ -183,7 +183,7 @@ async def test_system_prompts_are_never_searchable(config_for, fake_llm):
     store = SessionStore(profile_dir(config_for(), "alice"))
     await store.open()
     try:
-        db = store._require_db()  # a plain sqlite3 connection, used by this test alone
+        db = store._require_db()  # the store's own connection, used by this test alone
         rows = db.execute(
             "SELECT count(*) FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid "
             "WHERE messages_fts MATCH '\"CANARY-srch9\"' AND m.role = 'system'"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sqlite3
 import tarfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from gateway.runlock import AdminError, RunLock, gateway_running
 from tenancy.keys import tenant_dir
 from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import memory_saving_responder
+from tests.statedb import integrity_of
 
 ALICE = "alice-u9f3k2"
 SECRET = "alice's vault combination is 31-41-59"
@@ -120,9 +120,7 @@ async def test_export_delete_leaves_nothing_then_restore_brings_it_back(config_f
     assert leftovers == [], leftovers
     assert "bob likes tea" in (tenant_dir(data, "telegram-bob") / "memories" / "MEMORY.md").read_text()
     for db in data.rglob("*.db"):
-        conn = sqlite3.connect(db)
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        conn.close()
+        assert integrity_of(db) == "ok", db
 
     # restore from the archive brings it back, and the conversation goes on where it was
     assert cli("profiles", "restore", str(archive), "-c", str(conf)) == 0
@@ -199,11 +197,7 @@ async def test_backup_during_a_burst_is_consistent_and_restores(config_for, fake
         dbs = sorted(target.rglob("*.db"))
         assert target / "gateway.db" in dbs and len(dbs) >= 2
         for db in dbs:
-            conn = sqlite3.connect(db)
-            try:
-                assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok", db
-            finally:
-                conn.close()
+            assert integrity_of(db) == "ok", db
         total = 0
         for profile in (target / "profiles").iterdir():
             async with SessionStore(profile) as store:  # journals and state.db reconcile cleanly

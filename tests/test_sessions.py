@@ -8,9 +8,12 @@ import json
 import os
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import apsw
 import pytest
 
 import agent.sessions as sessions_mod
@@ -27,6 +30,7 @@ from agent.sessions import (
 )
 from agent.sessions.codec import msg_row
 from agent.sessions.journal import Journal
+from tests.statedb import open_state_db
 
 ODD = (
     "héllo 🌍 e\u0301 \u200b zero-width, \u202eRTL\u202c עברית العربية 𝔘𝔫𝔦"
@@ -64,8 +68,15 @@ def journal_uids(profile: Path, *, tolerant: bool = False) -> list[str]:
     return out
 
 
-def db(profile: Path) -> sqlite3.Connection:
-    return sqlite3.connect(profile / "state.db")
+@contextmanager
+def db(profile: Path) -> Iterator[apsw.Connection]:
+    """The profile's state.db in one transaction, closed after (APSW, as the store opens it)."""
+    conn = open_state_db(profile / "state.db")
+    try:
+        with conn:
+            yield conn
+    finally:
+        conn.close()
 
 
 def db_uids(profile: Path) -> list[str]:
@@ -422,7 +433,7 @@ async def test_rotate_is_atomic_for_readers(profile: Path) -> None:
         sid = await s.start_session("lane")
 
         def reader() -> int:
-            c = sqlite3.connect(profile / "state.db")
+            c = open_state_db(profile / "state.db")
             n = 0
             while not stop.is_set():
                 row = c.execute(

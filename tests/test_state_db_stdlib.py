@@ -13,10 +13,13 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agent.messages import StoredMessage
 from agent.sessions import SessionStore
 from agent.sessions import db as session_db
 from agent.sessions.codec import row_msg
+from tests.statedb import open_state_db
 
 REPO = Path(__file__).resolve().parent.parent
 TABLES = ("meta", "sessions", "messages", "routes", "journal_offsets", "compression_state")
@@ -153,3 +156,17 @@ async def test_the_wal_a_close_leaves_stays_bounded_however_much_is_written(tmp_
         limit = session_db.WAL_SIZE_LIMIT + session_db.WAL_AUTOCHECKPOINT_PAGES * 4096 // 4
         assert (profile / "state.db-wal").stat().st_size <= limit
     assert stdlib_rows(profile / "state.db")["integrity"] == "ok"
+
+
+def test_the_suite_refuses_a_stdlib_open_of_a_state_db_apsw_holds(tmp_path: Path) -> None:
+    """Two SQLite libraries on one file in one process drop each other's locks (a bus error
+    when the stdlib's close cuts APSW's -shm): the guard says so at the open instead."""
+    path = tmp_path / "state.db"
+    held = open_state_db(path)
+    try:
+        held.execute("CREATE TABLE t(x)")
+        with pytest.raises(RuntimeError, match="one SQLite library per file"):
+            sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    finally:
+        held.close()
+    sqlite3.connect(path).close()  # once APSW has let go, the stdlib may read it

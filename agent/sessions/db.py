@@ -187,6 +187,41 @@ def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> apsw.C
     return db
 
 
+def open_reader(path: Path) -> apsw.Connection:
+    """A connection to a state.db outside its store (the CLI, doctor, backups, exports).
+
+    APSW as well: two SQLite libraries with one file open in one process do not see each
+    other's locks, and the stdlib's close can cut the shared-memory index under APSW's
+    mapping, a bus error (docs/concepts.md#one-sqlite-library-per-file). Read-only when the
+    file allows it (a WAL's -shm must exist or be creatable); read-write otherwise."""
+    try:
+        db = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            db.set_busy_timeout(10000)
+            db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            return db
+        except BaseException:
+            db.close()
+            raise
+    except apsw.Error:  # e.g. no -shm yet and a directory it cannot create one in
+        pass
+    db = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE)
+    db.set_busy_timeout(10000)
+    return db
+
+
+def backup_file(source: apsw.Connection, dest: Path) -> None:
+    """Copy an open state.db to `dest` with SQLite's online backup (writers go on): a
+    self-contained file with a rollback journal, which the stdlib reads."""
+    target = apsw.Connection(str(dest))
+    try:
+        with target.backup("main", source, "main") as b:
+            b.step()
+        target.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        target.close()
+
+
 SESSION_NAMES = tuple(c.strip() for c in SESSION_COLS.split(","))
 MSG_NAMES = tuple(c.strip() for c in MSG_COLS.split(","))
 

@@ -828,12 +828,6 @@ class SessionStore:
         def job(c: _Call) -> None:
             private_mkdir(dest_path.parent)
             private_file(dest_path)
-            target = apsw.Connection(str(dest_path))
-            try:
-                with target.backup("main", c.db, "main") as b:
-                    b.step()
-                target.execute("PRAGMA journal_mode=DELETE")
-            finally:
-                target.close()
+            q.backup_file(c.db, dest_path)
 
         await self._call(job)

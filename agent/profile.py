@@ -6,6 +6,7 @@ The agent works on a `Profile` it is handed; opening, closing and quarantining p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from agent.fileio import atomic_write
 from agent.memory import MemoryStore
+from agent.persona import PersonaChoice, read_choice, write_choice
 from agent.providers import MemoryProvider
 from agent.sessions import SessionStore
 
@@ -32,6 +34,20 @@ class Profile:
     last_used: float = field(default_factory=time.monotonic)
     guard: Callable[[], None] | None = None  # raises when writing is no longer allowed (ProfileGate)
     on_close: Callable[[], Awaitable[None]] | None = None  # after the stores are closed
+    #: persona.json as the open read it (in its pool job); None: read on first use
+    persona_choice: PersonaChoice | None = None
+
+    async def persona(self) -> PersonaChoice:
+        """The tenant's persona choice (its file is read once per open)."""
+        if self.persona_choice is None:
+            self.persona_choice = await asyncio.to_thread(read_choice, self.path)
+        return self.persona_choice
+
+    async def set_persona(self, choice: PersonaChoice) -> None:
+        if self.guard is not None:
+            self.guard()
+        await asyncio.to_thread(write_choice, self.path, choice)
+        self.persona_choice = choice
 
     async def close(self) -> None:
         try:

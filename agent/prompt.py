@@ -60,13 +60,20 @@ def build_system_prompt(
     memory_writable: bool,
     skill_index: str | None = None,
     skills_writable: bool = False,
+    persona: tuple[str, str] | None = None,
 ) -> str:
     """Assemble the system prompt; `snapshot` None means memory is off in this lane, and
-    `skill_index` None that skills are (the index is '' when there are none yet)."""
+    `skill_index` None that skills are (the index is '' when there are none yet), and
+    `persona` (who chose it, the instructions) what agent/persona.py gave this lane."""
     parts = [
         f"You are {agent_name}, a helpful assistant that remembers the people you talk to.",
         place.describe(),
     ]
+    if persona is not None:
+        who, text = persona
+        parts.append(
+            f"How to answer here, as {who} asked (it never overrides your safety rules or anyone's privacy):\n{text}"
+        )
     if snapshot is not None:
         block = snapshot.render(memory_char_limit, user_char_limit)
         if block:

@@ -19,6 +19,7 @@ from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.metering import BudgetExceeded, Meter
+from agent.persona import lane_persona
 from agent.profile import Profile
 from agent.prompt import ChatPlace, build_system_prompt
 from agent.providers import ProviderAccess, provider_access
@@ -160,21 +161,40 @@ class Agent:
         return box
 
     async def _system_for(self, session_id: str, place: ChatPlace, ctx: TurnContext) -> StoredMessage:
-        return await self.system_message(session_id, place, ctx.memory, self.lane_skills(ctx.profile, ctx.lane))
+        return await self.system_message(
+            session_id,
+            place,
+            ctx.memory,
+            self.lane_skills(ctx.profile, ctx.lane),
+            await self.lane_persona(ctx.profile, ctx.lane, place),
+        )
 
-    def _prompt_rule(self, place: ChatPlace, memory: MemoryStore | None) -> str:
+    async def lane_persona(self, profile: Profile, lane: Lane, place: ChatPlace) -> tuple[str, str] | None:
+        """The persona this lane's prompt gets: a person's own text only in their DM."""
+        private = lane.kind == "person" and place.chat_type == "dm"
+        return lane_persona(await profile.persona(), self.settings.personas, private=private)
+
+    def _prompt_rule(self, place: ChatPlace, memory: MemoryStore | None, persona: tuple[str, str] | None) -> str:
         """Everything besides the entries that decides what a snapshot holds: when it
         changes (memory mode, visibility rule, audience) the session's prompt is rebuilt."""
         mode = "off" if memory is None else "read" if memory.read_only else "full"
         scope = memory.scope.name if memory is not None else "-"
         mem = self.settings.memory
         place_hash = hashlib.sha256(place.describe().encode("utf-8", "surrogatepass")).hexdigest()[:12]
-        return (
+        rule = (
             f"v{RULES_VERSION}|{mode}|{scope}|m{int(mem.memory_enabled)}u{int(mem.user_profile_enabled)}|{place_hash}"
         )
+        if persona is not None:  # only then: a prompt without one keeps the rule it had
+            rule += "|p" + hashlib.sha256("\0".join(persona).encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        return rule
 
     async def system_message(
-        self, session_id: str, place: ChatPlace, memory: MemoryStore | None, skills: SkillStore | None = None
+        self,
+        session_id: str,
+        place: ChatPlace,
+        memory: MemoryStore | None,
+        skills: SkillStore | None = None,
+        persona: tuple[str, str] | None = None,
     ) -> StoredMessage:
         """A fresh system prompt with a frozen snapshot of the memory files (and the skill
         index this place may see) as they are now."""
@@ -198,9 +218,10 @@ class Agent:
             memory_writable=memory is not None and not memory.read_only and mem.write_approval != "block",
             skill_index=skill_index,
             skills_writable=skills is not None and not skills.read_only,
+            persona=persona,
         )
         stamp = {
-            "rule": self._prompt_rule(place, memory),
+            "rule": self._prompt_rule(place, memory, persona),
             "keys": sorted(snapshot.keys) if snapshot is not None else [],
         }
         msg = StoredMessage(session_id=session_id, role="system", content=text, meta={"memory_stamp": stamp})
@@ -218,34 +239,39 @@ class Agent:
 
     async def _fresh_system(self, session_id: str, profile: Profile, lane: Lane, place: ChatPlace) -> StoredMessage:
         return await self.system_message(
-            session_id, place, self.lane_memory(profile, lane), self.lane_skills(profile, lane)
+            session_id,
+            place,
+            self.lane_memory(profile, lane),
+            self.lane_skills(profile, lane),
+            await self.lane_persona(profile, lane, place),
         )
 
     async def _refresh_prompt(
         self, profile: Profile, lane: Lane, place: ChatPlace, session_id: str, history: list[StoredMessage]
     ) -> bool:
         """Rebuild the session's system prompt when its snapshot was taken under another
-        memory mode or visibility rule, or holds an entry since forgotten or unshared.
+        memory mode, visibility rule or persona, or holds an entry since forgotten or unshared.
         The new prompt is appended and the old one flagged (nothing rewritten in place);
         new entries alone do not rebuild it, so the prompt prefix stays stable.
         True when it was rebuilt (the caller reloads the history)."""
         system = next((m for m in history if m.role == "system"), None)
         memory = self.lane_memory(profile, lane)
+        persona = await self.lane_persona(profile, lane, place)
         stamp = system.meta.get("memory_stamp") if system is not None else None
-        if isinstance(stamp, dict) and stamp.get("rule") == self._prompt_rule(place, memory):
+        if isinstance(stamp, dict) and stamp.get("rule") == self._prompt_rule(place, memory, persona):
             keys = set(stamp.get("keys") or [])
             if not keys:
                 return False
             live = await memory.load_snapshot() if memory is not None else None
             if live is not None and keys <= live.keys:
                 return False
-        fresh = await self.system_message(session_id, place, memory, self.lane_skills(profile, lane))
+        fresh = await self.system_message(session_id, place, memory, self.lane_skills(profile, lane), persona)
         if system is not None:
             fresh.meta["replaces"] = system.uid
         await profile.sessions.compact(
             session_id, [system.uid] if system is not None else [], [fresh], reason="prompt_rebuild"
         )
-        log.info("system prompt rebuilt (memory mode, visibility or forgotten entry)")
+        log.info("system prompt rebuilt (memory mode, visibility, persona or forgotten entry)")
         return True
 
     async def new_session(self, profile: Profile, lane: Lane, place: ChatPlace, reason: str = "new") -> str:

@@ -454,12 +454,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _refuses_choices_not_built(self) -> Config:
-        """`/model` and `/persona` are not built yet: offering models or personas would be a
-        key that does nothing, so it is refused (docs/concepts.md#models-and-personas)."""
+        """`/model` is not built yet: offering models would be a key that does nothing, so it
+        is refused (docs/concepts.md#models-and-personas)."""
         if self.llm.models:
             raise ValueError("llm.models: choosing a model per person is not available yet; remove the key")
-        if self.personas:
-            raise ValueError("personas: personas are not available yet; remove the key")
         return self
 
     @model_validator(mode="after")
@@ -513,6 +511,7 @@ class AgentSettings(BaseModel):
     skills: SkillsConfig = SkillsConfig()
     reminders: RemindersConfig = RemindersConfig()
     max_tool_iterations: int = Field(default=LimitsConfig().max_tool_iterations, ge=1)  # limits.max_tool_iterations
+    personas: dict[str, str] = {}  # the operator's personas (agent/persona.py)
 
     @classmethod
     def from_config(cls, cfg: Config) -> AgentSettings:
@@ -525,6 +524,7 @@ class AgentSettings(BaseModel):
             skills=cfg.skills,
             reminders=cfg.reminders,
             max_tool_iterations=cfg.limits.max_tool_iterations,
+            personas=cfg.personas,
         )
 
 

@@ -15,6 +15,7 @@ from agent.compression import CompressionState, Compressor
 from agent.fileio import private_mkdir, write_private
 from agent.memory import MemoryStore
 from agent.memory_approval import PendingWrites
+from agent.persona import NONE, PersonaChoice, custom_problem
 from agent.prompt import ChatPlace
 from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks, Visibility
 from core.commands import COMMAND_SPECS, CommandSpec, find_command
@@ -77,16 +78,19 @@ SHARED_LANE_ADMIN_COMMANDS = frozenset({"new", "undo", "forget"})
 async def shared_lane_refusal(ctx: CommandContext, name: str) -> str | None:
     """In a shared group lane or thread, /new, /undo and /forget are for the chat's admins
     and the gateway's admins; everyone else gets this refusal."""
-    if name not in SHARED_LANE_ADMIN_COMMANDS or ctx.lane.kind != "chat":
-        return None
-    if ctx.parts.access.is_admin(ctx.msg.principal):
-        return None
-    if ctx.chat_admin is not None and await ctx.chat_admin():
+    if name not in SHARED_LANE_ADMIN_COMMANDS or ctx.lane.kind != "chat" or await _lane_admin(ctx):
         return None
     return (
         f"This conversation is shared by everyone here, so only the chat's admins can use /{name}. "
         "Ask one of them, or talk to me in a private chat."
     )
+
+
+async def _lane_admin(ctx: CommandContext) -> bool:
+    """Whether the sender is a gateway admin or moderates this chat on the platform."""
+    if ctx.parts.access.is_admin(ctx.msg.principal):
+        return True
+    return ctx.chat_admin is not None and await ctx.chat_admin()
 
 
 async def run_command(name: str, ctx: CommandContext) -> str:
@@ -560,7 +564,61 @@ async def cmd_reminders(ctx: CommandContext) -> str:
     return "\n".join(["Your reminders:", *(r.describe() for r in mine), "Cancel one with /reminders cancel N."])
 
 
+async def cmd_persona(ctx: CommandContext) -> str:
+    """`/persona` lists, `/persona NAME` and `/persona off` choose for the lane's tenant,
+    `/persona custom TEXT` sets a person's own instructions (their DMs only; docs/concepts.md#personas)."""
+    offered = ctx.parts.cfg.personas
+    private = ctx.lane.kind == "person" and ctx.msg.chat_type == "dm"
+    head, _, rest = ctx.args.strip().partition(" ")
+    word = head.lower()
+    if not word:
+        return _persona_list(offered, await ctx.profile.persona(), private)
+    if ctx.lane.kind == "person" and not private:
+        return "Your persona is yours to choose in private: send /persona in a private chat with me."
+    if word == "custom" and not private:
+        return (
+            "Own instructions are private, so they are only for a private chat with me; "
+            "here only the operator's personas apply (/persona lists them)."
+        )
+    if ctx.lane.kind == "chat" and not await _lane_admin(ctx):
+        return "This conversation is shared by everyone here, so only the chat's admins can choose its persona."
+    if word == "off":
+        choice, said = NONE, "Persona off: I answer in my own way here again."
+    elif word == "custom":
+        text = rest.strip()
+        if (problem := custom_problem(text)) is not None:
+            return f"I can't use those instructions: {problem}."
+        choice = PersonaChoice(custom=text)
+        said = (
+            "Your own instructions are set. I use them only in our private chats, never in a group. "
+            "/persona off removes them."
+        )
+    elif word in offered:
+        choice, said = PersonaChoice(name=word), f"Persona set: {word}. It applies from the next message."
+    else:
+        names = ", ".join(sorted(offered)) or "none are offered"
+        return f"There is no persona named {head!r} ({names})."
+    await ctx.profile.set_persona(choice)
+    return said
+
+
+def _persona_list(offered: dict[str, str], choice: PersonaChoice, private: bool) -> str:
+    lines = [f"Personas: {', '.join(sorted(offered))}." if offered else "The operator offers no personas."]
+    if private and choice.custom is not None:
+        lines.append("Current: your own instructions (used only in our private chats).")
+    elif choice.name is not None and choice.name in offered:
+        lines.append(f"Current: {choice.name}.")
+    elif choice.name is not None:
+        lines.append(f"Current: {choice.name}, which is no longer offered, so none applies.")
+    else:
+        lines.append("Current: none.")
+    usage = "Choose with /persona NAME, or /persona off"
+    lines.append(usage + (", or give your own with /persona custom TEXT." if private else "."))
+    return "\n".join(lines)
+
+
 HANDLERS: dict[str, Handler] = {
+    "persona": cmd_persona,
     "reminders": cmd_reminders,
     "stop": cmd_stop,
     "help": cmd_help,

@@ -24,6 +24,8 @@ import apsw
 from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
 from agent.memory_files import BASELINE_FILE, Baselines, digest
+from agent.persona import FILE as PERSONA_FILE
+from agent.persona import read_choice, write_choice
 from agent.profile import write_manifest
 from agent.reminders import FILE as REMINDERS_FILE
 from agent.reminders import merge_files as merge_reminders
@@ -153,6 +155,7 @@ def merge_profiles(target: Path, sources: list[Path], limits: dict[str, int], pr
                 _merge_files(src, target)
         merge_memory(target, sources, limits)
         merge_reminders(target, sources)
+        merge_personas(target, sources)
         manifest = json.loads((target / "tenant.json").read_text(encoding="utf-8"))
         have = manifest.setdefault("principals", [])
         for src in sources:
@@ -233,6 +236,7 @@ def _merge_files(src: Path, target: Path) -> None:
         RETIRED_MARKER,
         PENDING_MARKER,
         REMINDERS_FILE,  # merged entry by entry (agent/reminders.py)
+        PERSONA_FILE,  # one choice wins (merge_personas)
         f".{REMINDERS_FILE}.lock",
     }
     for root, dirs, files in os.walk(src):
@@ -266,6 +270,17 @@ def _merge_files(src: Path, target: Path) -> None:
                 if not alt.exists():
                     write_private(alt, data)
             _fsync_file(dest)
+
+
+def merge_personas(target: Path, sources: list[Path]) -> Path | None:
+    """One persona choice for the merged profile: the last source's that has one (the account
+    that joins last, the one linking), else the target's own. Returns the source that won."""
+    for src in reversed(sources):
+        choice = read_choice(src)
+        if not choice.empty:
+            write_choice(target, choice)
+            return src
+    return None
 
 
 def combine_entries(lists: list[list[str]], limit: int, note_date: str) -> tuple[list[str], list[str]]:

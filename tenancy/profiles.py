@@ -22,6 +22,7 @@ import apsw
 
 from agent.fileio import private_mkdir
 from agent.memory import MemoryStore
+from agent.persona import PersonaChoice, read_choice
 from agent.profile import Profile, write_manifest
 from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
@@ -418,6 +419,14 @@ class ProfileManager:
             # tenant_dir's check (it resolves the path) runs on the pool thread, in `_checks`
             path = self.data_dir / "profiles" / tenant_dir_name(tenant_id)
             found: list[set[str]] = []
+            persona: list[PersonaChoice] = []
+            checks = None if known is not None else self._checks(tenant_id, kind, path, found)
+
+            def before() -> None:  # on the pool thread, in the open's own job (no hop of its own)
+                if checks is not None:
+                    checks()
+                persona.append(read_choice(path))
+
             sessions = SessionStore(
                 path,
                 fsync=self._fsync,
@@ -427,7 +436,7 @@ class ProfileManager:
                 profile_lock=gate is None,  # under a gate its lease is the one-writer rule
             )
             try:
-                await sessions.open(before=None if known is not None else self._checks(tenant_id, kind, path, found))
+                await sessions.open(before=before)
             except _Found as damaged:
                 raise self._quarantine(tenant_id, damaged.problem) from None
             except Exception as exc:
@@ -454,6 +463,7 @@ class ProfileManager:
             provider=provider,
             guard=guard,
             on_close=on_close,
+            persona_choice=persona[0] if persona else None,
         )
         if provider is not None:
             try:

@@ -248,14 +248,16 @@ class Meter:
         admins: frozenset[str],
         sink: UsageSink | None = None,
         clock: Callable[[], float] = time.time,
+        ledger_for: Callable[[Profile], Ledger] | None = None,
     ) -> Meter:
-        """The single-node meter: each tenant's ledger in its profile's state.db."""
+        """The gateway's meter: each tenant's ledger in its profile's state.db, or where
+        `ledger_for` keeps it (PostgreSQL in cluster mode, gateway/cluster/budgets.py)."""
         return cls(
             llm,
             budgets,
             admins=admins,
             fair=FairShare(llm.max_concurrency),
-            ledger_for=lambda profile: ProfileLedger(profile.sessions),
+            ledger_for=ledger_for or (lambda profile: ProfileLedger(profile.sessions)),
             sink=sink,
             clock=clock,
         )

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from agent.llm import LLMClient
-from agent.metering import Meter
+from agent.metering import Ledger, Meter
+from agent.profile import Profile
 from agent.sessions import StoragePool
 from agent.tokens import TokenCounter
 from agent.turn import Agent
@@ -59,6 +60,8 @@ class ModeParts:
     shared: SharedInbox | None = None
     fencing: Fencing | None = None
     cluster_metrics: ClusterMetrics | None = None
+    #: where a tenant's budget counts live (None: its profile's state.db)
+    ledger_for: Callable[[Profile], Ledger] | None = None
     #: identity state shared with other nodes: a /link merge needs `merge_guard`
     cluster: bool = False
     running: RunningTurns = field(default_factory=RunningTurns)
@@ -114,7 +117,9 @@ def build_parts(
     # InstrumentedLLM proxies the LLMClient: same chat() signature, every other attribute
     # passed through (__getattr__), so the Agent can use it as one
     # every model call of a turn, summary or review: budgets, ledger, fair share (agent/metering.py)
-    meter = Meter.for_profiles(cfg.llm, cfg.budgets, admins=frozenset(cfg.access.admins), sink=metrics)
+    meter = Meter.for_profiles(
+        cfg.llm, cfg.budgets, admins=frozenset(cfg.access.admins), sink=metrics, ledger_for=mode.ledger_for
+    )
     agent = Agent(AgentSettings.from_config(cfg), cast(LLMClient, llm_monitor), counter, meter=meter)
     media = MediaIntake(cfg)
     agent.compression.on_outcome = metrics.compression  # hermes_compressions_total{outcome}

@@ -1,8 +1,9 @@
 """`budget show|set|reset REF`: one tenant's model budget (docs/operator-guide.md#costs-and-budgets).
 
-The counts live in the tenant's own state.db (agent/ledger.py); these commands run the
-same SQL as the gateway, in one transaction each, and work while it runs: the gateway reads
-the override and the counts on every model call, so `budget set` lifts a cap at once.
+The counts live in the tenant's own state.db (agent/ledger.py), or in PostgreSQL in cluster
+mode (gateway/cluster/budgets.py); these commands run the same code as the gateway, in one
+transaction each, and work while it runs: the gateway reads the override and the counts on
+every model call, so `budget set` lifts a cap at once.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import apsw
 
@@ -23,6 +24,9 @@ from core.settings import Config
 from gateway.cli.common import CONFIG_HELP, guard
 from gateway.runlock import AdminError
 from gateway.tenants import TenantInfo, find_tenant
+
+if TYPE_CHECKING:
+    from gateway.cluster.budgets import PgLedger
 
 T = TypeVar("T")
 
@@ -56,10 +60,25 @@ def _in_ledger(info: TenantInfo, fn: Callable[[apsw.Connection], T]) -> T | None
         db.close()
 
 
+def _in_cluster(cfg: Config, info: TenantInfo, fn: Callable[[PgLedger], Awaitable[T]]) -> T:
+    """Run `fn` on the tenant's counts in PostgreSQL (cluster mode keeps them there)."""
+    # psycopg and gateway/cluster are imported only in cluster mode (docs/cluster.md)
+    from gateway.cluster.budgets import with_cluster_ledger
+    from gateway.cluster.db import ClusterError
+
+    try:
+        return with_cluster_ledger(cfg, info.tenant_id, fn)
+    except ClusterError as err:
+        raise AdminError(f"cannot read or write the budget of {info.tenant_id} in PostgreSQL: {err}") from err
+
+
 def _status(cfg: Config, info: TenantInfo) -> dict[str, Any]:
     zone = ReminderStore(info.path).zone_now()
     period = period_of(zone, time.time())
-    totals = _in_ledger(info, lambda db: ledger.totals(db, period.day, period.month)) or ledger.Totals()
+    if cfg.cluster.enabled:
+        totals = _in_cluster(cfg, info, lambda pg: pg.totals(period.day, period.month))
+    else:
+        totals = _in_ledger(info, lambda db: ledger.totals(db, period.day, period.month)) or ledger.Totals()
     override = ledger.read_override(info.path)
     base = cfg.budgets.per_person if info.kind == "person" else cfg.budgets.per_chat
     return {
@@ -134,7 +153,10 @@ def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_budget_reset(cfg: Config, args: argparse.Namespace) -> int:
     info = find_tenant(cfg, args.tenant)
-    _in_ledger(info, ledger.reset)
+    if cfg.cluster.enabled:
+        _in_cluster(cfg, info, lambda pg: pg.reset())
+    else:
+        _in_ledger(info, ledger.reset)
     print(f"{info.tenant_id}: usage counts reset to zero (its limits are unchanged)")
     return 0
 

@@ -20,6 +20,7 @@ from agent.tokens import TokenCounter
 from core.protocols import Adapter, ElectedReceiver, ElectedShards
 from core.settings import Config
 from gateway.build import ModeParts, build_parts
+from gateway.cluster.budgets import PgLedger
 from gateway.cluster.claims import ClaimWorkers
 from gateway.cluster.db import dsn_from_env
 from gateway.cluster.health import ClusterHealth
@@ -150,6 +151,7 @@ def build_cluster_gateway(
         shared=SharedIngress(pool, claims),
         fencing=LeaseFencing(node, shared_outbox),
         cluster_metrics=node.metrics,
+        ledger_for=lambda profile: PgLedger(pool, profile.tenant_id),  # budgets atomic across nodes
         cluster=True,
     )
     parts = build_parts(cfg, adapters, mode, llm=llm, tokens=tokens)

@@ -37,7 +37,7 @@ async def erase_tenant(pool: Pool, tenant_id: str, principals: set[str], chats: 
             removed += cur.rowcount
             cur = await conn.execute("DELETE FROM outbox WHERE platform = %s AND chat_id = %s", (platform, chat))
             removed += cur.rowcount
-        for table in ("outbox", "lanes", "tenant_leases"):
+        for table in ("outbox", "lanes", "tenant_leases", "budget_usage", "budget_pending", "budget_said"):
             cur = await conn.execute(f"DELETE FROM {table} WHERE tenant = %s", (tenant_id,))
             removed += cur.rowcount
         cur = await conn.execute(

@@ -163,6 +163,38 @@ INSERT INTO identity_links_generation (only_row, generation) VALUES (true, 0);
 ALTER TABLE nodes ADD COLUMN instance text;
 """,
     ),
+    Migration(
+        5,
+        "model budgets counted across nodes",
+        """
+-- each tenant's use per period ('d:YYYY-MM-DD', 'm:YYYY-MM'), in its own time zone's days
+CREATE TABLE budget_usage (
+    tenant     text NOT NULL,
+    period     text NOT NULL,
+    tokens     bigint NOT NULL DEFAULT 0,
+    cost_nanos bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant, period)
+);
+-- a call's estimate, counted before the call and replaced by its usage after it
+CREATE TABLE budget_pending (
+    tenant     text NOT NULL,
+    call_id    text NOT NULL,
+    day        text NOT NULL,
+    month      text NOT NULL,
+    tokens     bigint NOT NULL,
+    cost_nanos bigint NOT NULL,
+    at         timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant, call_id)
+);
+-- the notices said once per period (the refusal, the warning)
+CREATE TABLE budget_said (
+    tenant text NOT NULL,
+    key    text NOT NULL,
+    at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant, key)
+);
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

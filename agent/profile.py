@@ -15,6 +15,7 @@ from pathlib import Path
 
 from agent.fileio import atomic_write
 from agent.memory import MemoryStore
+from agent.model_choice import ModelChoice, read_model, write_model
 from agent.persona import PersonaChoice, read_choice, write_choice
 from agent.providers import MemoryProvider
 from agent.sessions import SessionStore
@@ -42,6 +43,21 @@ class Profile:
         if self.persona_choice is None:
             self.persona_choice = await asyncio.to_thread(read_choice, self.path)
         return self.persona_choice
+
+    #: model.json as the open read it; None: read on first use
+    model_choice: ModelChoice | None = None
+
+    async def model(self) -> ModelChoice:
+        """The tenant's model choice (its file is read once per open)."""
+        if self.model_choice is None:
+            self.model_choice = await asyncio.to_thread(read_model, self.path)
+        return self.model_choice
+
+    async def set_model(self, choice: ModelChoice) -> None:
+        if self.guard is not None:
+            self.guard()
+        await asyncio.to_thread(write_model, self.path, choice)
+        self.model_choice = choice
 
     async def set_persona(self, choice: PersonaChoice) -> None:
         if self.guard is not None:

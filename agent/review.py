@@ -21,7 +21,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agent.auxiliary import aux_target
@@ -96,31 +96,47 @@ class _LaneCounts:
     reviewed: bool = False  # a review of this lane ran in this process
 
 
+@dataclass
+class ReviewState:
+    """The per-lane turn counts and per-tenant locks reviews are scheduled by."""
+
+    lanes: OrderedDict[str, _LaneCounts] = field(default_factory=OrderedDict)
+    tenant_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+
 class Reviewer:
     """Schedules and runs reviews for any tenant; per-lane counters and per-tenant locks are
     keyed explicitly by `Lane.key` and tenant_id."""
 
     def __init__(
-        self, settings: AgentSettings, llm: LLMClient, *, wire: Wire, toolbox: Toolbox, meter: Meter | None = None
+        self,
+        settings: AgentSettings,
+        llm: LLMClient,
+        *,
+        wire: Wire,
+        toolbox: Toolbox,
+        meter: Meter | None = None,
+        state: ReviewState | None = None,
     ) -> None:
         self.settings = settings
         self.llm = llm
         self.meter = meter or Meter(settings.llm)  # reviews count to the lane's tenant (agent/metering.py)
         self._wire = wire
         self._toolbox = toolbox
-        self._lanes: OrderedDict[str, _LaneCounts] = OrderedDict()
-        self._tenant_locks: dict[str, asyncio.Lock] = {}
+        # shared by the agents of every offered model (agent/agents.py): one count per lane,
+        # one review at a time per tenant, whichever model it runs with
+        self.state = state or ReviewState()
         self.on_outcome: Callable[[str, str], None] | None = None  # (trigger, outcome), e.g. /metrics
 
     # ----- triggers ------------------------------------------------------------------------
     def _counts(self, lane: Lane) -> _LaneCounts:
         key = lane.key
-        counts = self._lanes.get(key)
+        counts = self.state.lanes.get(key)
         if counts is None:
-            counts = self._lanes[key] = _LaneCounts()
-            while len(self._lanes) > MAX_TRACKED_LANES:
-                self._lanes.popitem(last=False)
-        self._lanes.move_to_end(key)
+            counts = self.state.lanes[key] = _LaneCounts()
+            while len(self.state.lanes) > MAX_TRACKED_LANES:
+                self.state.lanes.popitem(last=False)
+        self.state.lanes.move_to_end(key)
         return counts
 
     def note_turn(self, lane: Lane, tool_iterations: int) -> tuple[bool, bool]:
@@ -142,7 +158,7 @@ class Reviewer:
         return memory, skills
 
     def has_unreviewed(self, lane: Lane) -> bool:
-        counts = self._lanes.get(lane.key)
+        counts = self.state.lanes.get(lane.key)
         return counts is not None and counts.unreviewed > 0
 
     def flush_due(self, lane: Lane, history: list[StoredMessage]) -> bool:
@@ -150,13 +166,13 @@ class Reviewer:
         need = self.settings.memory.flush_min_turns
         if need <= 0 or lane.personal_memory != "full":
             return False
-        counts = self._lanes.get(lane.key)
+        counts = self.state.lanes.get(lane.key)
         turns = counts.unreviewed if counts is not None and counts.reviewed else user_turns(history)
         return turns >= need
 
     def session_ended(self, lane: Lane) -> None:
         """The lane starts afresh: nothing of the new session is unreviewed yet."""
-        counts = self._lanes.get(lane.key)
+        counts = self.state.lanes.get(lane.key)
         if counts is not None:
             counts.unreviewed, counts.reviewed = 0, True
 
@@ -175,7 +191,7 @@ class Reviewer:
     ) -> str:
         """Run one review; returns its outcome (saved, nothing, busy, skipped, timeout, llm_error,
         error). `wait`: queue behind a running review of the tenant instead of skipping."""
-        lock = self._tenant_locks.setdefault(profile.tenant_id, asyncio.Lock())
+        lock = self.state.tenant_locks.setdefault(profile.tenant_id, asyncio.Lock())
         if lock.locked() and not wait:
             outcome = "busy"
         else:

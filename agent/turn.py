@@ -24,7 +24,7 @@ from agent.profile import Profile
 from agent.prompt import ChatPlace, build_system_prompt
 from agent.providers import ProviderAccess, provider_access
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool
-from agent.review import Reviewer
+from agent.review import Reviewer, ReviewState
 from agent.skills import SkillStore, render_skill_index
 from agent.tokens import TokenCounter
 from agent.tools import ToolBox
@@ -82,7 +82,13 @@ class Agent:
     """Runs turns for any tenant; holds no per-tenant state itself."""
 
     def __init__(
-        self, settings: AgentSettings, llm: LLMClient, tokens: TokenCounter, *, meter: Meter | None = None
+        self,
+        settings: AgentSettings,
+        llm: LLMClient,
+        tokens: TokenCounter,
+        *,
+        meter: Meter | None = None,
+        review_state: ReviewState | None = None,
     ) -> None:
         self.settings = settings
         self.llm = llm
@@ -92,7 +98,12 @@ class Agent:
         self.compression = Compressor(settings, llm, tokens, system_factory=self._system_for, meter=self.meter)
         self.compression.on_flush = self._flush_before_compression
         self.reviewer = Reviewer(
-            settings, llm, wire=self.compression.wire, toolbox=self._review_toolbox, meter=self.meter
+            settings,
+            llm,
+            wire=self.compression.wire,
+            toolbox=self._review_toolbox,
+            meter=self.meter,
+            state=review_state,
         )
         # set by the gateway: records a tenant's next reminder due time in its index
         self.reminder_index: Callable[[str, float | None, bool], Awaitable[None]] | None = None

@@ -33,6 +33,7 @@ COMMAND_SPECS: tuple[CommandSpec, ...] = (
     ),
     CommandSpec("forget", "Erase what I remember about you (N, or memory or user or all)", takes_args=True),
     CommandSpec("reminders", "Your reminders here (or: cancel N)", takes_args=True),
+    CommandSpec("model", "Which model answers you: list, or choose one (NAME, default)", takes_args=True),
     CommandSpec("persona", "How I answer: a persona (NAME, off, or custom TEXT in private)", takes_args=True),
     CommandSpec("undo", "Take back your last message and my answer"),
     CommandSpec("more", "The next part of my last answer, when it was too long for one reply"),

@@ -112,6 +112,23 @@ class LLMConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _offers_are_whole(self) -> LLMConfig:
+        for name in self.models:  # each offer, with what it leaves to the llm section, is a valid section
+            try:
+                self.for_offer(name)
+            except ValidationError as err:
+                raise ValueError(f"llm.models.{name}: {err.errors()[0]['msg']}") from None
+        return self
+
+    def for_offer(self, name: str) -> LLMConfig:
+        """This section as the offer `name` changes it: what the turns, summaries and reviews
+        of a tenant that chose it use (docs/concepts.md#models)."""
+        data = self.model_dump()
+        data.update({k: v for k, v in self.models[name].model_dump().items() if v is not None})
+        data["models"] = {}
+        return LLMConfig.model_validate(data)
+
     def answer_max_tokens(self) -> int:
         """The `max_tokens` sent with each answer: the operator's, else a default that
         leaves most of the window to the prompt."""
@@ -451,14 +468,6 @@ class Config(_Section):
             if not text.strip():
                 raise ValueError(f"personas.{name}: the instructions are empty")
         return personas
-
-    @model_validator(mode="after")
-    def _refuses_choices_not_built(self) -> Config:
-        """`/model` is not built yet: offering models would be a key that does nothing, so it
-        is refused (docs/concepts.md#models-and-personas)."""
-        if self.llm.models:
-            raise ValueError("llm.models: choosing a model per person is not available yet; remove the key")
-        return self
 
     @model_validator(mode="after")
     def _cluster_refuses_node_local_features(self) -> Config:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from agent.agents import Agents
 from agent.llm import LLMClient
 from agent.metering import Ledger, Meter
 from agent.profile import Profile
@@ -120,10 +121,26 @@ def build_parts(
     meter = Meter.for_profiles(
         cfg.llm, cfg.budgets, admins=frozenset(cfg.access.admins), sink=metrics, ledger_for=mode.ledger_for
     )
-    agent = Agent(AgentSettings.from_config(cfg), cast(LLMClient, llm_monitor), counter, meter=meter)
+    settings = AgentSettings.from_config(cfg)
+    agent = Agent(settings, cast(LLMClient, llm_monitor), counter, meter=meter)
+    offered: dict[str, Agent] = {}
+    offer_clients: list[LLMClient] = []
+    for name in cfg.llm.models:  # one agent per offer (agent/agents.py), each with its own client
+        offer_llm = cfg.llm.for_offer(name)
+        offer_clients.append(LLMClient.from_config(offer_llm))
+        offer_monitor = cast(LLMClient, InstrumentedLLM(offer_clients[-1], metrics))
+        offered[name] = Agent(
+            settings.model_copy(update={"llm": offer_llm}),
+            offer_monitor,
+            counter,
+            meter=meter,
+            review_state=agent.reviewer.state,
+        )
+    agents = Agents(agent, offered)
     media = MediaIntake(cfg)
-    agent.compression.on_outcome = metrics.compression  # hermes_compressions_total{outcome}
-    agent.reviewer.on_outcome = metrics.review  # hermes_memory_reviews_total{kind,outcome}
+    for each in agents.all():
+        each.compression.on_outcome = metrics.compression  # hermes_compressions_total{outcome}
+        each.reviewer.on_outcome = metrics.review  # hermes_memory_reviews_total{kind,outcome}
     replies = Replies(cfg, by_platform, outbox, deliverer)
     ingress: Ingress | None = None  # built last: reminders -> linking -> turns -> ingress
 
@@ -133,7 +150,8 @@ def build_parts(
 
     reminders = ReminderScheduler(lambda: inbox.db, cfg.data_dir, submit_reminder)
     # the tool keeps the due-time index current; no reminders in cluster mode
-    agent.reminder_index = reminders.note if cfg.reminders_on else None
+    for each in agents.all():
+        each.reminder_index = reminders.note if cfg.reminders_on else None
     kv = mode.kv if mode.kv is not None else SqliteKV(inbox)
     access = Access(cfg.access, kv)
     linking = Linking(
@@ -148,13 +166,13 @@ def build_parts(
         cluster=mode.cluster,
         merge_guard=mode.merge_guard,
     )
-    reviews = Reviews(cfg.memory, agent, linking, deliverer, background)
+    reviews = Reviews(cfg.memory, agents, linking, deliverer, background)
     refusals = Refusals(cfg, by_platform, inbox, access, metrics, replies, background, shared=mode.shared is not None)
-    commands = CommandParts(cfg, access, agent, inbox, links, linking, reminders)
+    commands = CommandParts(cfg, access, agent, agents, inbox, links, linking, reminders)
     turns = Turns(
         cfg,
         by_platform,
-        agent,
+        agents,
         linking,
         profiles,
         media,
@@ -202,6 +220,8 @@ def build_parts(
         metrics=metrics,
         llm_monitor=llm_monitor,
         agent=agent,
+        agents=agents,
+        offer_clients=offer_clients,
         media=media,
         deliverer=deliverer,
         replies=replies,

@@ -15,6 +15,7 @@ from agent.compression import CompressionState, Compressor
 from agent.fileio import private_mkdir, write_private
 from agent.memory import MemoryStore
 from agent.memory_approval import PendingWrites
+from agent.model_choice import ModelChoice
 from agent.persona import NONE, PersonaChoice, custom_problem
 from agent.prompt import ChatPlace
 from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks, Visibility
@@ -25,6 +26,7 @@ from core.text import page_text
 from gateway.delivery import more_key, more_mark, more_offer, read_more_mark
 
 if TYPE_CHECKING:
+    from agent.agents import Agents
     from agent.profile import Profile
     from agent.turn import Agent
     from core.settings import Config
@@ -52,7 +54,8 @@ class CommandParts:
 
     cfg: Config
     access: Access
-    agent: Agent
+    agent: Agent  # the default model's: what does not depend on the model (memory, access)
+    agents: Agents  # the agent of the model a tenant chose (agent/agents.py)
     inbox: Inbox
     links: IdentityLinks
     linking: Linking
@@ -125,7 +128,8 @@ async def cmd_start(ctx: CommandContext) -> str:
 
 
 async def cmd_new(ctx: CommandContext) -> str:
-    await ctx.parts.agent.new_session(ctx.profile, ctx.lane, ctx.place, reason="new")
+    agent = await ctx.parts.agents.of(ctx.profile)
+    await agent.new_session(ctx.profile, ctx.lane, ctx.place, reason="new")
     return "Started a new conversation. What I remember about you is kept (see /memory)."
 
 
@@ -139,7 +143,10 @@ async def cmd_status(ctx: CommandContext) -> str:
         shared = "between you and me"
     else:
         shared = "yours, but my replies here are seen by everyone in this chat"
-    lines = [f"Model: {ctx.parts.cfg.llm.model}", f"This conversation is {shared}."]
+    choice = (await ctx.profile.model()).name
+    model = ctx.parts.agents.named(choice).settings.llm.model
+    named = f" ({choice})" if choice is not None and choice in ctx.parts.agents.offered else ""
+    lines = [f"Model: {model}{named}", f"This conversation is {shared}."]
     if info:
         started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(info.get("started_at") or 0))
         lines += [
@@ -162,10 +169,11 @@ async def cmd_usage(ctx: CommandContext) -> str:
         return "\n".join([*budget, "No conversation yet in this chat."])
     info = await store.session_info(session_id) or {}
     history = await store.history(session_id)
-    comp = app.agent.compression
+    agent = await app.agents.of(ctx.profile)  # the window and threshold of the model chosen
+    comp = agent.compression
     context_tokens = comp.context_tokens(history)  # cached per-message counts, no re-encoding
-    window = app.cfg.llm.context_length
-    threshold = app.agent.threshold_tokens()
+    window = agent.settings.llm.context_length
+    threshold = agent.threshold_tokens()
     state = await store.compression_state(session_id)
     lines = [
         *budget,
@@ -194,7 +202,8 @@ async def cmd_compress(ctx: CommandContext) -> str:
     args = ctx.args.strip()
     head, _, rest = args.partition(" ")
     focus = rest.strip() if head.lower() == "focus" else args
-    return await ctx.parts.agent.compress_now(ctx.profile, ctx.lane, ctx.place, focus=focus or None)
+    agent = await ctx.parts.agents.of(ctx.profile)
+    return await agent.compress_now(ctx.profile, ctx.lane, ctx.place, focus=focus or None)
 
 
 def _private_only(ctx: CommandContext, command: str) -> str | None:
@@ -564,6 +573,38 @@ async def cmd_reminders(ctx: CommandContext) -> str:
     return "\n".join(["Your reminders:", *(r.describe() for r in mine), "Cancel one with /reminders cancel N."])
 
 
+async def cmd_model(ctx: CommandContext) -> str:
+    """`/model` lists the offered models, `/model NAME` chooses one for the lane's tenant,
+    `/model default` goes back to the default (docs/concepts.md#models)."""
+    agents = ctx.parts.agents
+    default = agents.default.settings.llm.model
+    word = ctx.args.strip().lower()
+    current = (await ctx.profile.model()).name
+    if not word:
+        if not agents.offered:
+            return f"Model: {default}. It is the only model offered here."
+        names = ", ".join(f"{n} ({a.settings.llm.model})" for n, a in sorted(agents.offered.items()))
+        if current in agents.offered:
+            now = f"Current: {current}."
+        elif current is not None:
+            now = f"Current: the default, {default} ({current} is no longer offered)."
+        else:
+            now = f"Current: the default, {default}."
+        return f"Models: {names}; the default is {default}.\n{now}\nChoose with /model NAME, or /model default."
+    if ctx.lane.kind == "person" and ctx.msg.chat_type != "dm":
+        return "Your model is yours to choose in private: send /model in a private chat with me."
+    if ctx.lane.kind == "chat" and not await _lane_admin(ctx):
+        return "This conversation is shared by everyone here, so only the chat's admins can choose its model."
+    if word == "default":
+        await ctx.profile.set_model(ModelChoice())
+        return f"Model set: the default, {default}. It applies from the next message."
+    if word not in agents.offered:
+        names = ", ".join(sorted(agents.offered)) or "none besides the default are offered"
+        return f"There is no model named {word!r} ({names})."
+    await ctx.profile.set_model(ModelChoice(word))
+    return f"Model set: {word} ({agents.offered[word].settings.llm.model}). It applies from the next message."
+
+
 async def cmd_persona(ctx: CommandContext) -> str:
     """`/persona` lists, `/persona NAME` and `/persona off` choose for the lane's tenant,
     `/persona custom TEXT` sets a person's own instructions (their DMs only; docs/concepts.md#personas)."""
@@ -618,6 +659,7 @@ def _persona_list(offered: dict[str, str], choice: PersonaChoice, private: bool)
 
 
 HANDLERS: dict[str, Handler] = {
+    "model": cmd_model,
     "persona": cmd_persona,
     "reminders": cmd_reminders,
     "stop": cmd_stop,

@@ -104,6 +104,15 @@ async def run_doctor(cfg: Config, *, deep: bool = False) -> int:
     results.append((ok, "tokenizer", detail))
     ok, detail = await check_llm(cfg)
     results.append((ok, "model endpoint", detail))
+    for name in cfg.llm.models:  # every offered model, as a tenant that chose it would call it
+        offer = cfg.model_copy(update={"llm": cfg.llm.for_offer(name)})
+        ok, detail = await check_llm(offer)
+        results.append((ok, f"model {name}", detail))
+        if offer.llm.vision:
+            from gateway.media_checks import check_vision
+
+            ok, detail = await check_vision(offer)
+            results.append((ok, f"model {name} vision", detail))
     if cfg.llm.vision or cfg.transcription.base_url:  # media checks live in gateway/media_checks.py
         from gateway.media_checks import check_transcription, check_vision
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agent.fileio import atomic_write
+from agent.model_choice import read_model
 from agent.reminders import Reminder, ReminderStore
 from agent.sessions import SessionStore
 from core.errors import LaneMoved
@@ -609,11 +610,13 @@ class Linking:
         self.metrics.links.inc(kind="merge", outcome="ok")
         log.info("link: merged %d profile(s) into %s", len(plan.sources), plan.target)
         everyone = ", ".join(links.principals_of(plan.name))
+        chosen = (await asyncio.to_thread(read_model, tenant_dir(self.cfg.data_dir, plan.target))).name
+        model = f" Your model is {chosen} (/model changes it)." if chosen else ""
         for target in plan.notify:
             await self._tell(
                 target,
                 f"Linked: {everyone} are now one person for me, with one memory and all "
-                "conversations kept. Send /unlink from an account to separate it again.",
+                f"conversations kept.{model} Send /unlink from an account to separate it again.",
             )
 
     async def _reindex_reminders(self, target: str, sources: list[str]) -> None:

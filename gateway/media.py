@@ -117,14 +117,24 @@ class MediaIntake:
         uid: str,
         guard: Callable[[], None] | None = None,
         charge: AudioCharge | None = None,
+        vision: bool | None = None,
     ) -> Prepared:
         """`uid` (the stored message's) names the files, so a message replayed after a
-        crash rewrites its files instead of storing them twice."""
+        crash rewrites its files instead of storing them twice. `vision`: whether the model
+        the tenant chose reads images (None: `llm.vision`)."""
         quote = reply_context(msg)
         body = msg.text.strip()
         if not msg.attachments:
             return Prepared("\n".join(p for p in (quote, msg.text) if p))
-        work = _Work(profile_path, uid, Prepared(""), said=[body] if body else [], guard=guard, charge=charge)
+        work = _Work(
+            profile_path,
+            uid,
+            Prepared(""),
+            said=[body] if body else [],
+            guard=guard,
+            charge=charge,
+            vision=self.cfg.llm.vision if vision is None else vision,
+        )
         content = bool(body)
         for n, att in enumerate(msg.attachments):
             got = await self._one(att, n, adapter, work)
@@ -138,7 +148,7 @@ class MediaIntake:
         """Handle one attachment; True when it gave the model something to answer."""
         kind = kind_of(att.type, att.name, att.mime_type)
         label = att.name or att.type
-        if kind == "image" and not self.cfg.llm.vision:
+        if kind == "image" and not work.vision:
             work.notes.append(f"[The person sent an image ({label}); image reading is off, so you cannot see it.]")
             if await asyncio.to_thread(_first_time, work.profile_path, work.guard):
                 work.out.notices.append(VISION_OFF_NOTICE)
@@ -267,6 +277,7 @@ class _Work:
     blocks: list[str] = field(default_factory=list)  # extracted document text
     guard: Callable[[], None] | None = None  # may raise to refuse a write (cluster mode: lease lost)
     charge: AudioCharge | None = None  # transcription's price, counted to the lane's tenant
+    vision: bool = False  # the chosen model reads images
 
     def file_key(self, n: int) -> str:
         return f"{self.uid}-{n}"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from agent.agents import Agents
 from agent.prompt import ChatPlace
-from agent.turn import Agent, TurnResult
+from agent.turn import TurnResult
 from core.errors import LaneMoved, LeaseLost
 from core.lanes import Lane
 from core.messages import InboundMessage
@@ -23,10 +24,13 @@ MAX_ACTIVE_LANES = 1000  # lanes remembered for the shutdown flush
 
 class Reviews:
     def __init__(
-        self, cfg: MemoryConfig, agent: Agent, linking: Linking, deliverer: Deliverer, background: Background
+        self, cfg: MemoryConfig, agents: Agents, linking: Linking, deliverer: Deliverer, background: Background
     ) -> None:
         self.cfg = cfg
-        self.agent = agent
+        # the turn counters per lane are the default agent's; a review runs with the model
+        # the tenant chose (agent/agents.py)
+        self.agents = agents
+        self.agent = agents.default
         self.linking = linking
         self.deliverer = deliverer
         self.background = background
@@ -62,7 +66,7 @@ class Reviews:
                 await self.deliverer.wait(last_chunk, timeout=self.cfg.review_timeout_s)
             async with self.linking.use(msg, lane) as profile:
                 history = await profile.sessions.history(session_id)
-                await self.agent.reviewer.review(
+                await (await self.agents.of(profile)).reviewer.review(
                     profile, lane, place, history, memory=memory, skills=skills, trigger="nudge"
                 )
         except LaneMoved:
@@ -81,7 +85,8 @@ class Reviews:
                 async with self.linking.use(msg, lane) as profile:
                     session_id = await profile.sessions.route(lane.session_key)
                     if session_id is not None:
-                        await self.agent.flush(profile, lane, place, await profile.sessions.history(session_id))
+                        agent = await self.agents.of(profile)
+                        await agent.flush(profile, lane, place, await profile.sessions.history(session_id))
             except (LaneMoved, LeaseLost):  # moved, or another node runs the tenant now
                 continue
             except Exception:

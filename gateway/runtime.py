@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from agent.agents import Agents
 from agent.fileio import private_mkdir
 from agent.llm import LLMClient
 from agent.sessions import StoragePool
@@ -85,7 +86,9 @@ class Parts:
     tokens: TokenCounter
     metrics: Metrics
     llm_monitor: InstrumentedLLM
-    agent: Agent
+    agent: Agent  # the default model's (agents.default)
+    agents: Agents
+    offer_clients: list[LLMClient]  # of the llm.models offers: built here, closed at stop
     media: MediaIntake
     deliverer: Deliverer
     replies: Replies
@@ -121,6 +124,8 @@ class GatewayApp:
         self.metrics = parts.metrics
         self.llm_monitor = parts.llm_monitor
         self.agent = parts.agent
+        self.agents = parts.agents
+        self._offer_clients = parts.offer_clients
         self.media = parts.media
         self.deliverer = parts.deliverer
         self.replies = parts.replies
@@ -352,6 +357,8 @@ class GatewayApp:
             await self.cluster.leave()
         if self._own_llm:
             await self.llm.aclose()
+        for client in self._offer_clients:
+            await client.aclose()
         if self.observability is not None:
             await self.observability.stop()
             self.observability = None

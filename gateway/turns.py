@@ -12,12 +12,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from agent.agents import Agents
 from agent.attachments import kind_of
 from agent.metering import AudioCharge, BudgetExceeded
 from agent.profile import Profile
 from agent.prompt import ChatPlace
 from agent.reminders import ReminderChat
-from agent.turn import Agent, TurnResult, UserInput
+from agent.turn import TurnResult, UserInput
 from core.backoff import backoff_delay
 from core.errors import LaneMoved, LeaseLost, caused_by
 from core.lanes import Lane
@@ -88,7 +89,7 @@ class Turns:
         self,
         cfg: Config,
         adapters: Mapping[str, Adapter],
-        agent: Agent,
+        agents: Agents,
         linking: Linking,
         profiles: ProfileManager,
         media: MediaIntake,
@@ -108,7 +109,7 @@ class Turns:
     ) -> None:
         self.cfg = cfg
         self.adapters = adapters
-        self.agent = agent
+        self.agents = agents
         self.linking = linking
         self.profiles = profiles
         self.media = media
@@ -244,6 +245,7 @@ class Turns:
                     return Answer(await run_command(spec.name, ctx), "reply", "replied")
                 # attachments and reply quotes, stored in this lane's own profile (gateway/media.py)
                 charge = await self._audio_charge(profile, lane, jobs)
+                agent = await self.agents.of(profile)  # the model the tenant chose (agent/agents.py)
                 try:
                     prepared = [
                         await self.media.prepare(
@@ -253,6 +255,7 @@ class Turns:
                             input_uid(j.msg),
                             profile.guard,
                             charge,
+                            vision=agent.settings.llm.vision,
                         )
                         for j in jobs
                     ]
@@ -281,7 +284,7 @@ class Turns:
                 stop = self.running.begin(key)
                 streamer = self.replies.streaming_reply(last.msg)
                 try:
-                    result = await self.agent.run_turn(
+                    result = await agent.run_turn(
                         profile,
                         lane,
                         place,
@@ -333,7 +336,8 @@ class Turns:
         audio = any(kind_of(a.type, a.name, a.mime_type) == "audio" for j in jobs for a in j.msg.attachments)
         if not price or not audio:
             return None
-        return AudioCharge(self.agent.meter, await self.agent.meter.payer(profile, lane), price)
+        meter = self.agents.default.meter  # one meter for every model
+        return AudioCharge(meter, await meter.payer(profile, lane), price)
 
     async def _first_page(self, lane: Lane, text: str) -> str:
         """An answer longer than `delivery.max_reply_chars` goes out as its first page and
@@ -401,7 +405,7 @@ class Turns:
 
     async def _record_reminder(self, profile: Profile, lane: Lane, place: ChatPlace, msg: InboundMessage) -> str:
         """Keep a due reminder in the lane's history (once, by its uid), return its text."""
-        session_id = await self.agent.open_session(profile, lane, place)
+        session_id = await (await self.agents.of(profile)).open_session(profile, lane, place)
         history = await profile.sessions.history(session_id)
         stored = delivered_message(session_id, msg, delivery_text(msg, self.reminders.clock()))
         for m in history:

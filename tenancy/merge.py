@@ -24,6 +24,8 @@ import apsw
 from agent.fileio import atomic_write, fsync_dir, open_private, private_mkdir, write_private
 from agent.memory import ENTRY_DELIMITER, parse_entries
 from agent.memory_files import BASELINE_FILE, Baselines, digest
+from agent.model_choice import FILE as MODEL_FILE
+from agent.model_choice import read_model, write_model
 from agent.persona import FILE as PERSONA_FILE
 from agent.persona import read_choice, write_choice
 from agent.profile import write_manifest
@@ -156,6 +158,7 @@ def merge_profiles(target: Path, sources: list[Path], limits: dict[str, int], pr
         merge_memory(target, sources, limits)
         merge_reminders(target, sources)
         merge_personas(target, sources)
+        merge_models(target, sources)
         manifest = json.loads((target / "tenant.json").read_text(encoding="utf-8"))
         have = manifest.setdefault("principals", [])
         for src in sources:
@@ -237,6 +240,7 @@ def _merge_files(src: Path, target: Path) -> None:
         PENDING_MARKER,
         REMINDERS_FILE,  # merged entry by entry (agent/reminders.py)
         PERSONA_FILE,  # one choice wins (merge_personas)
+        MODEL_FILE,  # one choice wins (merge_models)
         f".{REMINDERS_FILE}.lock",
     }
     for root, dirs, files in os.walk(src):
@@ -279,6 +283,17 @@ def merge_personas(target: Path, sources: list[Path]) -> Path | None:
         choice = read_choice(src)
         if not choice.empty:
             write_choice(target, choice)
+            return src
+    return None
+
+
+def merge_models(target: Path, sources: list[Path]) -> Path | None:
+    """One model for the merged profile: the last source's choice (the account that joins
+    last, the one that entered the code), else the target's own. Returns the source that won."""
+    for src in reversed(sources):
+        choice = read_model(src)
+        if choice.name is not None:
+            write_model(target, choice)
             return src
     return None
 

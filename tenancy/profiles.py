@@ -22,6 +22,7 @@ import apsw
 
 from agent.fileio import private_mkdir
 from agent.memory import MemoryStore
+from agent.model_choice import ModelChoice, read_model
 from agent.persona import PersonaChoice, read_choice
 from agent.profile import Profile, write_manifest
 from agent.providers import make_provider
@@ -420,12 +421,14 @@ class ProfileManager:
             path = self.data_dir / "profiles" / tenant_dir_name(tenant_id)
             found: list[set[str]] = []
             persona: list[PersonaChoice] = []
+            model: list[ModelChoice] = []
             checks = None if known is not None else self._checks(tenant_id, kind, path, found)
 
             def before() -> None:  # on the pool thread, in the open's own job (no hop of its own)
                 if checks is not None:
                     checks()
                 persona.append(read_choice(path))
+                model.append(read_model(path))
 
             sessions = SessionStore(
                 path,
@@ -464,6 +467,7 @@ class ProfileManager:
             guard=guard,
             on_close=on_close,
             persona_choice=persona[0] if persona else None,
+            model_choice=model[0] if model else None,
         )
         if provider is not None:
             try:

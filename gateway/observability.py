@@ -13,6 +13,9 @@
 - `llm`: reachable or not. A request answered in the last two minutes says yes; a recent
   failure of kind unavailable/auth/not_found/config says no; otherwise `GET <base_url>/models`
   is probed (at most every 30 s).
+- `models` (with `llm.models`): each offer probed as `doctor` does (at most every 30 s). A
+  down offer never fails the check: `status` is `degraded`, since only the tenants that
+  chose it wait.
 - `data_dir`: a temp file can be written, fsynced and removed.
 - `profiles`: how many profiles are quarantined as damaged (their lanes wait for a
   repair). It never fails the check: with one or more, `status` is `degraded` (HTTP 200),
@@ -100,6 +103,7 @@ class Observability:
         self._runner: Any = None
         self._probe: tuple[float, bool, str] | None = None
         self._probe_lock = asyncio.Lock()
+        self._offer_probes: dict[str, tuple[float, bool, str]] = {}  # llm.models name -> (at, ok, detail)
         self._seen_down: dict[str, float] = {}  # platform -> first seen down (adapters without down_since)
 
     @property
@@ -157,6 +161,11 @@ class Observability:
         if self.parts.cluster_health is not None:
             cluster_ok, checks["cluster"] = await self.parts.cluster_health()
             healthy = healthy and cluster_ok
+        # an offered model that is down holds only the tenants that chose it: degraded, not down
+        offers = await self.offer_health()
+        if offers:
+            checks["models"] = {name: {"ok": ok, "detail": detail} for name, (ok, detail) in offers.items()}
+        models_down = any(not ok for ok, _ in offers.values())
         # a damaged profile holds only its own lanes: degraded, not down (the others are served)
         quarantined = len(self.parts.profiles.quarantined)
         checks["profiles"] = {
@@ -167,7 +176,7 @@ class Observability:
             else "every profile opened so far opens",
         }
         body = {
-            "status": "unhealthy" if not healthy else "degraded" if quarantined else "ok",
+            "status": "unhealthy" if not healthy else "degraded" if quarantined or models_down else "ok",
             "checks": checks,
             "uptime_s": round(time.time() - self.parts.metrics.started_at, 1),
             "open_profiles": self.parts.profiles.open_count,
@@ -216,6 +225,26 @@ class Observability:
                 ok, detail = False, f"probe failed ({type(err).__name__})"
             self._probe = (time.monotonic(), ok, detail)
             return ok, detail
+
+    async def offer_health(self) -> dict[str, tuple[bool, str]]:
+        """Each `llm.models` offer probed as `doctor` does (at most every PROBE_TTL_S)."""
+        cfg = self.parts.cfg
+        out: dict[str, tuple[bool, str]] = {}
+        for name in cfg.llm.models:
+            probe = self._offer_probes.get(name)
+            if probe is None or time.monotonic() - probe[0] >= PROBE_TTL_S:
+                from gateway.doctor import check_llm
+
+                try:
+                    offer = cfg.model_copy(update={"llm": cfg.llm.for_offer(name)})
+                    ok, detail = await asyncio.wait_for(check_llm(offer), timeout=15)
+                except TimeoutError:
+                    ok, detail = False, "probe timed out"
+                except Exception as err:
+                    ok, detail = False, f"probe failed ({type(err).__name__})"
+                probe = self._offer_probes[name] = (time.monotonic(), ok, detail)
+            out[name] = (probe[1], probe[2])
+        return out
 
     # ----- handlers ---------------------------------------------------------------------
     async def _healthz(self, request: Any) -> Any:

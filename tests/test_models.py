@@ -12,6 +12,7 @@ from agent.model_choice import FILE, ModelChoice, read_model, write_model
 from core.settings import ConfigError, parse_config
 from gateway.build import build_gateway
 from gateway.cli import main as cli_main
+from gateway.observability import Observability
 from tenancy.keys import tenant_dir
 from tenancy.merge import merge_models
 from tests.conftest import RecordingAdapter, dm, group, make_config, say
@@ -160,3 +161,17 @@ def test_doctor_checks_every_offered_model(tmp_path, capsys):
         assert cli_main(["doctor", "-c", str(path)]) == 1
     out = capsys.readouterr().out
     assert "[ok] model endpoint" in out and "[FAIL] model down: cannot reach http://127.0.0.1:9/v1" in out
+
+
+async def test_an_offered_model_that_is_down_makes_health_degraded_not_unhealthy(tmp_path, fake_llm):
+    cfg = make_config(tmp_path / "data", fake_llm.base_url, llm=offers("http://127.0.0.1:9/v1"), limits=LIMITS)
+    app = build_gateway(cfg, [RecordingAdapter()])
+    await app.start()
+    try:
+        healthy, body = await Observability(app.observed(), "127.0.0.1:0").health()
+        assert healthy and body["status"] == "degraded"
+        assert body["checks"]["models"]["big"]["ok"]
+        assert not body["checks"]["models"]["elsewhere"]["ok"]
+        assert "127.0.0.1:9" in body["checks"]["models"]["elsewhere"]["detail"]
+    finally:
+        await app.stop()

@@ -74,6 +74,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import apsw
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -653,7 +655,8 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu,
         "memory": mem,
         "python": platform.python_version(),
-        "sqlite": sqlite3.sqlite_version,
+        # profiles run on APSW's bundled SQLite, gateway.db on the stdlib's (docs/concepts.md#session-storage)
+        "sqlite": f"{apsw.sqlite_lib_version()} (APSW, state.db), {sqlite3.sqlite_version} (stdlib, gateway.db)",
         "loadavg_start": os.getloadavg(),
         "git": git_state(),
     }

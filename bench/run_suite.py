@@ -128,14 +128,15 @@ def main() -> int:
             results[(tenants, messages)].append(run_once(tenants, messages, extra))
     any_run = results[CONFIGS[0]][0]
     m = any_run["machine"]
+    opened = sorted({r["args"].get("max_open") for runs in results.values() for r in runs} - {None})
     head = (
         f"Machine: {m['nproc']} vCPU ({m['cpu']}), {m['memory']}, Python {m['python']}, SQLite {m['sqlite']}, "
         f"{any_run.get('disk', '?')}. Code: {m['git']}. {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, "
         f"{(time.time() - t0) / 60:.1f} min; load average {load0:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end (the machine is shared: wall-clock figures are noisy, "
         "CPU / turn is the steadier one). Median of the runs, min–max in brackets; `fsync: batch`, "
-        "64 in flight, the shipped open-profile cache (`storage.memory_budget_mib: 272`: 1,024 profiles), "
-        "zero-latency model in another process. *Floor*: "
+        "64 in flight, the shipped open-profile cache (the default `storage.memory_budget_mib`: "
+        f"{', '.join(map(str, opened)) or '?'} profiles open at most), zero-latency model in another process. *Floor*: "
         "`bench/turn_floor.py` right after each run, same tenants, order, concurrency and LRU size."
     )
     body = head + "\n\n" + table(results)

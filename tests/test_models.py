@@ -175,3 +175,22 @@ async def test_an_offered_model_that_is_down_makes_health_degraded_not_unhealthy
         assert "127.0.0.1:9" in body["checks"]["models"]["elsewhere"]["detail"]
     finally:
         await app.stop()
+
+
+async def test_a_link_keeps_the_joining_accounts_model_and_says_so(tmp_path, fake_llm):
+    from tests.test_linking import link
+
+    cfg = make_config(tmp_path / "data", fake_llm.base_url, llm=offers("http://127.0.0.1:9/v1"), limits=LIMITS)
+    tg, dc = RecordingAdapter("telegram"), RecordingAdapter("discord")
+    app = build_gateway(cfg, [tg, dc])
+    await app.start()
+    try:
+        await say(app, tg, dm("111", "/model elsewhere", platform="telegram"))
+        await say(app, dc, dm("222", "/model big", platform="discord"))  # the account that enters the code
+        await link(app, tg, dc)
+        told = [t for t in tg.texts() + dc.texts() if t.startswith("Linked:")]
+        assert told and all("Your model is big" in t for t in told), told
+        await say(app, tg, dm("111", "after the link", platform="telegram"))
+        assert fake_llm.last_request["model"] == "big-model"
+    finally:
+        await app.stop()

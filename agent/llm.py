@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import errno
 import json
 import logging
 import random
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from agent.http_pool import llm_transport
+from core.errors import cause_chain
 from core.redact import Redactor
 
 if TYPE_CHECKING:
@@ -75,6 +77,14 @@ class LLMUnavailable(LLMError):
     default_user_message = (
         "The assistant's model is unreachable right now; your message was kept — please try again in a minute."
     )
+
+
+class LLMNoDescriptors(LLMUnavailable):
+    """The gateway itself is out of file descriptors: no socket to the model could be
+    opened. Not the model's fault, so the caller treats it as the resource fault it is."""
+
+    kind = "no_descriptors"
+    default_user_message = "I can't answer right now; your message is kept and I'll answer as soon as I can."
 
 
 class LLMTimeout(LLMUnavailable):
@@ -533,6 +543,10 @@ class LLMClient:
 
     def _transport_error(self, exc: httpx.HTTPError, attempt: int) -> LLMError:
         """No HTTP answer: which error it stands for (the same whether streaming or not)."""
+        if any(isinstance(c, OSError) and c.errno in (errno.EMFILE, errno.ENFILE) for c in cause_chain(exc)):
+            return LLMNoDescriptors(
+                self._redact(f"no socket to {self._safe_base}: too many open files"), attempts=attempt
+            )
         if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):  # nothing was generated: retryable
             return LLMUnavailable(
                 self._redact(f"timed out connecting to {self._safe_base} ({type(exc).__name__})"), attempts=attempt

@@ -6,6 +6,7 @@ stays pending, and the person is told once that the answer is late."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import secrets
 import time
@@ -311,6 +312,8 @@ class Turns:
                 if result.kind == "refused":  # budget used up: said once per period, else finished quietly
                     return Answer(result.text, "notice", "over_budget", result=result)
                 if result.kind == "error":
+                    if result.error == "no_descriptors":  # ours, not the model's: shed idle profiles, retry
+                        raise OSError(errno.EMFILE, "too many open files (no socket to the model)")
                     if result.error in MODEL_DOWN_KINDS and platform != "console":
                         # not the message's fault: held and retried (the console's person reads the error)
                         raise ModelDown(result.error or "")

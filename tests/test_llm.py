@@ -540,3 +540,24 @@ async def test_fake_serves_a_subprocess() -> None:
     assert proc.returncode == 0, err.decode()
     assert out.decode().strip() == "ok: from the child"
     assert llm.requests[0]["model"] == "child-model"
+
+
+async def test_a_descriptor_limit_of_our_own_is_not_called_the_model_being_down():
+    """EMFILE while connecting is the gateway's own resource fault: its own kind, so the turn
+    sheds idle profiles and says "I can't answer right now", not "can't reach my model"."""
+    import errno
+
+    from agent.llm import LLMNoDescriptors
+
+    c = LLMClient("http://127.0.0.1:9/v1", "m", max_retries=0)
+    try:
+        cause = OSError(errno.EMFILE, "Too many open files")
+        err = httpx.ConnectError("connect failed")
+        err.__cause__ = cause
+        judged = c._transport_error(err, 1)
+        assert isinstance(judged, LLMNoDescriptors) and judged.kind == "no_descriptors"
+        assert "model" not in judged.user_message
+        plain = c._transport_error(httpx.ConnectError("refused"), 1)
+        assert plain.kind == "unavailable"
+    finally:
+        await c.aclose()

@@ -3,6 +3,8 @@ atomically, and helpers that create files 0600 and directories 0700 whatever the
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -120,3 +122,19 @@ def tighten_tree(root: Path) -> None:
             full = os.path.join(base, f)
             if not os.path.islink(full):
                 os.chmod(full, PRIVATE_FILE)
+
+
+def read_choice_file(path: Path, log: logging.Logger, otherwise: str) -> dict[str, Any]:
+    """A small JSON object a profile keeps (a persona or model choice): {} when the file is
+    absent, and {} with a warning naming what applies `otherwise` when it is damaged."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        log.warning("%s cannot be read (%s): %s", path, err, otherwise)
+        return {}
+    if not isinstance(data, dict):
+        log.warning("%s is not a JSON object: %s", path, otherwise)
+        return {}
+    return data

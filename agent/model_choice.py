@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.fileio import atomic_write
+from agent.fileio import atomic_write, read_choice_file
 
 FILE = "model.json"
 log = logging.getLogger("hermes.agent")
@@ -26,15 +26,8 @@ DEFAULT = ModelChoice()
 
 def read_model(profile_dir: Path) -> ModelChoice:
     """The profile's choice; the default when it has none, or when the file is damaged (logged)."""
-    path = Path(profile_dir) / FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return DEFAULT
-    except (OSError, ValueError) as err:
-        log.warning("%s cannot be read (%s): the default model until one is chosen again", path, err)
-        return DEFAULT
-    name = data.get("name") if isinstance(data, dict) else None
+    data = read_choice_file(Path(profile_dir) / FILE, log, "the default model until one is chosen again")
+    name = data.get("name")
     return ModelChoice(name if isinstance(name, str) and name else None)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.fileio import atomic_write
+from agent.fileio import atomic_write, read_choice_file
 from agent.threats import first_threat
 
 FILE = "persona.json"
@@ -41,17 +41,7 @@ NONE = PersonaChoice()
 
 def read_choice(profile_dir: Path) -> PersonaChoice:
     """The profile's choice; none when it has none, or when the file is damaged (said in the log)."""
-    path = Path(profile_dir) / FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return NONE
-    except (OSError, ValueError) as err:
-        log.warning("%s cannot be read (%s): no persona until it is set again", path, err)
-        return NONE
-    if not isinstance(data, dict):
-        log.warning("%s is not a JSON object: no persona until it is set again", path)
-        return NONE
+    data = read_choice_file(Path(profile_dir) / FILE, log, "no persona until it is set again")
     name, custom = data.get("name"), data.get("custom")
     return PersonaChoice(
         name=name if isinstance(name, str) and name else None,

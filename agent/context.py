@@ -14,7 +14,7 @@ from agent.providers import NO_ACCESS, ProviderAccess
 if TYPE_CHECKING:
     from agent.compression import CompressionState
     from agent.memory import MemoryStore
-    from agent.metering import Payer
+    from agent.metering import Payer, Reservation
     from agent.profile import Profile
     from agent.prompt import ChatPlace
     from agent.reminders import ReminderChat
@@ -50,6 +50,7 @@ class TurnContext:
     chat: ReminderChat | None = None  # where the turn runs: reminders set in it are delivered there
     interrupted: bool = False
     payer: Payer | None = None  # whose budget the turn's model calls count to (agent/metering.py)
+    reserved: Reservation | None = None  # the next call's reservation, made in the turn's first write
 
 
 __all__ = ["Notify", "OnText", "TurnContext"]

@@ -3,12 +3,16 @@ atomically, and helpers that create files 0600 and directories 0700 whatever the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 def fsync_dir(path: Path) -> None:
@@ -138,3 +142,38 @@ def read_choice_file(path: Path, log: logging.Logger, otherwise: str) -> dict[st
         log.warning("%s is not a JSON object: %s", path, otherwise)
         return {}
     return data
+
+
+class FileMemo(Generic[T]):
+    """A small file's parsed value, parsed again only when the file changed (its inode,
+    size or mtime): a stat per use on the event loop, no thread hop, so a file another
+    process may replace (`budget set`) takes effect from the next use."""
+
+    __slots__ = ("_key", "_parse", "_path", "_value")
+
+    def __init__(self, path: Path, parse: Callable[[], T]) -> None:
+        self._path = path
+        self._parse = parse
+        self._key: tuple[int, int, int] | bool | None = False  # False: never parsed
+        self._value: T | None = None
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def load(self) -> T:
+        """Parse now, where blocking is fine (an open's pool job)."""
+        key = self._stat()
+        self._value, self._key = self._parse(), key
+        return self._value
+
+    async def get(self) -> T:
+        """The value, re-parsed (in a thread) only when the file changed since the last parse."""
+        key = self._stat()
+        if key != self._key:
+            value = await asyncio.to_thread(self._parse)
+            self._value, self._key = value, key
+        return self._value  # type: ignore[return-value]

@@ -20,32 +20,22 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import apsw
 
 from agent.fileio import atomic_write
 from agent.sessions import SessionStore
+from agent.sessions.db import BUDGET_DDL
+
+if TYPE_CHECKING:
+    from agent.metering import Reservation
 
 NANOS = 1_000_000_000  # nano-units per unit of cost
 
-_DDL = """
-CREATE TABLE IF NOT EXISTS budget_usage(
-    period TEXT PRIMARY KEY,
-    tokens INTEGER NOT NULL DEFAULT 0,
-    cost_nanos INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS budget_pending(
-    call_id TEXT PRIMARY KEY,
-    day TEXT NOT NULL,
-    month TEXT NOT NULL,
-    tokens INTEGER NOT NULL,
-    cost_nanos INTEGER NOT NULL,
-    at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS budget_said(key TEXT PRIMARY KEY, at REAL NOT NULL);
-"""
 
 OVERRIDE_FILE = "budget.json"
 #: a state.db connection: APSW, one SQLite library per file (docs/concepts.md#one-sqlite-library-per-file)
@@ -65,9 +55,9 @@ class Totals:
 
 
 def ensure_tables(db: Conn) -> None:
-    for stmt in _DDL.split(";"):
-        if stmt.strip():
-            db.execute(stmt)
+    """Create the ledger's tables in a state.db no store has opened since they were added
+    (a store's open does it: the turn's steps below assume them)."""
+    db.execute(BUDGET_DDL, can_cache=False)
 
 
 def _add(db: Conn, period: str, tokens: int, cost_nanos: int) -> None:
@@ -124,7 +114,6 @@ def reserve(
 
 def settle(db: Conn, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
     """Replace a call's estimate by what it used (all of it when a reset dropped the estimate)."""
-    ensure_tables(db)
     row = db.execute("SELECT day, month, tokens, cost_nanos FROM budget_pending WHERE call_id=?", (call_id,)).fetchone()
     if row is not None:
         day, month = row[0], row[1]
@@ -135,7 +124,6 @@ def settle(db: Conn, call_id: str, day: str, month: str, tokens: int, cost_nanos
 
 
 def totals(db: Conn, day: str, month: str) -> Totals:
-    ensure_tables(db)
     got = {
         r[0]: (int(r[1]), int(r[2]))
         for r in db.execute(
@@ -148,7 +136,6 @@ def totals(db: Conn, day: str, month: str) -> Totals:
 
 def mark_once(db: Conn, key: str) -> bool:
     """Record that `key` (a notice of one period) was said; False when it was already."""
-    ensure_tables(db)
     if db.execute("SELECT 1 FROM budget_said WHERE key=?", (key,)).fetchone() is not None:
         return False
     db.execute("INSERT INTO budget_said(key, at) VALUES (?, ?)", (key, time.time()))
@@ -197,6 +184,16 @@ class ProfileLedger:
         self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int, limits: dict[str, float | None]
     ) -> tuple[Totals, bool]:
         return await self._store.transact(lambda db: reserve(db, call_id, day, month, tokens, cost_nanos, limits))
+
+    def reserving(self, r: Reservation) -> Callable[[Conn], bool]:
+        """`reserve` as a step of another transaction of this store (the turn's write of the
+        person's message): True when made; False, with `r.before` set, at a cap."""
+
+        def step(db: Conn) -> bool:
+            r.before, made = reserve(db, r.call_id, r.period.day, r.period.month, r.tokens, r.cost_nanos, r.limits)
+            return made
+
+        return step
 
     async def settle(self, call_id: str, day: str, month: str, tokens: int, cost_nanos: int) -> None:
         # with the profile's next write (normally the turn's answer), not a transaction of its own

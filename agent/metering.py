@@ -14,24 +14,23 @@ price, no cost (tokens are still counted).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, tzinfo
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
 from agent.fairshare import FairShare
-from agent.ledger import LIMIT_KEYS, NANOS, ProfileLedger, Totals, over_cap, read_override
+from agent.ledger import LIMIT_KEYS, NANOS, ProfileLedger, Totals, over_cap
 from agent.llm import ChatResult, LLMClient, LLMError, LLMTimeout
-from agent.reminders import ReminderStore
 from core.settings import BudgetLimits, BudgetsConfig, LLMConfig
 
 if TYPE_CHECKING:
+    from agent.messages import StoredMessage
     from agent.profile import Profile
     from core.lanes import Lane, LaneKind
 
@@ -40,6 +39,7 @@ log = logging.getLogger("hermes.agent")
 Notify = Callable[[str, str], Awaitable[None]]
 #: image parts are counted as this many characters in a call's estimate (not their base64)
 _IMAGE_CHARS = 4000
+_UTC = ZoneInfo("UTC")
 
 
 class Ledger(Protocol):
@@ -60,6 +60,18 @@ class Ledger(Protocol):
 
     async def mark_once(self, key: str) -> bool:
         """Record a notice of a period as said; False when it was already."""
+        ...
+
+
+@runtime_checkable
+class StoreLedger(Protocol):
+    """A ledger in the profile's own state.db (agent/ledger.py): a call's reservation can
+    ride in the turn's write of the person's message instead of a storage call of its own
+    (docs/concepts.md#budgets)."""
+
+    def reserving(self, r: Reservation) -> Callable[[Any], bool]:
+        """A function of a state.db connection inside a transaction that makes `r`
+        (True) or finds a cap reached (False, `r.before` says the use)."""
         ...
 
 
@@ -86,6 +98,19 @@ class Payer:
     @property
     def capped(self) -> bool:
         return self.ledger is not None and not self.exempt and any(v is not None for v in self.limits.values())
+
+
+@dataclass
+class Reservation:
+    """A model call's estimate, counted before the call; made by `Meter.chat` or, folded
+    into the turn's first write, by the ledger's `reserving` (then passed to `Meter.chat`)."""
+
+    call_id: str
+    period: Period
+    tokens: int
+    cost_nanos: int
+    limits: dict[str, float | None]
+    before: Totals = field(default_factory=lambda: Totals())  # the use before this call
 
 
 class BudgetExceeded(Exception):
@@ -157,6 +182,16 @@ def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:
             chars += len(json.dumps(m["tool_calls"], ensure_ascii=False))
         chars += 48  # role and framing
     return chars // 3 + 16
+
+
+def estimate_stored_tokens(history: list[StoredMessage]) -> int:
+    """A request's prompt estimate from its stored messages' cached token counts (no wire
+    is built): what a reservation made ahead of the call counts (`Meter.ahead`)."""
+    total = 0
+    for m in history:
+        n = m.token_count
+        total += n if n is not None else len(str(m.content or "")) // 3 + 16
+    return total + 16
 
 
 def _money(nanos: int) -> str:
@@ -265,14 +300,11 @@ class Meter:
     # ----- who pays --------------------------------------------------------------------
     async def payer(self, profile: Profile, lane: Lane) -> Payer:
         """The payer of a call serving `lane` (in `profile`, the lane's tenant): its time
-        zone (a person's, from their reminders; UTC for a chat) and caps, read now."""
+        zone (a person's, from their reminders; UTC for a chat) and caps, as their files
+        say now (re-read only when one changed: no thread hop on a turn)."""
         person = lane.kind == "person"
-
-        def read() -> tuple[tzinfo, dict[str, float | None]]:
-            zone = ReminderStore(profile.path).zone_now() if person else ZoneInfo("UTC")
-            return zone, read_override(profile.path)
-
-        zone, override = await asyncio.to_thread(read)
+        zone = await profile.time_zone() if person else _UTC
+        override = await profile.budget_override()
         base = self.budgets.per_person if person else self.budgets.per_chat
         exempt = self.budgets.exempt_admins and lane.principal in self.admins
         ledger = self._ledger_for(profile) if self._ledger_for is not None else None
@@ -306,6 +338,29 @@ class Meter:
             say,
         )
 
+    def ahead(self, payer: Payer | None, client: LLMClient, prompt_tokens: int, max_tokens: int) -> Reservation | None:
+        """A reservation for the next call of `payer` to be made inside the turn's write
+        (`StoreLedger.reserving`); None when its ledger lives elsewhere (cluster mode)."""
+        if payer is None or not isinstance(payer.ledger, StoreLedger):
+            return None
+        prices = price_of(self.llm, client.model)
+        return Reservation(
+            secrets.token_hex(8),
+            period_of(payer.zone, self.clock()),
+            prompt_tokens + max_tokens,
+            cost_nanos(prices, prompt_tokens, max_tokens),
+            payer.limits if payer.capped else {},
+        )
+
+    async def refuse(self, payer: Payer, r: Reservation) -> None:
+        """A folded reservation found a cap reached: raise `BudgetExceeded`."""
+        await self._refuse(payer, r.before)
+
+    async def release(self, payer: Payer, r: Reservation) -> None:
+        """A reservation no call used (the turn ended first): its estimate is taken back."""
+        if payer.ledger is not None:
+            await payer.ledger.settle(r.call_id, r.period.day, r.period.month, 0, 0)
+
     async def chat(
         self,
         payer: Payer | None,
@@ -313,26 +368,31 @@ class Meter:
         messages: list[dict[str, Any]],
         *,
         notify: Notify | None = None,
+        reserved: Reservation | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        """One model call for `payer`: checked and reserved (one ledger write), fairly
-        scheduled, settled from the response's usage."""
+        """One model call for `payer`: checked and reserved (one ledger write, unless
+        `reserved` says the turn's write made it), fairly scheduled, settled from the
+        response's usage."""
         model = str(kwargs.get("model") or client.model)
         prices = price_of(self.llm, model)
         est_prompt = estimate_prompt_tokens(messages)
         est_out = int(kwargs.get("max_tokens") or self.llm.answer_max_tokens())
         ledger = payer.ledger if payer is not None else None
-        period = period_of(payer.zone if payer is not None else ZoneInfo("UTC"), self.clock())
-        call_id = secrets.token_hex(8)
-        before = Totals()
-        if payer is not None and ledger is not None:
-            limits = payer.limits if payer.capped else {}
-            est_cost = cost_nanos(prices, est_prompt, est_out)
-            before, reserved = await ledger.reserve(
-                call_id, period.day, period.month, est_prompt + est_out, est_cost, limits
-            )
-            if not reserved:
-                await self._refuse(payer, before)
+        if reserved is not None:
+            period, call_id, before = reserved.period, reserved.call_id, reserved.before
+        else:
+            period = period_of(payer.zone if payer is not None else _UTC, self.clock())
+            call_id = secrets.token_hex(8)
+            before = Totals()
+            if payer is not None and ledger is not None:
+                limits = payer.limits if payer.capped else {}
+                est_cost = cost_nanos(prices, est_prompt, est_out)
+                before, ok = await ledger.reserve(
+                    call_id, period.day, period.month, est_prompt + est_out, est_cost, limits
+                )
+                if not ok:
+                    await self._refuse(payer, before)
         try:
             async with self.fair.slot(payer.tenant_id if payer is not None else "-"):
                 result = await client.chat(messages, **kwargs)
@@ -427,10 +487,13 @@ __all__ = [
     "Meter",
     "Payer",
     "Period",
+    "Reservation",
+    "StoreLedger",
     "UsageSink",
     "cost_nanos",
     "effective_limits",
     "estimate_prompt_tokens",
+    "estimate_stored_tokens",
     "period_of",
     "price_of",
 ]

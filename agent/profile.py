@@ -11,14 +11,27 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import tzinfo
 from pathlib import Path
 
-from agent.fileio import atomic_write
+from agent import reminders
+from agent.fileio import FileMemo, atomic_write
+from agent.ledger import OVERRIDE_FILE, read_override
 from agent.memory import MemoryStore
 from agent.model_choice import ModelChoice, read_model, write_model
 from agent.persona import PersonaChoice, read_choice, write_choice
 from agent.providers import MemoryProvider
 from agent.sessions import SessionStore
+
+
+def zone_memo(path: Path) -> FileMemo[tzinfo]:
+    """The person's time zone as their reminders know it (budget days roll over at its midnight)."""
+    return FileMemo(path / reminders.FILE, lambda: reminders.ReminderStore(path).zone_now())
+
+
+def budget_memo(path: Path) -> FileMemo[dict[str, float | None]]:
+    """The operator's per-tenant caps (`budget set`, agent/ledger.py)."""
+    return FileMemo(path / OVERRIDE_FILE, lambda: read_override(path))
 
 
 @dataclass
@@ -35,8 +48,27 @@ class Profile:
     last_used: float = field(default_factory=time.monotonic)
     guard: Callable[[], None] | None = None  # raises when writing is no longer allowed (ProfileGate)
     on_close: Callable[[], Awaitable[None]] | None = None  # after the stores are closed
+    #: what the payer of a call reads (agent/metering.py): parsed at open, again when changed
+    zone_file: FileMemo[tzinfo] | None = None
+    budget_file: FileMemo[dict[str, float | None]] | None = None
     #: persona.json as the open read it (in its pool job); None: read on first use
     persona_choice: PersonaChoice | None = None
+
+    def __post_init__(self) -> None:
+        if self.zone_file is None:
+            self.zone_file = zone_memo(self.path)
+        if self.budget_file is None:
+            self.budget_file = budget_memo(self.path)
+
+    async def time_zone(self) -> tzinfo:
+        """The person's time zone (from their reminders; UTC when none says)."""
+        assert self.zone_file is not None  # set in __post_init__
+        return await self.zone_file.get()
+
+    async def budget_override(self) -> dict[str, float | None]:
+        """The operator's caps for this tenant ({}: the config's apply)."""
+        assert self.budget_file is not None  # set in __post_init__
+        return await self.budget_file.get()
 
     async def persona(self) -> PersonaChoice:
         """The tenant's persona choice (its file is read once per open)."""

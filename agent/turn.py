@@ -18,13 +18,14 @@ from agent.llm import ChatResult, ContextLengthExceeded, LLMClient, LLMError
 from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
-from agent.metering import BudgetExceeded, Meter
+from agent.metering import BudgetExceeded, Meter, StoreLedger, estimate_stored_tokens
 from agent.persona import lane_persona
 from agent.profile import Profile
 from agent.prompt import ChatPlace, build_system_prompt
 from agent.providers import ProviderAccess, provider_access
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool
 from agent.review import Reviewer, ReviewState
+from agent.sessions import WriteRefused
 from agent.skills import SkillStore, render_skill_index
 from agent.tokens import TokenCounter
 from agent.tools import ToolBox
@@ -353,10 +354,14 @@ class Agent:
         `interrupted`); `on_text` makes the model stream and gets the answer so far."""
         session_id = await self.open_session(profile, lane, place)
         payer = await self.meter.payer(profile, lane)
-        try:  # over the budget: nothing is stored, no model call is made (docs/concepts.md#budgets)
-            await self.meter.check(payer)
-        except BudgetExceeded as over:
-            return _refused(over, "", session_id)
+        # over the budget: nothing is stored, no model call is made (docs/concepts.md#budgets);
+        # a ledger in the profile checks in the write of the person's message, below
+        ledger = payer.ledger
+        if not isinstance(ledger, StoreLedger):
+            try:
+                await self.meter.check(payer)
+            except BudgetExceeded as over:
+                return _refused(over, "", session_id)
         store = profile.sessions
         history = await store.history(session_id)
         if await self._refresh_prompt(profile, lane, place, session_id, history):
@@ -414,16 +419,33 @@ class Agent:
             self.tokens.count_message(msg)
             new_msgs.append(msg)
         if new_msgs:
-            await store.append_many(new_msgs)
+            # the first call's reservation rides in this write: one storage call, not two
+            ahead = None
+            if isinstance(ledger, StoreLedger):
+                max_out = self.settings.llm.answer_max_tokens()
+                ahead = self.meter.ahead(payer, self.llm, estimate_stored_tokens([*history, *new_msgs]), max_out)
+            try:
+                await store.append_many(new_msgs, gate=ledger.reserving(ahead) if ahead is not None else None)
+            except WriteRefused:
+                assert ahead is not None
+                try:
+                    await self.meter.refuse(payer, ahead)
+                except BudgetExceeded as over:
+                    return _refused(over, earlier, session_id)
             history.extend(new_msgs)
-        ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
+            ctx.reserved = ahead
         try:
+            ctx.recall = await self._prefetch(ctx, "\n".join(i.text for i in fresh or inputs))
             text = await self._tool_loop(ctx, history)
         except BudgetExceeded as over:
             return _refused(over, earlier, ctx.session_id)
         except LLMError as err:
             log.warning("turn failed: llm %s", err.kind)
             return TurnResult(_joined(earlier, err.user_message), "error", ctx.session_id, error=err.kind)
+        finally:
+            if ctx.reserved is not None:  # no call used it (stopped, or failed before the call)
+                reserved, ctx.reserved = ctx.reserved, None
+                await self.meter.release(payer, reserved)
         if ctx.interrupted:
             text = _joined(earlier, text)
             return TurnResult(text, "reply", ctx.session_id, tool_iterations=ctx.tool_iterations, interrupted=True)
@@ -588,12 +610,14 @@ class Agent:
                 report(text)
 
             kwargs["on_text"] = on_text
+        reserved, ctx.reserved = ctx.reserved, None
         call = asyncio.ensure_future(
             self.meter.chat(
                 ctx.payer,
                 self.llm,
                 request,
                 notify=ctx.notify,
+                reserved=reserved,
                 tools=tools,
                 max_tokens=self.settings.llm.answer_max_tokens(),
                 **kwargs,

@@ -24,7 +24,7 @@ from agent.fileio import private_mkdir
 from agent.memory import MemoryStore
 from agent.model_choice import ModelChoice, read_model
 from agent.persona import PersonaChoice, read_choice
-from agent.profile import Profile, write_manifest
+from agent.profile import Profile, budget_memo, write_manifest, zone_memo
 from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
@@ -423,12 +423,16 @@ class ProfileManager:
             persona: list[PersonaChoice] = []
             model: list[ModelChoice] = []
             checks = None if known is not None else self._checks(tenant_id, kind, path, found)
+            zone, budget = zone_memo(path), budget_memo(path)
 
             def before() -> None:  # on the pool thread, in the open's own job (no hop of its own)
                 if checks is not None:
                     checks()
                 persona.append(read_choice(path))
                 model.append(read_model(path))
+                budget.load()
+                if kind == "person":  # a chat's budget days are UTC's
+                    zone.load()
 
             sessions = SessionStore(
                 path,
@@ -468,6 +472,8 @@ class ProfileManager:
             on_close=on_close,
             persona_choice=persona[0] if persona else None,
             model_choice=model[0] if model else None,
+            zone_file=zone,
+            budget_file=budget,
         )
         if provider is not None:
             try:

@@ -83,6 +83,29 @@ async def test_a_capped_person_is_refused_without_a_model_call_while_another_is_
         await app.stop()
 
 
+async def test_a_message_over_the_cap_is_not_stored_anywhere(config_for, fake_llm):
+    """The check rides in the write of the person's message: at the cap that write is
+    rolled back, journal line included, and no estimate is left pending."""
+    cfg = config_for(budgets=PERSON_CAP, limits={"rate_limit_per_minute": 1000})
+    app, adapter = await started(cfg)
+    try:
+        assert await say(app, adapter, dm("alice", "hello")) != []
+        assert len(await say(app, adapter, dm("alice", "over the cap now"))) == 1
+    finally:
+        await app.stop()
+    profile = tenant_dir(cfg.data_dir, "testchat-alice")
+    journals = b"".join(p.read_bytes() for p in (profile / "sessions").glob("*.jsonl"))
+    assert b"hello" in journals and b"over the cap now" not in journals
+    con = open_state_db(profile / "state.db")
+    try:
+        contents = [r[0] for r in con.execute("SELECT content FROM messages WHERE role='user'")]
+        pending = con.execute("SELECT count(*) FROM budget_pending").fetchone()[0]
+    finally:
+        con.close()
+    assert contents == ["hello"]
+    assert pending == 0, "the answered call was settled, the refused one never reserved"
+
+
 async def test_usage_shows_the_sum_of_the_usage_the_model_reported(config_for, fake_llm):
     cfg = config_for(
         budgets={"per_person": {"tokens_per_month": 1_000_000}},

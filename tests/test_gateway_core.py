@@ -516,11 +516,11 @@ async def test_a_collected_turn_cut_short_after_a_tool_call_is_finished_after_re
     assert "done:" in sent and "ok: four" in sent, sent
 
 
-async def test_a_warm_turn_costs_three_storage_calls_and_keeps_its_page_cache(config_for, fake_llm):
-    """Three storage calls a turn (docs/concepts.md#session-storage): one call stores the person's message, one reserves
-    the model call's estimate in the budget ledger, one stores the answer (with usage, the ledger's count and
-    compression state); no call throws the page cache away (the open profiles' memory is
-    bounded by memory, docs/concepts.md#open-profiles), so the next turn finds its pages."""
+async def test_a_warm_turn_costs_two_storage_calls_and_keeps_its_page_cache(config_for, fake_llm):
+    """Two storage calls a turn (docs/concepts.md#session-storage): one stores the person's message with the
+    model call's estimate reserved in the budget ledger (one transaction), one stores the answer (with
+    usage, the ledger's count and compression state); no call throws the page cache away (the open
+    profiles' memory is bounded by memory, docs/concepts.md#open-profiles), so the next turn finds its pages."""
     fake_llm.script(reply("first"), reply("second"))
     adapter = RecordingAdapter()
     app = build_gateway(config_for(), [adapter])
@@ -533,7 +533,9 @@ async def test_a_warm_turn_costs_three_storage_calls_and_keeps_its_page_cache(co
         store._db.exec_trace = lambda _cur, sql, _bindings: statements.append(sql) or True  # True: run it
         calls = app.storage_pool.calls
         assert await say(app, adapter, dm("ada", "and again")) == ["second"]
-        assert app.storage_pool.calls - calls == 3
+        assert app.storage_pool.calls - calls == 2
+        assert [s for s in statements if "INTO budget_pending" in s], "the estimate was reserved"
+        assert not [s for s in statements if s.lstrip().upper().startswith("CREATE")]
         assert not [s for s in statements if "shrink_memory" in s]
         writes = [s for s in statements if s.startswith("INSERT")]
         assert sum(s.startswith("INSERT INTO messages") or "INTO messages(" in s for s in writes) >= 2

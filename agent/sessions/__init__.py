@@ -17,6 +17,7 @@ from agent.sessions.errors import (
     SessionStoreError,
     StaleRouteError,
     UnknownSessionError,
+    WriteRefused,
 )
 from agent.sessions.pool import BATCH_FSYNC_INTERVAL, StoragePool
 from agent.sessions.search import SEARCH_MAX_LIMIT, fts_query
@@ -35,5 +36,6 @@ __all__ = [
     "StaleRouteError",
     "StoragePool",
     "UnknownSessionError",
+    "WriteRefused",
     "fts_query",
 ]

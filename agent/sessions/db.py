@@ -23,7 +23,7 @@ from agent.sessions.errors import SessionStoreError, UnknownSessionError
 
 SCHEMA_VERSION = 1
 # PRAGMA user_version of a state.db whose schema script already ran (so open() can skip it)
-USER_VERSION = 1
+USER_VERSION = 2
 _SQL_CHUNK = 500  # uids per `IN (...)` clause, well below SQLite's variable limit
 # the most page cache one profile's connection keeps between calls (SQLite's default is
 # 2 MiB): open profiles are counted against storage.memory_budget_mib (docs/concepts.md#open-profiles)
@@ -59,7 +59,27 @@ def _configure_library() -> None:
 
 _configure_library()
 
-SCHEMA = """
+# the budget ledger's tables (agent/ledger.py): in the schema, so a turn's ledger steps
+# find them without a CREATE of their own (USER_VERSION 2 adds them to older files)
+BUDGET_DDL = """
+CREATE TABLE IF NOT EXISTS budget_usage(
+    period TEXT PRIMARY KEY,
+    tokens INTEGER NOT NULL DEFAULT 0,
+    cost_nanos INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS budget_pending(
+    call_id TEXT PRIMARY KEY,
+    day TEXT NOT NULL,
+    month TEXT NOT NULL,
+    tokens INTEGER NOT NULL,
+    cost_nanos INTEGER NOT NULL,
+    at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS budget_said(key TEXT PRIMARY KEY, at REAL NOT NULL);
+"""
+
+SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS sessions(
     id TEXT PRIMARY KEY,
@@ -127,6 +147,8 @@ CREATE TABLE IF NOT EXISTS compression_state(
     updated_at REAL
 );
 """
+    + BUDGET_DDL
+)
 
 MSG_COLS = (
     "uid, session_id, role, content, tool_call_id, tool_calls, tool_name, timestamp, "

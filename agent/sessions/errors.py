@@ -27,6 +27,10 @@ class StaleRouteError(SessionStoreError):
     """rotate() was asked to rotate a session that is no longer the lane's live session."""
 
 
+class WriteRefused(SessionStoreError):
+    """A write's gate (a budget reservation riding on it) said no: nothing was stored."""
+
+
 # What SQLite says about a profile's state.db, by class: APSW's (the store) and the stdlib's
 # (admin tools, gateway.db) alike, so one classification serves both engines.
 def damaged_sqlite(exc: BaseException) -> bool:

@@ -41,7 +41,7 @@ from agent.sessions.codec import (
     row_msg,
     start_line,
 )
-from agent.sessions.errors import SessionStoreError, StaleRouteError, UnknownSessionError
+from agent.sessions.errors import SessionStoreError, StaleRouteError, UnknownSessionError, WriteRefused
 from agent.sessions.journal import Journal
 from agent.sessions.pool import StoragePool, default_pool
 from agent.sessions.reconcile import reconcile
@@ -55,6 +55,8 @@ LIVE_CACHE = 16  # sessions per profile whose history/compression state stay in 
 _START_KW = frozenset({"source", "user_id", "model"})
 
 T = TypeVar("T")
+#: a step of a write's transaction that may refuse the whole write (False)
+Gate = Callable[[apsw.Connection], bool]
 
 
 @dataclasses.dataclass
@@ -110,8 +112,19 @@ class _Call:
         self.soft = soft
         self.soft_done = soft is None
 
-    def journaled(self, lines: Lines, tx: Tx | None = None) -> None:
-        extra = None if self.soft_done else self.soft.apply  # type: ignore[union-attr]
+    def journaled(self, lines: Lines, tx: Tx | None = None, gate: Gate | None = None) -> None:
+        """The dual write, with the pending soft writes and then `gate` in its transaction:
+        a gate that says no rolls all of it back (and withdraws the lines)."""
+        soft = None if self.soft_done else self.soft
+        extra: Tx | None = soft.apply if soft is not None else None
+        if gate is not None:
+
+            def extra(db: apsw.Connection) -> None:
+                if soft is not None:
+                    soft.apply(db)
+                if not gate(db):
+                    raise WriteRefused("the write's gate said no")
+
         journaled(self.db, self.journal, lines, tx, extra)
         self.soft_done = True
 
@@ -526,13 +539,15 @@ class SessionStore:
         """Store one message (journal first). Re-appending a known uid is a no-op."""
         return (await self.append_many([msg]))[0]
 
-    async def append_many(self, msgs: list[StoredMessage]) -> list[StoredMessage]:
+    async def append_many(self, msgs: list[StoredMessage], *, gate: Gate | None = None) -> list[StoredMessage]:
         """Store messages in one transaction, in list order. Returns them as stored.
 
-        Pending usage counters and compression state commit in the same transaction.
-        Lone surrogates in strings are replaced with U+FFFD (UTF-8 cannot carry them).
+        Pending usage counters and compression state commit in the same transaction, and
+        then `gate` (a budget reservation): when it says no, nothing is stored and
+        `WriteRefused` is raised. Lone surrogates in strings are replaced with U+FFFD
+        (UTF-8 cannot carry them).
         """
-        if not msgs:
+        if not msgs and gate is None:
             return []
         cleaned = prepare_messages(msgs)
         cached = {m.session_id for m in cleaned if m.session_id in self._live}
@@ -549,7 +564,12 @@ class SessionStore:
                     fresh.append(m)
                     lines.setdefault(m.session_id, []).append(message_line(m))
             if fresh:
-                c.journaled(lines, lambda db: q.insert_messages(db, fresh))
+                c.journaled(lines, lambda db: q.insert_messages(db, fresh), gate)
+            elif gate is not None:
+                c.flush_soft()
+                with q.Transaction(c.db):
+                    if not gate(c.db):
+                        raise WriteRefused("the write's gate said no")
             return fresh
 
         def then(fresh: list[StoredMessage]) -> None:

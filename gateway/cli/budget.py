@@ -48,6 +48,7 @@ def _in_ledger(info: TenantInfo, fn: Callable[[apsw.Connection], T]) -> T | None
         db.set_busy_timeout(10000)
         db.execute("BEGIN IMMEDIATE")
         try:
+            ledger.ensure_tables(db)  # a profile no store opened since the ledger came
             result = fn(db)
         except BaseException:
             db.execute("ROLLBACK")

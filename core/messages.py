@@ -148,6 +148,28 @@ class SentMessage(BaseModel):
 # The gateway's entry point: awaiting it returns once the message is durably recorded,
 # so an adapter may acknowledge the platform (e.g. Telegram's offset) right after.
 InboundSink = Callable[[InboundMessage], Awaitable[None]]
+
+
+class ConfirmRequest(BaseModel):
+    """A question with two buttons ("Allow" / "Deny") that only `user_id` may answer: a tool
+    call waiting for the person whose turn it is.
+    `token` is random and names the question in the buttons' payload (at most 32 chars)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    token: str = Field(max_length=32)
+    platform: str
+    chat_id: str
+    thread_id: str | None = None
+    user_id: str  # the only person whose press counts
+    text: str  # what is asked, already within the platform's limit
+
+
+#: what a press means, as the gateway answers the adapter (the adapter shows the person a
+#: short refusal for anything but "ok": an alert on Telegram, an ephemeral reply on Discord)
+ConfirmVerdict = Literal["ok", "not_yours", "expired"]
+#: (token, user_id of who pressed, allow) -> verdict; set by the gateway before `start`
+ConfirmAnswerer = Callable[[str, str, bool], Awaitable[ConfirmVerdict]]
 #: (platform, text) of a group message the adapter drops unanswered (no mention): the gateway
 #: still looks at it (a link code posted where others read it is burnt); set by the gateway
 OverheardHook = Callable[[str, str], Awaitable[None]]

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from core.messages import Attachment, InboundSink, OutboundMessage, OverheardHook, SentMessage
+from core.messages import (
+    Attachment,
+    ConfirmAnswerer,
+    ConfirmRequest,
+    InboundSink,
+    OutboundMessage,
+    OverheardHook,
+    SentMessage,
+)
 
 
 class Adapter(Protocol):
@@ -59,6 +67,24 @@ class Overhears(Protocol):
     `start`, never after."""
 
     overheard: OverheardHook | None
+
+
+@runtime_checkable
+class Confirms(Protocol):
+    """Platforms with buttons ask a person to allow a tool call:
+    `ask` posts the question with "Allow" / "Deny", a press is handed to `answerer` (set by
+    the gateway before `start`, never after) and the adapter shows the presser a short
+    refusal unless the verdict is "ok"; `settle` replaces the buttons by the outcome."""
+
+    answerer: ConfirmAnswerer | None
+
+    async def ask(self, request: ConfirmRequest) -> SentMessage | None:
+        """Post the question; None when the chat refuses it (the call is then denied)."""
+        ...
+
+    async def settle(self, request: ConfirmRequest, sent: SentMessage, outcome: str) -> None:
+        """Edit the question to say `outcome` ("Allowed." / "Denied." / "No answer: denied."), buttons removed."""
+        ...
 
 
 @runtime_checkable

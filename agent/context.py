@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from agent.profile import Profile
     from agent.prompt import ChatPlace
     from agent.reminders import ReminderChat
+    from agent.toolkit import ConfirmGate, Speaker
     from core.lanes import Lane
 
 # (kind, text): kind is "progress" / "progress_done" (routine: shown only with
@@ -51,6 +52,8 @@ class TurnContext:
     interrupted: bool = False
     payer: Payer | None = None  # whose budget the turn's model calls count to (agent/metering.py)
     reserved: Reservation | None = None  # the next call's reservation, made in the turn's first write
+    speaker: Speaker | None = None  # who the tools serve (agent/toolkit.py); None: from the place
+    confirm: ConfirmGate | None = None  # asks the person to allow a `confirm` tool's call
 
 
 __all__ = ["Notify", "OnText", "TurnContext"]

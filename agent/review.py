@@ -242,7 +242,7 @@ class Reviewer:
         if not wanted or not history:
             return "skipped"
         toolbox.only = wanted
-        tools = toolbox.schemas()
+        tools = await toolbox.schemas()
         messages = [_redacted(m) for m in self._wire(history)]
         messages.append(
             {

@@ -8,7 +8,8 @@ reach the current tenant's profile.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.memory import MemoryStore
@@ -16,6 +17,9 @@ from agent.memory_approval import PendingWrites
 from agent.reminders import REMINDERS_TOOL, ReminderTool
 from agent.sessions import SessionStore
 from agent.skills import SKILL_ACTIONS, SkillStore
+from agent.toolkit import DEFAULT_SERVICES, ConfirmGate, Speaker, ToolServices, failed, permits, question, refusal
+
+log = logging.getLogger("hermes.agent")
 
 MEMORY_TOOL: dict[str, Any] = {
     "type": "function",
@@ -93,7 +97,7 @@ def _refused(error: str) -> str:
 
 @dataclass
 class ToolBox:
-    """The tools of one turn, bound to that turn's tenant stores."""
+    """The tools of one turn, bound to that turn's tenant stores and speaker."""
 
     sessions: SessionStore
     memory: MemoryStore | None  # None: memory is off in this lane
@@ -105,8 +109,15 @@ class ToolBox:
     only: frozenset[str] | None = None  # restrict to these tools (the background review)
     write_approval: str = "allow"  # memory.write_approval: allow | stage | block
     reminders: ReminderTool | None = None  # None: no reminders in this turn (e.g. a review)
+    # who may use what (docs/concepts.md#who-may-use-a-tool) and the shared web and MCP clients
+    services: ToolServices = DEFAULT_SERVICES
+    speaker: Speaker = field(default_factory=lambda: Speaker(dm=False))
+    tenant: str = ""
+    confirm: ConfirmGate | None = None  # None: nobody to ask (a review): confirm tools are denied
+    agent_name: str = "Hermes"
+    _mcp: dict[str, Any] | None = field(default=None, init=False, repr=False)  # qualified -> McpTool, once per turn
 
-    def schemas(self) -> list[dict[str, Any]]:
+    def _builtin_schemas(self) -> list[dict[str, Any]]:
         tools = []
         if self.memory is not None:
             tools.append(MEMORY_TOOL)
@@ -115,6 +126,43 @@ class ToolBox:
         tools.append(SESSION_SEARCH_TOOL)
         if self.reminders is not None:
             tools.append(REMINDERS_TOOL)
+        tools.extend(t.schema for t in self.services.web.values())
+        return tools
+
+    async def _mcp_tools(self) -> dict[str, Any]:
+        if self._mcp is None:
+            found: dict[str, Any] = {}
+            hub = self.services.mcp
+            if hub is not None and self.only is None:
+                try:
+                    found = {t.qualified: t for t in await hub.tools(self.tenant)}
+                except Exception:  # a tool server must never break a turn
+                    log.exception("listing MCP tools failed")
+            self._mcp = found
+        return self._mcp
+
+    def rule_of(self, name: str) -> tuple[Any, bool]:
+        """(allow, confirm) of a tool this box lists."""
+        return self._rule(name)
+
+    def has_dm_only(self) -> bool:
+        """Whether a tool is left out here that a direct message would offer."""
+        dm = Speaker(dm=True, operator=self.speaker.operator, chat_admin=self.speaker.chat_admin)
+        names = [t["function"]["name"] for t in self._builtin_schemas()] + list(self._mcp or {})
+        return any(permits(self._rule(n)[0], dm) and not permits(self._rule(n)[0], self.speaker) for n in names)
+
+    def _rule(self, name: str) -> tuple[Any, bool]:
+        tool = (self._mcp or {}).get(name)
+        if tool is not None:
+            return self.services.rule(name, tool.server, tool.name)
+        return self.services.rule(name)
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        """The tools this lane's speaker may use (a group never sees a `dm` tool)."""
+        tools = [t for t in self._builtin_schemas() if permits(self._rule(t["function"]["name"])[0], self.speaker)]
+        for qualified, tool in (await self._mcp_tools()).items():
+            if permits(self._rule(qualified)[0], self.speaker):
+                tools.append(tool.schema())
         return [t for t in tools if self.only is None or t["function"]["name"] in self.only]
 
     async def call(self, name: str, arguments: str | dict | None) -> str:
@@ -127,6 +175,32 @@ class ToolBox:
             return _refused("arguments must be a JSON object")
         if self.only is not None and name not in self.only:
             return _refused(f"only {', '.join(sorted(self.only))} can be used here")
+        mcp = await self._mcp_tools()
+        known = name in mcp or name in self.services.web or name in ("skill_manage", "memory", "session_search")
+        known = known or (name == "reminders" and self.reminders is not None)
+        if not known:
+            return _refused(f"unknown tool {name!r}")
+        allow, confirm = self._rule(name)
+        if not permits(allow, self.speaker):  # offered only where allowed; a call made anyway is refused
+            self.services.count(name, "refused")
+            return _refused(refusal(name, allow))
+        if confirm:
+            why = "nobody can be asked to allow it here" if self.confirm is None else None
+            if self.confirm is not None:
+                why = await self.confirm(name, question(self.agent_name, name, args))
+            if why is not None:
+                self.services.count(name, "denied")
+                return _refused(f"the person did not allow this call ({why}); do not retry it unasked")
+        if name in mcp:
+            out = await self.services.mcp.call(self.tenant, name, args)  # type: ignore[union-attr]
+        elif name in self.services.web:
+            out = await self.services.web[name].call(args)
+        else:
+            out = await self._builtin(name, args)
+        self.services.count(name, "error" if failed(out) else "ok")
+        return out
+
+    async def _builtin(self, name: str, args: dict[str, Any]) -> str:
         if name == "skill_manage":
             if self.skills is None:
                 return _refused("skills are turned off in this chat")

@@ -28,6 +28,7 @@ from agent.review import Reviewer, ReviewState
 from agent.sessions import WriteRefused
 from agent.skills import SkillStore, render_skill_index
 from agent.tokens import TokenCounter
+from agent.toolkit import DEFAULT_SERVICES, ConfirmGate, Speaker, ToolServices
 from agent.tools import ToolBox
 from agent.visibility import RULES_VERSION, lane_scope
 from core.lanes import Lane
@@ -90,8 +91,10 @@ class Agent:
         *,
         meter: Meter | None = None,
         review_state: ReviewState | None = None,
+        tools: ToolServices = DEFAULT_SERVICES,
     ) -> None:
         self.settings = settings
+        self.tools = tools  # the tool rules and the shared web and MCP clients (agent/toolkit.py)
         self.llm = llm
         self.tokens = tokens
         # every model call goes through the meter: budgets, ledger, fair share (agent/metering.py)
@@ -143,8 +146,12 @@ class Agent:
         place: ChatPlace,
         memory: MemoryStore | None,
         chat: ReminderChat | None = None,
+        *,
+        speaker: Speaker | None = None,
+        confirm: ConfirmGate | None = None,
     ) -> ToolBox:
-        """The tools of a turn (and of a review) in this lane, bound to the tenant's stores."""
+        """The tools of a turn (and of a review) in this lane, bound to the tenant's stores
+        and to who speaks (`speaker`, else as the place says: a DM or not)."""
         group = place.chat_type != "dm"
         return ToolBox(
             sessions=profile.sessions,
@@ -154,6 +161,11 @@ class Agent:
             shared=group or place.shared,
             write_approval=self.settings.memory.write_approval,
             reminders=self._reminder_tool(profile, chat, group),
+            services=self.tools,
+            speaker=speaker if speaker is not None else Speaker(dm=not group and not place.shared),
+            tenant=profile.tenant_id,
+            confirm=confirm,
+            agent_name=self.settings.agent_name,
         )
 
     def _reminder_tool(self, profile: Profile, chat: ReminderChat | None, group: bool) -> ReminderTool | None:
@@ -349,9 +361,13 @@ class Agent:
         stop: asyncio.Event | None = None,
         on_text: OnText | None = None,
         chat: ReminderChat | None = None,
+        speaker: Speaker | None = None,
+        confirm: ConfirmGate | None = None,
     ) -> TurnResult:
         """Answer `inputs`. `stop` ends the turn early (the partial answer is kept, flagged
-        `interrupted`); `on_text` makes the model stream and gets the answer so far."""
+        `interrupted`); `on_text` makes the model stream and gets the answer so far;
+        `speaker` decides which tools are offered and `confirm` asks the person to allow a
+        call (docs/concepts.md#tools)."""
         session_id = await self.open_session(profile, lane, place)
         payer = await self.meter.payer(profile, lane)
         # over the budget: nothing is stored, no model call is made (docs/concepts.md#budgets);
@@ -399,6 +415,8 @@ class Agent:
             chat=chat,
             provider_access=self.provider_access(lane),
             payer=payer,
+            speaker=speaker,
+            confirm=confirm,
         )
         if resume:
             try:
@@ -524,11 +542,13 @@ class Agent:
         return answer
 
     async def _tool_loop(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
-        toolbox = self.toolbox(ctx.profile, ctx.lane, ctx.place, ctx.memory, ctx.chat)
+        toolbox = self.toolbox(
+            ctx.profile, ctx.lane, ctx.place, ctx.memory, ctx.chat, speaker=ctx.speaker, confirm=ctx.confirm
+        )
         store = ctx.profile.sessions
         max_iter = self.settings.max_tool_iterations
         for iteration in range(max_iter + 1):
-            tools = toolbox.schemas() if iteration < max_iter else None
+            tools = await toolbox.schemas() if iteration < max_iter else None
             try:
                 if ctx.stop is not None and ctx.stop.is_set():
                     raise TurnInterrupted()

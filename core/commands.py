@@ -35,6 +35,7 @@ COMMAND_SPECS: tuple[CommandSpec, ...] = (
     CommandSpec("reminders", "Your reminders here (or: cancel N)", takes_args=True),
     CommandSpec("model", "Which model answers you: list, or choose one (NAME, default)", takes_args=True),
     CommandSpec("persona", "How I answer: a persona (NAME, off, or custom TEXT in private)", takes_args=True),
+    CommandSpec("tools", "The tools I can use for you here", ephemeral=True),
     CommandSpec("undo", "Take back your last message and my answer"),
     CommandSpec("more", "The next part of my last answer, when it was too long for one reply"),
     CommandSpec("export", "Get a copy of your conversations and memory"),

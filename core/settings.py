@@ -301,6 +301,161 @@ class TranscriptionConfig(_Section):
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
+#: who may use a tool (docs/concepts.md#who-may-use-a-tool): anyone; only in a direct
+#: message; the operator (`access.admins`) in a direct message; a chat's admins (and anyone
+#: in a direct message); the operator anywhere
+ToolAllow = Literal["everyone", "dm", "owner", "chat_admin", "admin"]
+_HOST_ENTRY = re.compile(r"^(?:\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::\d{1,5})?$")
+_SERVER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+
+
+class BuiltinToolRule(_Section):
+    """`tools.<tool>` for a built-in tool the agent always had (memory, session_search,
+    skill_manage, reminders): who may use it, and whether each call waits for the person."""
+
+    allow: ToolAllow = "everyone"
+    confirm: bool = False
+
+
+class WebHostsConfig(_Section):
+    """`tools.web`: hosts the web tools may reach although they resolve to a private,
+    loopback or link-local address (`host` or `host:port`)."""
+
+    allow_hosts: list[str] = []
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _hosts(cls, hosts: list[str]) -> list[str]:
+        out = []
+        for host in hosts:
+            entry = host.strip().lower()
+            if not _HOST_ENTRY.match(entry):
+                raise ValueError(f"{host!r}: use a host name or address, optionally with :port (e.g. wiki.lan:8080)")
+            out.append(entry)
+        return out
+
+
+class WebFetchConfig(_Section):
+    """`tools.web_fetch`: a URL to readable text (HTML, PDF, plain text)."""
+
+    enabled: bool = False
+    allow: ToolAllow = "dm"
+    confirm: bool = False
+    max_bytes: int = Field(default=2_000_000, ge=1024, le=50_000_000)
+    timeout_s: float = Field(default=15.0, gt=0, le=300)
+    max_chars: int = Field(default=20_000, ge=500, le=200_000)  # of text handed to the model
+
+
+class WebSearchConfig(_Section):
+    """`tools.web_search`: results with titles, URLs and snippets; no provider: off."""
+
+    provider: Literal["searxng", "brave", "tavily"] | None = None
+    base_url: str | None = None  # SearXNG's address; for brave/tavily it replaces the official endpoint
+    api_key_env: str | None = None  # brave, tavily
+    allow: ToolAllow = "dm"
+    confirm: bool = False
+    max_results: int = Field(default=5, ge=1, le=10)
+    timeout_s: float = Field(default=15.0, gt=0, le=120)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, url: str | None) -> str | None:
+        return None if url is None else _http_url(url)
+
+    @model_validator(mode="after")
+    def _provider_needs(self) -> WebSearchConfig:
+        if self.provider == "searxng" and not self.base_url:
+            raise ValueError("provider searxng needs base_url (your SearXNG's address, e.g. http://127.0.0.1:8888)")
+        if self.provider in ("brave", "tavily") and not self.api_key_env:
+            raise ValueError(f"provider {self.provider} needs api_key_env (the variable holding its API key)")
+        return self
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class McpToolRule(_Section):
+    """`tools.mcp.servers.<NAME>.tools.<TOOL>`: one tool's rule over its server's."""
+
+    allow: ToolAllow | None = None
+    confirm: bool | None = None
+
+
+class McpServerConfig(_Section):
+    """`tools.mcp.servers.<NAME>`: a tool server started on first use, over stdio (`command`)
+    or streamable HTTP (`url`) (docs/concepts.md#mcp-tool-servers)."""
+
+    command: str | None = None
+    args: list[str] = []
+    env: dict[str, str] = {}
+    url: str | None = None
+    headers_env: dict[str, str] = {}  # header name -> the variable holding its value
+    per_tenant: bool = False  # one process per tenant, `{tenant}` substituted in args, env, url
+    allow: ToolAllow = "dm"
+    confirm: bool = False
+    timeout_s: float = Field(default=30.0, gt=0, le=600)  # per call
+    max_output_chars: int = Field(default=20_000, ge=500, le=200_000)
+    tools: dict[str, McpToolRule] = {}
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str | None) -> str | None:
+        if url is not None:
+            _http_url(url.replace("{tenant}", "t"))  # the placeholder is filled per tenant
+        return url
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give either command (a stdio server) or url (streamable HTTP), not both or neither")
+        if self.url is not None and (self.args or self.env):
+            raise ValueError("args and env are for a command; a url server takes headers_env")
+        return self
+
+    def rule(self, tool: str) -> tuple[ToolAllow, bool]:
+        """(allow, confirm) of one of its tools: the tool's own rule over the server's."""
+        own = self.tools.get(tool)
+        allow = own.allow if own is not None and own.allow is not None else self.allow
+        confirm = own.confirm if own is not None and own.confirm is not None else self.confirm
+        return allow, confirm
+
+
+class McpConfig(_Section):
+    servers: dict[str, McpServerConfig] = {}
+
+    @field_validator("servers")
+    @classmethod
+    def _names(cls, servers: dict[str, McpServerConfig]) -> dict[str, McpServerConfig]:
+        for name in servers:
+            if not _SERVER_NAME.match(name):
+                raise ValueError(f"server name {name!r}: use 1-32 letters, digits, '_' or '-'")
+        return servers
+
+
+class ToolsConfig(_Section):
+    """What the agent may do beyond its own stores, and who may ask it to
+    (docs/concepts.md#tools)."""
+
+    confirm_timeout_s: float = Field(default=120.0, ge=1, le=3600)  # no answer by then: denied
+    memory: BuiltinToolRule = BuiltinToolRule()
+    session_search: BuiltinToolRule = BuiltinToolRule()
+    skill_manage: BuiltinToolRule = BuiltinToolRule()
+    reminders: BuiltinToolRule = BuiltinToolRule()
+    web: WebHostsConfig = WebHostsConfig()
+    web_fetch: WebFetchConfig = WebFetchConfig()
+    web_search: WebSearchConfig = WebSearchConfig()
+    mcp: McpConfig = McpConfig()
+
+    def any_confirm(self) -> bool:
+        builtin = (self.memory, self.session_search, self.skill_manage, self.reminders)
+        return (
+            any(r.confirm for r in builtin)
+            or self.web_fetch.confirm
+            or self.web_search.confirm
+            or any(s.confirm or any(t.confirm for t in s.tools.values()) for s in self.mcp.servers.values())
+        )
+
+
 class BudgetLimits(_Section):
     """Caps on one tenant's model use; unset = no cap (docs/configuration.md#budgets)."""
 
@@ -455,6 +610,7 @@ class Config(_Section):
     transcription: TranscriptionConfig = TranscriptionConfig()
     personas: dict[str, str] = {}  # operator personas `/persona NAME` may choose: name -> instructions
     budgets: BudgetsConfig = BudgetsConfig()
+    tools: ToolsConfig = ToolsConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -484,6 +640,11 @@ class Config(_Section):
             raise ValueError(
                 "delivery.streaming: streamed replies are not available in cluster mode yet "
                 "(cluster.postgres_dsn_env is set); remove the key or set it to off"
+            )
+        if self.tools.any_confirm():
+            raise ValueError(
+                "tools: confirm: a confirmation's buttons may be pressed on another node, which cluster "
+                "mode does not route yet; remove the confirm keys or set them to false"
             )
         if self.compression.progress_notices:
             raise ValueError(

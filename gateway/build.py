@@ -25,6 +25,7 @@ from core.protocols import Adapter
 from core.settings import AgentSettings, Config
 from gateway.access import Access
 from gateway.commands import CommandParts
+from gateway.confirmations import Confirmations
 from gateway.inbox import Inbox
 from gateway.ingress import Ingress, Refusals
 from gateway.jobs import Background, RunningTurns
@@ -38,6 +39,7 @@ from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
 from gateway.reviews import Reviews
 from gateway.runtime import GatewayApp, Parts
+from gateway.tooling import build_tools
 from gateway.turns import Turns
 from tenancy.identity import IdentityLinks
 from tenancy.profiles import ProfileGate, ProfileManager
@@ -122,7 +124,8 @@ def build_parts(
         cfg.llm, cfg.budgets, admins=frozenset(cfg.access.admins), sink=metrics, ledger_for=mode.ledger_for
     )
     settings = AgentSettings.from_config(cfg)
-    agent = Agent(settings, cast(LLMClient, llm_monitor), counter, meter=meter)
+    tools = build_tools(cfg, metrics)  # web and MCP clients, shared by every agent (gateway/tooling.py)
+    agent = Agent(settings, cast(LLMClient, llm_monitor), counter, meter=meter, tools=tools.services)
     offered: dict[str, Agent] = {}
     offer_clients: list[LLMClient] = []
     for name in cfg.llm.models:  # one agent per offer (agent/agents.py), each with its own client
@@ -135,6 +138,7 @@ def build_parts(
             counter,
             meter=meter,
             review_state=agent.reviewer.state,
+            tools=tools.services,
         )
     agents = Agents(agent, offered)
     media = MediaIntake(cfg)
@@ -169,6 +173,7 @@ def build_parts(
     reviews = Reviews(cfg.memory, agents, linking, deliverer, background)
     refusals = Refusals(cfg, by_platform, inbox, access, metrics, replies, background, shared=mode.shared is not None)
     commands = CommandParts(cfg, access, agent, agents, inbox, links, linking, reminders)
+    confirmations = Confirmations(by_platform, cfg.tools.confirm_timeout_s)
     turns = Turns(
         cfg,
         by_platform,
@@ -187,6 +192,7 @@ def build_parts(
         running,
         background,
         refusals.refuse,
+        confirmations=confirmations,
         fencing=mode.fencing,
     )
     ingress = Ingress(
@@ -222,6 +228,8 @@ def build_parts(
         agent=agent,
         agents=agents,
         offer_clients=offer_clients,
+        tools=tools,
+        confirmations=confirmations,
         media=media,
         deliverer=deliverer,
         replies=replies,

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from agent.memory_approval import PendingWrites
 from agent.model_choice import ModelChoice
 from agent.persona import NONE, PersonaChoice, custom_problem
 from agent.prompt import ChatPlace
+from agent.toolkit import Speaker
 from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks, Visibility
 from core.commands import COMMAND_SPECS, CommandSpec, find_command
 from core.lanes import Lane
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from agent.agents import Agents
     from agent.profile import Profile
     from agent.turn import Agent
-    from core.settings import Config
+    from core.settings import Config, ToolsConfig
     from gateway.access import Access
     from gateway.inbox import Inbox
     from gateway.linking import Linking
@@ -87,6 +88,34 @@ async def shared_lane_refusal(ctx: CommandContext, name: str) -> str | None:
         f"This conversation is shared by everyone here, so only the chat's admins can use /{name}. "
         "Ask one of them, or talk to me in a private chat."
     )
+
+
+async def speaker_of(
+    access: Access,
+    senders: Sequence[str],
+    place: ChatPlace,
+    chat_admin_checks: Sequence[Callable[[], Awaitable[bool]] | None],
+    tools: ToolsConfig,
+) -> Speaker:
+    """Who a turn's (or /tools') tools serve (docs/concepts.md#who-may-use-a-tool): every
+    sender must qualify for a tier; the platform is asked about chat admins only in a group,
+    and only when a tool's rule needs it."""
+    dm = place.chat_type == "dm" and not place.shared
+    operator = all(access.is_admin(p) for p in senders)
+    chat_admin = operator
+    if not dm and not chat_admin and asks_chat_admin(tools):
+        chat_admin = all(c is not None for c in chat_admin_checks) and all(
+            [await c() for c in chat_admin_checks if c is not None]
+        )
+    return Speaker(dm=dm, operator=operator, chat_admin=chat_admin)
+
+
+def asks_chat_admin(tools: ToolsConfig) -> bool:
+    rules: list[str | None] = [tools.memory.allow, tools.session_search.allow, tools.skill_manage.allow]
+    rules += [tools.reminders.allow, tools.web_fetch.allow, tools.web_search.allow]
+    for server in tools.mcp.servers.values():
+        rules += [server.allow, *(r.allow for r in server.tools.values())]
+    return "chat_admin" in rules
 
 
 async def _lane_admin(ctx: CommandContext) -> bool:
@@ -658,9 +687,32 @@ def _persona_list(offered: dict[str, str], choice: PersonaChoice, private: bool)
     return "\n".join(lines)
 
 
+async def cmd_tools(ctx: CommandContext) -> str:
+    """/tools: what the sender may use in this chat, and which calls ask them first."""
+    from agent.reminders import ReminderChat
+
+    agent = await ctx.parts.agents.of(ctx.profile)
+    msg = ctx.msg
+    speaker = await speaker_of(ctx.parts.access, [msg.principal], ctx.place, [ctx.chat_admin], ctx.parts.cfg.tools)
+    chat = ReminderChat(msg.platform, msg.chat_id, msg.chat_type, msg.thread_id, msg.user_id, msg.user_name)
+    box = agent.toolbox(
+        ctx.profile, ctx.lane, ctx.place, agent.lane_memory(ctx.profile, ctx.lane), chat, speaker=speaker
+    )
+    lines = ["Tools I can use for you here:"]
+    for schema in await box.schemas():
+        fn = schema["function"]
+        first = str(fn.get("description") or "").split(". ")[0].rstrip(".")
+        asks = " (I ask you first)" if box.rule_of(fn["name"])[1] else ""
+        lines.append(f"- {fn['name']}: {first}{asks}")
+    if not speaker.dm and box.has_dm_only():
+        lines.append("Some tools are only offered in a direct message with me.")
+    return "\n".join(lines)
+
+
 HANDLERS: dict[str, Handler] = {
     "model": cmd_model,
     "persona": cmd_persona,
+    "tools": cmd_tools,
     "reminders": cmd_reminders,
     "stop": cmd_stop,
     "help": cmd_help,

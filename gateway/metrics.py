@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from agent.llm import LLMError
 
-ALLOWED_LABELS = frozenset({"platform", "kind", "outcome"})
+# no label may name a tenant, a chat or a user; `tool` names a tool the operator configured
+# (a built-in, a web tool, or an MCP server's tool as NAME__tool)
+ALLOWED_LABELS = frozenset({"platform", "kind", "outcome", "tool"})
 _VALUE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 TURN_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -230,6 +232,13 @@ class Metrics:
         self.budget_refusals = Counter(
             "hermes_budget_refusals_total", "Model calls refused because the tenant's budget was used up."
         )
+        # tools (docs/concepts.md#tools): per tool, never per tenant
+        self.tool_calls = Counter(
+            "hermes_tool_calls_total",
+            "Tool calls by tool and outcome (ok | error | refused: not allowed for the speaker | "
+            "denied: not confirmed).",
+            ["tool", "outcome"],
+        )
         self.cluster: ClusterMetrics | None = None  # cluster mode only: enable_cluster()
         self._gauges: list[Gauge] = []
         self._platforms: tuple[str, ...] = ()
@@ -255,6 +264,10 @@ class Metrics:
 
     def budget_refused(self) -> None:
         self.budget_refusals.inc()
+
+    def tool_call(self, tool: str, outcome: str) -> None:
+        """One tool call's outcome (the tool box's sink, agent/toolkit.py)."""
+        self.tool_calls.inc(tool=tool, outcome=outcome)
 
     def compression(self, outcome: str = "ok") -> None:
         self.compressions.inc(outcome=outcome)
@@ -334,6 +347,7 @@ class Metrics:
             self.llm_tokens,
             self.llm_cost,
             self.budget_refusals,
+            self.tool_calls,
             self.compressions,
             self.reviews,
             self.refusals,

@@ -24,10 +24,11 @@ from agent.sessions import StoragePool
 from agent.tokens import TokenCounter
 from agent.turn import Agent
 from core.messages import InboundMessage
-from core.protocols import Adapter, Closable, Overhears, SkipsEvents
+from core.protocols import Adapter, Closable, Confirms, Overhears, SkipsEvents
 from core.redact import Redactor
 from core.settings import Config, ConfigError
 from gateway.access import Access
+from gateway.confirmations import Confirmations
 from gateway.faults import StartupError, storage_fault
 from gateway.inbox import Inbox
 from gateway.ingress import Ingress, Refusals
@@ -42,6 +43,7 @@ from gateway.outbox import Deliverer, Outbox
 from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
 from gateway.reviews import Reviews
+from gateway.tooling import ToolClients
 from gateway.turns import Turns
 from tenancy.identity import IdentityLinks
 from tenancy.profiles import ProfileManager
@@ -89,6 +91,8 @@ class Parts:
     agent: Agent  # the default model's (agents.default)
     agents: Agents
     offer_clients: list[LLMClient]  # of the llm.models offers: built here, closed at stop
+    tools: ToolClients  # the web and MCP clients (gateway/tooling.py): closed at stop
+    confirmations: Confirmations  # the open tool-call questions; adapters with buttons answer them
     media: MediaIntake
     deliverer: Deliverer
     replies: Replies
@@ -126,6 +130,8 @@ class GatewayApp:
         self.agent = parts.agent
         self.agents = parts.agents
         self._offer_clients = parts.offer_clients
+        self._tools = parts.tools
+        self.confirmations = parts.confirmations
         self.media = parts.media
         self.deliverer = parts.deliverer
         self.replies = parts.replies
@@ -230,6 +236,8 @@ class GatewayApp:
         for adapter in self.adapters.values():
             if isinstance(adapter, Overhears):  # group text the adapter drops unanswered is still screened
                 adapter.overheard = self.ingress.overheard
+            if isinstance(adapter, Confirms):  # presses on tool-call questions' buttons
+                adapter.answerer = self.confirmations.answer
             try:
                 await adapter.start(self.ingress.handle_inbound)
             except Exception as exc:
@@ -359,6 +367,7 @@ class GatewayApp:
             await self.llm.aclose()
         for client in self._offer_clients:
             await client.aclose()
+        await self._close_step("the tools", self._tools.aclose())
         if self.observability is not None:
             await self.observability.stop()
             self.observability = None

@@ -19,6 +19,7 @@ from agent.metering import AudioCharge, BudgetExceeded
 from agent.profile import Profile
 from agent.prompt import ChatPlace
 from agent.reminders import ReminderChat
+from agent.toolkit import Speaker
 from agent.turn import TurnResult, UserInput
 from core.backoff import backoff_delay
 from core.errors import LaneMoved, LeaseLost, caused_by
@@ -27,7 +28,8 @@ from core.messages import InboundMessage, OutboundKind, OutboundMessage
 from core.protocols import Adapter, ChatAdmins
 from core.settings import Config
 from core.text import page_text
-from gateway.commands import CommandContext, CommandParts, parse_command, run_command
+from gateway.commands import CommandContext, CommandParts, parse_command, run_command, speaker_of
+from gateway.confirmations import Confirmations
 from gateway.delivery import more_key, more_mark, more_offer
 from gateway.faults import MODEL_DOWN_KINDS, ModelDown, damaged_database, damaged_profile, resource_fault, storage_fault
 from gateway.inbox import Inbox
@@ -106,9 +108,11 @@ class Turns:
         background: Background,
         refuse: Refuse,
         *,
+        confirmations: Confirmations,
         fencing: Fencing | None = None,
     ) -> None:
         self.cfg = cfg
+        self.confirmations = confirmations  # tool calls that wait for the person's press
         self.adapters = adapters
         self.agents = agents
         self.linking = linking
@@ -282,6 +286,7 @@ class Turns:
                     return Answer("\n\n".join(notices) or "I couldn't read that.", "error", "refused")
                 for notice in notices:
                     await self.replies.send(last.msg, notice, kind="notice", reply=False)
+                speaker = await self._speaker(jobs, place)
                 stop = self.running.begin(key)
                 streamer = self.replies.streaming_reply(last.msg)
                 try:
@@ -303,6 +308,8 @@ class Turns:
                             private_thread=last.msg.private_thread,
                             lane=lane.session_key,
                         ),
+                        speaker=speaker,
+                        confirm=self.confirmations.gate_for(last.msg, stop),
                     )
                 finally:
                     self.running.end(key, stop)
@@ -416,6 +423,13 @@ class Turns:
                 return m.content or stored.content or ""
         await profile.sessions.append(stored)
         return stored.content or ""
+
+    async def _speaker(self, jobs: list[Job], place: ChatPlace) -> Speaker:
+        """Who the turn's tools serve: a batch of several people's messages gets only what
+        every one of them may use (gateway/commands.py `speaker_of`)."""
+        senders = {j.msg.principal: j.msg for j in jobs}
+        checks = [self._chat_admin_check(m) for m in senders.values()]
+        return await speaker_of(self.commands.access, list(senders), place, checks, self.cfg.tools)
 
     def _chat_admin_check(self, msg: InboundMessage) -> Callable[[], Awaitable[bool]] | None:
         """The adapter's `is_chat_admin` for this message's sender, if the platform has one."""

@@ -381,7 +381,7 @@ class WebFetcher:
                         location = resp.headers.get("Location")
                         if not location:
                             raise WebError(f"{host} answered HTTP {resp.status} without a Location")
-                        url = _parse(str(url.join(URL(location))))
+                        url = _redirect_target(url, location)
                         log.info("web_fetch %s: HTTP %d redirect to %s", host, resp.status, url.raw_host)
                         continue
                     return await self._read(resp, url, host)
@@ -447,6 +447,15 @@ def _parse(raw: str) -> URL:
     if not url.raw_host:
         raise WebError("not a valid URL (no host)")
     return url.with_fragment(None)
+
+
+def _redirect_target(url: URL, location: str) -> URL:
+    """Where a `Location` (absolute or relative to `url`) points, checked as a first URL would be."""
+    try:
+        target = url.join(URL(location))
+    except (ValueError, TypeError):
+        raise WebError(f"{url.raw_host} redirected to something that is not a URL") from None
+    return _parse(str(target))
 
 
 def _host_of(raw: str) -> str:

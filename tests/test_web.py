@@ -197,6 +197,20 @@ async def test_an_ip_address_in_the_url_is_checked_too(pages, make_fetcher, host
     assert pages.requests == []
 
 
+async def test_the_system_resolver_is_the_default_and_its_answer_is_checked(pages):
+    # localhost comes from /etc/hosts: the system resolver, and no network
+    refused = WebFetcher(WebPolicy())
+    allowed = WebFetcher(WebPolicy(allow_hosts=frozenset({"localhost"})))
+    try:
+        with pytest.raises(WebRefused, match=r"refused: localhost resolves to (127\.0\.0\.1|::1), a loopback address"):
+            await refused.fetch(page_url(pages, "/page", host="localhost"))
+        assert pages.requests == []
+        assert (await allowed.fetch(page_url(pages, "/page", host="localhost"))).title == "The Hermes Field Guide"
+    finally:
+        await refused.aclose()
+        await allowed.aclose()
+
+
 async def test_the_connection_goes_to_the_address_that_was_checked(pages, make_fetcher):
     # pages.test exists only in the test's resolver: the fetch can only succeed by connecting
     # to the answer that resolver gave, and it is asked once (no second lookup to rebind)
@@ -217,6 +231,11 @@ async def test_a_redirect_to_a_private_address_is_refused_after_the_redirect_is_
 
     assert pages.paths() == ["/to"]  # the allowed first hop was fetched, the second never
     assert [host for host, _ in fetcher.test_resolver.lookups] == ["pages.test", "internal.test"]
+
+
+async def test_a_redirect_to_something_that_is_not_a_url_is_an_error(pages, make_fetcher):
+    with pytest.raises(WebError, match="redirected to something that is not a URL"):
+        await make_fetcher().fetch(page_url(pages, "/to?url=http://pages.test:99999/page"))
 
 
 @pytest.mark.parametrize("target", ["file:///etc/passwd", "http://user:secret@pages.test/page"])

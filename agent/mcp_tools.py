@@ -290,8 +290,11 @@ class _Slot:
 
     async def _running(self) -> _Session | str:
         """The running session, or why there is none (a sentence for the model)."""
-        while self._session is not None and self._session.stopping:  # let it end, then start anew
-            await self._session.ended()
+        while not self._closed and self._session is not None and self._session.stopping:
+            ending = self._session  # let it end, then start anew
+            await ending.ended()
+            if self._session is ending:  # it ended without its bookkeeping (closed): never spin
+                self._session = None
         if self._session is None and not self._closed:
             if self._clock() < self._not_before:
                 return self._unavailable()
@@ -319,7 +322,7 @@ class _Slot:
         self._session = None
         if self._closed:
             return
-        now = self._clock()
+        now = session.stopped_at if session.stopped_at is not None else self._clock()
         if session.started_at is None:
             self._last_failure = f"it could not start ({reason})"
         else:
@@ -420,6 +423,7 @@ class _Session:
         self.spec = spec
         self.ready: asyncio.Future[list[_Listed] | _StartFailed] = asyncio.get_running_loop().create_future()
         self.started_at: float | None = None
+        self.stopped_at: float | None = None  # when its server was seen gone
         self.succeeded = False  # a call got an answer: the server works
         self._label = label
         self._on_end = on_end
@@ -563,6 +567,7 @@ class _Session:
         """End the session from inside (the server is gone): its task unwinds the stack."""
         if self._stop_reason is None:
             self._stop_reason = reason
+            self.stopped_at = self._clock()
         if self._calls_scope is not None:
             self._calls_scope.cancel()
 

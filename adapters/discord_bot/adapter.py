@@ -27,9 +27,10 @@ discord.py keeps both as class attributes (`discord.http.Route.BASE`,
 per process (which is how hermes-gateway runs).
 
 `DiscordAdapter` is the lifecycle (construction, start, stop); the rest are its parts:
-`receive.py` (gateway connection, shards, event guard), `commands.py` (slash commands),
-`normalise.py` (message -> InboundMessage), `send.py` (send, edit, typing, download), over
-the state in `state.py` and the shared pieces in `client.py`.
+`receive.py` (gateway connection, shards, event guard, button presses), `commands.py`
+(slash commands), `normalise.py` (message -> InboundMessage), `send.py` (send, edit,
+typing, download, confirmation questions), over the state in `state.py` and the shared
+pieces in `client.py`.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class DiscordAdapter(Receiving, Sending):
         self._tree = None
         self._sink = None
         self.overheard = None
+        self.answerer = None
         self._inbound = asyncio.Queue()
         self._ready = asyncio.Event()
         self._tasks = []

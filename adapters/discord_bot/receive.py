@@ -1,8 +1,9 @@
 """Receiving from Discord: the gateway connection (log in with backoff, discord.py's own
 resume, reconnect with backoff after anything else, final only for a rejected token or a
 refused intent), gateway shards in sharded or cluster mode, the guard that skips an event
-discord.py cannot parse instead of losing the connection, and the queue that hands
-messages to the gateway in order.
+discord.py cannot parse instead of losing the connection, the queue that hands
+messages to the gateway in order, and presses of confirmation buttons (handed to the
+gateway's `answerer`, never to the sink).
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ import discord
 import yarl
 from discord.gateway import DiscordWebSocket
 
-from adapters.discord_bot.client import DISCORD_GATEWAY, INTENT_HINT, NO_PINGS, PORTAL_URL, log
+from adapters.discord_bot.client import (
+    DISCORD_GATEWAY,
+    INTENT_HINT,
+    NO_PINGS,
+    PORTAL_URL,
+    REFUSALS,
+    log,
+    parse_confirm_custom_id,
+)
 from adapters.discord_bot.commands import SlashCommands
 from core.backoff import Backoff
-from core.messages import InboundMessage
+from core.messages import ConfirmVerdict, InboundMessage
+
+# How long a press waits for the gateway's verdict (the press is acknowledged first, so
+# Discord's 3 s limit does not apply; a followup is possible for 15 minutes).
+_PRESS_ANSWER_TIMEOUT_S = 30.0
 
 
 class _Client(discord.Client):
@@ -44,6 +57,9 @@ class _Client(discord.Client):
         # Runs first thing in its task, so messages are queued in gateway order.
         self._adapter._inbound.put_nowait(message)
 
+    async def on_interaction(self, interaction: discord.Interaction) -> None:
+        await self._adapter._on_press(interaction)
+
     async def on_error(self, event_method: str, /, *args: Any, **kwargs: Any) -> None:
         log.exception("discord: error in %s", event_method)
 
@@ -65,6 +81,9 @@ class _ShardClient(discord.Client):
 
     async def on_message(self, message: discord.Message) -> None:
         self._adapter._inbound.put_nowait(message)
+
+    async def on_interaction(self, interaction: discord.Interaction) -> None:
+        await self._adapter._on_press(interaction)
 
     async def on_error(self, event_method: str, /, *args: Any, **kwargs: Any) -> None:
         log.exception("discord: error in %s (shard %s)", event_method, self.shard_id)
@@ -327,3 +346,49 @@ class Receiving(SlashCommands):
             await self.overheard("discord", content)
         except Exception:
             log.exception("discord: could not screen an unanswered server message")
+
+    # ------------------------------------------------------------------ button presses
+    async def _on_press(self, interaction: discord.Interaction) -> None:
+        """A press of a message button, dispatched on its custom_id (so it works for
+        questions posted before a restart; the adapter keeps no views). One of ours
+        (`hgc:<token>:a|d`) is acknowledged at once (a deferred update: `settle` edits the
+        question), then handed to `answerer`; a refusal is an ephemeral followup only the
+        presser sees. Other interactions are left alone. Never raises."""
+        if interaction.type is not discord.InteractionType.component:
+            return
+        data: Any = interaction.data or {}
+        parsed = parse_confirm_custom_id(data.get("custom_id"))
+        if parsed is None:
+            return
+        token, allow = parsed
+        try:
+            await interaction.response.defer()  # type 6: within Discord's 3 s, whatever the verdict takes
+            acknowledged = True
+        except (TimeoutError, discord.HTTPException, aiohttp.ClientError, OSError) as exc:
+            # too late or already answered: the press is still a press, only no reply can follow
+            log.warning("discord: could not acknowledge a button press (%s)", type(exc).__name__)
+            acknowledged = False
+        verdict = await self._verdict(token, str(interaction.user.id), allow)
+        if verdict is None or verdict == "ok" or not acknowledged:
+            return
+        try:
+            await interaction.followup.send(REFUSALS[verdict], ephemeral=True, allowed_mentions=NO_PINGS)
+        except (TimeoutError, discord.HTTPException, aiohttp.ClientError, OSError) as exc:
+            log.warning("discord: could not tell a presser why a press was refused (%s)", type(exc).__name__)
+
+    async def _verdict(self, token: str, user_id: str, allow: bool) -> ConfirmVerdict | None:
+        """The gateway's verdict on a press ("expired" while no answerer is set); None when
+        the answerer failed, timed out or answered nonsense (logged)."""
+        if self.answerer is None:
+            return "expired"
+        try:
+            verdict = await asyncio.wait_for(self.answerer(token, user_id, allow), _PRESS_ANSWER_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("discord: the gateway could not take a button press")
+            return None
+        if verdict not in ("ok", "not_yours", "expired"):
+            log.warning("discord: the gateway answered a button press with %r; ignored", verdict)
+            return None
+        return verdict

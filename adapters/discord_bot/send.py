@@ -1,8 +1,8 @@
 """Sending to Discord: channel messages (the first chunk referencing the person's
-message) or, for a slash command, interaction followups; edits, typing, chat-admin lookups
-and attachment downloads. No pings, and no retry loop of our own (discord.py retries with
-a nonce; the rest raises `DeliveryDeferred` for the outbox): see the delivery details in
-adapter.py's docstring.
+message) or, for a slash command, interaction followups; edits, typing, chat-admin lookups,
+attachment downloads and confirmation questions ("Allow" / "Deny" buttons). No pings, and
+no retry loop of our own (discord.py retries with a nonce; the rest raises
+`DeliveryDeferred` for the outbox): see the delivery details in adapter.py's docstring.
 """
 
 from __future__ import annotations
@@ -12,9 +12,16 @@ import asyncio
 import aiohttp
 import discord
 
-from adapters.discord_bot.client import NO_PINGS, log
+from adapters.discord_bot.client import CUSTOM_ID_MAX_CHARS, NO_PINGS, confirm_custom_id, log, with_outcome
 from adapters.discord_bot.state import DiscordState, _PendingInteraction
-from core.messages import Attachment, DeliveryDeferred, DownloadError, OutboundMessage, SentMessage
+from core.messages import (
+    Attachment,
+    ConfirmRequest,
+    DeliveryDeferred,
+    DownloadError,
+    OutboundMessage,
+    SentMessage,
+)
 
 
 class Sending(DiscordState):
@@ -117,14 +124,28 @@ class Sending(DiscordState):
             reference = discord.MessageReference(
                 message_id=int(reply_to), channel_id=int(channel_id), fail_if_not_exists=False
             )
+        return await self._post(client, message, reference=reference)
+
+    async def _post(
+        self,
+        client: discord.Client,
+        message: OutboundMessage,
+        *,
+        reference: discord.MessageReference | None = None,
+        view: discord.ui.View | None = None,
+    ) -> SentMessage | None:
+        """POST one message into its channel (or thread): None when the channel is gone or
+        the bot may not post there, `DeliveryDeferred` when it may work later."""
+        channel_id = message.thread_id or message.chat_id
         channel = client.get_partial_messageable(int(channel_id))
         try:
             sent_msg = await channel.send(
-                content=text,
+                content=message.text,
                 reference=reference,  # type: ignore[arg-type]  # overloads omit None; send() accepts it
                 allowed_mentions=NO_PINGS,
                 nonce=message.nonce,  # type: ignore[arg-type]  # overloads omit None; send() draws one
-            )  # None: discord.py draws one
+                view=view,  # type: ignore[arg-type]  # overloads omit None; send() accepts it
+            )
         except (discord.Forbidden, discord.NotFound) as exc:
             self._warn_channel_once(channel_id, "send", exc)
             return None
@@ -137,6 +158,48 @@ class Sending(DiscordState):
             raise DeliveryDeferred(type(exc).__name__) from None
         self._own_messages.add(str(sent_msg.id))
         return SentMessage(chat_id=message.chat_id, thread_id=message.thread_id, message_id=str(sent_msg.id))
+
+    # ------------------------------------------------------------------ confirmations
+    async def ask(self, request: ConfirmRequest) -> SentMessage | None:
+        """Post a confirmation question with "Allow" / "Deny" buttons in its channel (or
+        thread): None when the channel is gone or refuses it, `DeliveryDeferred` (or
+        RuntimeError while not running) when it may work later. A press is dispatched on
+        its custom_id in receive.py, so no view is kept here and none needs restoring
+        after a restart."""
+        client = self._client
+        if client is None or client.is_closed():
+            raise RuntimeError("discord adapter is not running")
+        allow, deny = confirm_custom_id(request.token, True), confirm_custom_id(request.token, False)
+        if max(len(allow), len(deny)) > CUSTOM_ID_MAX_CHARS:
+            log.error("discord: a confirmation token is too long for a button's custom_id; not asked")
+            return None
+        view = discord.ui.View(timeout=None)
+        view.add_item(discord.ui.Button(label="Allow", style=discord.ButtonStyle.success, custom_id=allow))
+        view.add_item(discord.ui.Button(label="Deny", style=discord.ButtonStyle.danger, custom_id=deny))
+        # Only its components are sent: a stopped view is not stored by discord.py (an
+        # unstopped one with timeout=None would be, for ever, one per question).
+        view.stop()
+        message = OutboundMessage(chat_id=request.chat_id, thread_id=request.thread_id, text=request.text)
+        return await self._post(client, message, view=view)
+
+    async def settle(self, request: ConfirmRequest, sent: SentMessage, outcome: str) -> None:
+        """Edit the question to say `outcome`, its buttons removed (`view=None` sends no
+        components). A question that is gone is not an error; other failures are logged."""
+        client = self._client
+        channel_id = sent.thread_id or sent.chat_id
+        if client is None or client.is_closed():
+            log.info("discord: not running; a question in channel %s keeps its buttons", channel_id)
+            return
+        text = with_outcome(request.text, outcome, self.max_message_length)
+        partial = client.get_partial_messageable(int(channel_id)).get_partial_message(int(sent.message_id))
+        try:
+            await partial.edit(content=text, view=None, allowed_mentions=NO_PINGS)
+        except discord.NotFound:
+            log.debug("discord: a question in channel %s is gone; nothing to settle", channel_id)
+        except discord.Forbidden as exc:
+            self._warn_channel_once(channel_id, "edit a message", exc)
+        except (TimeoutError, discord.HTTPException, aiohttp.ClientError, OSError) as exc:
+            log.warning("discord: settling a question in channel %s failed (%s)", channel_id, type(exc).__name__)
 
     async def edit(self, sent: SentMessage, text: str) -> bool:
         client = self._client

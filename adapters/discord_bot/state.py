@@ -15,7 +15,7 @@ import discord
 from discord import app_commands
 
 from adapters.discord_bot.client import log
-from core.messages import InboundSink, OverheardHook
+from core.messages import ConfirmAnswerer, InboundSink, OverheardHook
 from core.settings import DiscordConfig
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class DiscordState:
     _tree: app_commands.CommandTree | None
     _sink: InboundSink | None
     overheard: OverheardHook | None  # guild text dropped unanswered (link-code screen)
+    answerer: ConfirmAnswerer | None  # a press of a confirmation button (set before start)
     _inbound: asyncio.Queue[Any]
     _ready: asyncio.Event
     _tasks: list[asyncio.Task[Any]]

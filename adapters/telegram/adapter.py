@@ -6,8 +6,9 @@ Nothing here touches storage or decides anything about tenants: inbound updates 
 `InboundMessage`s handed to the gateway's sink, outbound chunks are sent as asked.
 
 `TelegramAdapter` is its lifecycle (construction, start, stop); the rest are its parts:
-`receive.py` (polling, webhook), `normalise.py` (update -> InboundMessage), `send.py`
-(send, edit, typing, download), over the state in `state.py` and the client in `client.py`.
+`receive.py` (polling, webhook, button presses), `normalise.py` (update -> InboundMessage),
+`send.py` (send, edit, typing, download, confirmation questions), over the state in
+`state.py` and the client in `client.py`.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class TelegramAdapter(Receiving, Sending):
         self.bot_username = None
         self._sink = None
         self.overheard = None
+        self.answerer = None
         self._task = None
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()

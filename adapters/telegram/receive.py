@@ -1,7 +1,8 @@
 """Receiving Telegram updates: our own long-poll loop (an update is acknowledged only
 after the gateway recorded it, a malformed one is skipped alone), or a webhook server
 that checks Telegram's secret token; in cluster mode only the node elected for ingress
-receives (`start_receiving` / `stop_receiving`).
+receives (`start_receiving` / `stop_receiving`). Presses of confirmation buttons
+(callback queries) go to the gateway's `answerer`, never to the sink.
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ from typing import Any
 
 from telegram.error import BadRequest, Conflict, EndPointNotFound, InvalidToken, RetryAfter, TelegramError
 
-from adapters.telegram.client import _retry_after_seconds, log
+from adapters.telegram.client import PRESS_ANSWERS, _retry_after_seconds, log, parse_confirm_data
 from adapters.telegram.normalise import Normalising
 from core.backoff import Backoff
+from core.messages import ConfirmVerdict
+
+# How long a press waits for the gateway's answer: Telegram's client shows a spinner until
+# the callback query is answered, and refuses answers to a query older than ~15 s.
+_PRESS_ANSWER_TIMEOUT_S = 10.0
 
 
 class Receiving(Normalising):
@@ -23,7 +29,7 @@ class Receiving(Normalising):
 
     @property
     def allowed_updates(self) -> list[str]:
-        kinds = ["message", "my_chat_member"]
+        kinds = ["message", "my_chat_member", "callback_query"]
         if self.cfg.handle_edited_messages:
             kinds.append("edited_message")
         if self.cfg.handle_channel_posts:
@@ -190,7 +196,11 @@ class Receiving(Normalising):
 
     async def process_update(self, raw: dict[str, Any]) -> bool:
         """Normalise and deliver one update (polling and webhook share this). Returns False
-        if the sink raised; malformed or ignored updates return True."""
+        if the sink raised; malformed or ignored updates return True (a button press too:
+        it is answered here, never recorded, so it is never redelivered)."""
+        if "callback_query" in raw:
+            await self._on_press(raw)
+            return True
         try:
             msg = self.normalize(raw)
         except Exception as exc:
@@ -212,6 +222,50 @@ class Receiving(Normalising):
                 )
                 return False
         return True
+
+    async def _on_press(self, raw: dict[str, Any]) -> None:
+        """A press of an inline button: one of ours (`hgc:<token>:a|d`) goes to `answerer`.
+        The callback query is always answered, so the person's client stops waiting: a toast
+        for "ok", an alert for a refusal, no text for a payload that is not ours or a press
+        the gateway failed to take. Never raises (the receive loop goes on)."""
+        query = raw.get("callback_query")
+        query_id = query.get("id") if isinstance(query, dict) else None
+        if not isinstance(query, dict) or not isinstance(query_id, str) or not query_id:
+            self.skipped_events += 1
+            log.warning("telegram: skipping a callback query without an id (update %s)", raw.get("update_id"))
+            return
+        sender = query.get("from")
+        user_id = sender.get("id") if isinstance(sender, dict) else None
+        parsed = parse_confirm_data(query.get("data"))
+        text, alert = "", False
+        if parsed is not None and isinstance(user_id, int):
+            token, allow = parsed
+            verdict = await self._verdict(token, str(user_id), allow)
+            if verdict == "ok":
+                text = "Allowed." if allow else "Denied."
+            elif verdict is not None:
+                text, alert = PRESS_ANSWERS[verdict]
+        try:
+            await self.bot.answer_callback_query(query_id, text=text or None, show_alert=alert)
+        except Exception as exc:  # e.g. the query is too old: the press itself was handled
+            log.warning("telegram: answerCallbackQuery failed (%s)", type(exc).__name__)
+
+    async def _verdict(self, token: str, user_id: str, allow: bool) -> ConfirmVerdict | None:
+        """The gateway's verdict on a press ("expired" while no answerer is set); None when
+        the answerer failed, timed out or answered nonsense (logged)."""
+        if self.answerer is None:
+            return "expired"
+        try:
+            verdict = await asyncio.wait_for(self.answerer(token, user_id, allow), _PRESS_ANSWER_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("telegram: the gateway could not take a button press")
+            return None
+        if verdict not in ("ok", "not_yours", "expired"):
+            log.warning("telegram: the gateway answered a button press with %r; ignored", verdict)
+            return None
+        return verdict
 
     async def _overhear(self, raw: dict[str, Any]) -> None:
         """Show the text of a group message dropped unanswered (no mention, an edit, another

@@ -1,5 +1,6 @@
 """Sending to Telegram: messages (as HTML, plain text when the markup is refused),
-edits, typing, chat-admin lookups and attachment downloads, paced by the flood gate.
+edits, typing, chat-admin lookups, attachment downloads and confirmation questions
+(inline "Allow" / "Deny" buttons), paced by the flood gate.
 Errors map to what the gateway does next: None (the chat is gone or refuses it, never
 retried) or `DeliveryDeferred` (the outbox retries later).
 """
@@ -10,14 +11,27 @@ import asyncio
 from typing import Any
 
 import httpx
-from telegram import ReplyParameters
+from telegram import InlineKeyboardButton, InlineKeyboardMarkup, ReplyParameters
 from telegram.constants import ChatAction, ParseMode
 from telegram.error import BadRequest, ChatMigrated, Forbidden, NetworkError, RetryAfter, TelegramError, TimedOut
 
-from adapters.telegram.client import _retry_after_seconds, log
+from adapters.telegram.client import (
+    CALLBACK_DATA_MAX_BYTES,
+    _retry_after_seconds,
+    confirm_data,
+    log,
+    with_outcome,
+)
 from adapters.telegram.format import markdown_to_telegram_html
 from adapters.telegram.state import TelegramState
-from core.messages import Attachment, DeliveryDeferred, DownloadError, OutboundMessage, SentMessage
+from core.messages import (
+    Attachment,
+    ConfirmRequest,
+    DeliveryDeferred,
+    DownloadError,
+    OutboundMessage,
+    SentMessage,
+)
 from core.text import split_text, utf16_len
 
 
@@ -79,8 +93,12 @@ class Sending(TelegramState):
             return sent
         return await self._send_one(message)
 
-    async def _send_one(self, message: OutboundMessage) -> SentMessage | None:
+    async def _send_one(
+        self, message: OutboundMessage, reply_markup: InlineKeyboardMarkup | None = None
+    ) -> SentMessage | None:
         kwargs: dict[str, Any] = {}
+        if reply_markup is not None:
+            kwargs["reply_markup"] = reply_markup
         if message.thread_id:
             kwargs["message_thread_id"] = int(message.thread_id)
         # ids of edited messages look like "<id>:edit:<date>": reply to the message itself
@@ -202,6 +220,31 @@ class Sending(TelegramState):
                 log.info("telegram: editMessageText in chat %s failed (%s)", sent.chat_id, type(exc).__name__)
                 return False
         return False
+
+    # ----------------------------------------------------------------- confirmations
+
+    async def ask(self, request: ConfirmRequest) -> SentMessage | None:
+        """Post a confirmation question with "Allow" / "Deny" inline buttons (in the forum
+        topic when `thread_id` is set), formatted, paced and retried like `send`: None when
+        the chat refuses it for good, `DeliveryDeferred` when it may work later."""
+        if request.chat_id in self._forbidden:
+            return None
+        allow, deny = confirm_data(request.token, True), confirm_data(request.token, False)
+        if max(len(allow.encode()), len(deny.encode())) > CALLBACK_DATA_MAX_BYTES:
+            # Telegram would refuse the buttons (BUTTON_DATA_INVALID): the call is denied
+            log.error("telegram: a confirmation token is too long for a button's callback_data; not asked")
+            return None
+        markup = InlineKeyboardMarkup(
+            [[InlineKeyboardButton("Allow", callback_data=allow), InlineKeyboardButton("Deny", callback_data=deny)]]
+        )
+        message = OutboundMessage(chat_id=request.chat_id, thread_id=request.thread_id, text=request.text)
+        return await self._send_one(message, reply_markup=markup)
+
+    async def settle(self, request: ConfirmRequest, sent: SentMessage, outcome: str) -> None:
+        """Edit the question to say `outcome`, its buttons gone (editMessageText without
+        reply_markup removes an inline keyboard). A question that is gone, or an edit the
+        chat refuses, is logged by `edit` and left alone: it is not an error."""
+        await self.edit(sent, with_outcome(request.text, outcome, self.max_message_length, utf16_len))
 
     async def is_chat_admin(self, chat_id: str, user_id: str) -> bool:
         """The chat's creator or an administrator (getChatMember); False when unsure."""

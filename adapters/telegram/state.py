@@ -14,7 +14,7 @@ from telegram.request import HTTPXRequest
 
 from adapters.telegram.client import log
 from adapters.telegram.flood import FloodGate
-from core.messages import InboundSink, OverheardHook
+from core.messages import ConfirmAnswerer, InboundSink, OverheardHook
 from core.settings import TelegramConfig
 
 
@@ -38,6 +38,7 @@ class TelegramState:
     bot_username: str | None
     _sink: InboundSink | None
     overheard: OverheardHook | None  # group text dropped unanswered (link-code screen)
+    answerer: ConfirmAnswerer | None  # a press of a confirmation button (set before start)
     _task: asyncio.Task[None] | None
     _stopping: asyncio.Event
     _ready: asyncio.Event

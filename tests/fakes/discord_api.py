@@ -15,6 +15,15 @@ Every REST call and every gateway op (both directions) is recorded in `fake.call
 interaction followups), each with the request body and the pings Discord would have
 delivered given the body's `allowed_mentions` (`record["pings"]`).
 
+Buttons: a created message keeps its `components` (an edit with `components` replaces
+them; `[]` removes them). `fake.press_button(message_id, user_id, label="Allow")` (or
+`custom_id=...` for any payload) dispatches the INTERACTION_CREATE (type 3, message
+component) of that person pressing it; its callback (`POST /interactions/{id}/{token}/
+callback`: 4 = message, with flags 64 ephemeral; 6 = deferred update; 7 = update the
+message) is recorded in `fake.interaction_callbacks`, and `fake.followups(payload)` lists
+the followup messages of that interaction (`body["flags"] & 64` when ephemeral).
+`await fake.wait_answered(payload)` waits for its callback.
+
 Gateway behaviour modelled: HELLO, heartbeat ACK, IDENTIFY -> READY (+ one GUILD_CREATE
 per guild, with channels, threads, roles and the bot's member), dispatch with sequence
 numbers, RESUME -> replay of missed events + RESUMED, INVALID_SESSION, RECONNECT-style
@@ -128,6 +137,8 @@ class FakeDiscord:
         self.messages: dict[str, dict[str, Any]] = {}
         self.commands: list[dict[str, Any]] = []
         self.interactions: dict[str, dict[str, Any]] = {}  # token -> state
+        #: interaction callbacks: {"interaction_id", "type", "flags", "content", "body"}
+        self.interaction_callbacks: list[dict[str, Any]] = []
         self.calls: list[dict[str, Any]] = []
         self._sent: list[dict[str, Any]] = []
         self.forbidden_channels: set[str] = set()
@@ -734,18 +745,65 @@ class FakeDiscord:
         channel_id: str,
     ) -> dict[str, Any]:
         """An application command (type 2, chat input) used in `channel_id`."""
-        channel = self.channels[channel_id]
-        guild_id = channel.get("guild_id")
         cmd = next((c for c in self.commands if c["name"] == name), None)
-        iid = self.snowflake()
-        token = "itok-" + secrets.token_urlsafe(24)
         data: dict[str, Any] = {"id": cmd["id"] if cmd else self.snowflake(), "name": name, "type": 1}
         if args is not None:
             data["options"] = [{"name": "args", "type": 3, "value": args}]
+        return self._push_interaction(2, data, user_id=user_id, channel_id=channel_id)
+
+    def press_button(
+        self, message_id: str, user_id: str, *, label: str | None = None, custom_id: str | None = None
+    ) -> dict[str, Any]:
+        """`user_id` presses a button of message `message_id`: the one labelled `label` on the
+        message as it is now (LookupError when it has none: a removed button cannot be
+        pressed), or any `custom_id` (an old client, a forged payload). Dispatches the
+        INTERACTION_CREATE (type 3) and returns its payload."""
+        msg = self.messages.get(message_id)
+        if msg is None:
+            raise LookupError(f"no message {message_id}")
+        if label is not None:
+            button = next((b for b in _buttons(msg.get("components") or []) if b.get("label") == label), None)
+            if button is None or "custom_id" not in button:
+                raise LookupError(f"message {message_id} has no button {label!r}")
+            custom_id = button["custom_id"]
+        if custom_id is None:
+            raise ValueError("press_button needs label= or custom_id=")
+        data = {"custom_id": custom_id, "component_type": 2}
+        return self._push_interaction(3, data, user_id=user_id, channel_id=msg["channel_id"], message=msg)
+
+    def interaction_callback(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """The callback the bot made for an interaction (None while unanswered)."""
+        return next((c for c in self.interaction_callbacks if c["interaction_id"] == payload["id"]), None)
+
+    def followups(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """The followup messages the bot sent for an interaction (sent-message records)."""
+        return [m for m in self._sent if m["interaction_id"] == payload["id"] and m["via"] == "followup"]
+
+    async def wait_answered(self, payload: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        """Wait for the bot's callback to an interaction; returns it."""
+        await self.wait_until(lambda: self.interaction_callback(payload) is not None, timeout)
+        callback = self.interaction_callback(payload)
+        assert callback is not None
+        return callback
+
+    def _push_interaction(
+        self,
+        kind: int,
+        data: dict[str, Any],
+        *,
+        user_id: str,
+        channel_id: str,
+        message: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Dispatch an INTERACTION_CREATE of type `kind` by `user_id` in `channel_id`."""
+        channel = self.channels[channel_id]
+        guild_id = channel.get("guild_id")
+        iid = self.snowflake()
+        token = "itok-" + secrets.token_urlsafe(24)
         payload: dict[str, Any] = {
             "id": iid,
             "application_id": self.app_id,
-            "type": 2,
+            "type": kind,
             "data": data,
             "channel_id": channel_id,
             "channel": dict(channel),
@@ -765,12 +823,16 @@ class FakeDiscord:
             payload["member"] = {**self._member(user_id), "permissions": "0"}
         else:
             payload["user"] = self.users[user_id]
+        if message is not None:
+            payload["message"] = dict(message)
         self.interactions[token] = {
             "id": iid,
+            "type": kind,
             "token": token,
             "channel_id": channel_id,
             "guild_id": guild_id,
             "user_id": user_id,
+            "message_id": message["id"] if message is not None else None,
             "response": None,
             "original_id": None,
         }
@@ -1174,7 +1236,7 @@ class FakeDiscord:
             "pinned": False,
             "type": 19 if reference else 0,
             "flags": int(body.get("flags") or 0),
-            "components": [],
+            "components": list(body.get("components") or []),
             "nonce": body.get("nonce"),
         }
         if channel.get("guild_id"):
@@ -1188,7 +1250,7 @@ class FakeDiscord:
             msg["application_id"] = self.app_id
             msg["interaction_metadata"] = {
                 "id": interaction["id"],
-                "type": 2,
+                "type": interaction.get("type", 2),
                 "user": self.users[interaction["user_id"]],
                 "authorizing_integration_owners": {},
             }
@@ -1276,6 +1338,8 @@ class FakeDiscord:
             if len(body["content"] or "") > 2000:
                 return self._error(400, 50035, "Invalid Form Body")
             msg["content"] = body["content"]
+        if "components" in body:
+            msg["components"] = list(body["components"] or [])
         msg["edited_timestamp"] = _now_iso()
         for rec in self._sent:
             if rec["id"] == message_id:
@@ -1291,6 +1355,20 @@ class FakeDiscord:
             return self._error(400, 40060, "Interaction has already been acknowledged.")
         state["response"] = body
         rtype = int((body or {}).get("type", 0))
+        rdata = (body or {}).get("data") or {}
+        self.interaction_callbacks.append(
+            {
+                "interaction_id": iid,
+                "type": rtype,
+                "flags": int(rdata.get("flags") or 0),
+                "content": rdata.get("content"),
+                "body": body,
+            }
+        )
+        if rtype in (6, 7) and state.get("message_id") is None:
+            return self._error(400, 40004, "Interaction has no message to update")
+        if rtype == 7:  # update the message the component is on
+            self._edit_message(state["message_id"], rdata)
         if rtype == 4:  # immediate message
             msg = self._bot_message(
                 state["channel_id"],
@@ -1305,7 +1383,7 @@ class FakeDiscord:
                 {
                     "interaction": {
                         "id": iid,
-                        "type": 2,
+                        "type": state.get("type", 2),
                         "response_message_loading": rtype == 5,
                         "response_message_ephemeral": bool(((body or {}).get("data") or {}).get("flags", 0) & 64),
                         **({"response_message_id": state["original_id"]} if state["original_id"] else {}),
@@ -1352,3 +1430,13 @@ class FakeDiscord:
         if method == "GET":
             return self._json(self.messages[mid])
         return self._error(405, 0, "405: Method Not Allowed")
+
+
+def _buttons(components: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every button (type 2) in a message's components, action rows and containers opened."""
+    found: list[dict[str, Any]] = []
+    for component in components:
+        if component.get("type") == 2:
+            found.append(component)
+        found.extend(_buttons(component.get("components") or []))
+    return found

@@ -18,6 +18,14 @@ What it speaks, like the real server:
   `parse_mode=HTML` the markup is checked the way Telegram does (allowed tags only, properly
   nested) and a bad one answers 400 `can't parse entities`; the stored text is the visible
   text. Empty text and text over 4096 UTF-16 units are 400s, as are unknown chats.
+- Inline keyboards: `sendMessage` keeps `reply_markup` (an `inline_keyboard`; a button's
+  `callback_data` over 64 bytes is 400 `BUTTON_DATA_INVALID`) on the Message it returns and
+  stores; `editMessageText` replaces it, or removes it when the edit carries none (as
+  Telegram does). `answerCallbackQuery` is recorded in `tg.callback_answers`
+  (`callback_query_id`, `text`, `show_alert`); an unknown or already answered query is a
+  400 `query is too old ...`. `tg.press_button(chat_id, message_id, user_id, text="Allow")`
+  (or `data="..."` for any payload) queues the `callback_query` update a person's press
+  makes; `tg.answer_to(pressed)` / `await tg.wait_answered(pressed)` give its answer.
 - `editMessageText`, `sendChatAction`, `setMyCommands`/`getMyCommands`, `deleteWebhook`,
   `setWebhook`, `getWebhookInfo`, `getMe`.
 - Files: `getFile` (400 `file is too big` over 20 MB, like the Bot API) and
@@ -80,6 +88,7 @@ _STRING_PARAMS = {
     "inline_message_id",
     "business_connection_id",
     "message_effect_id",
+    "callback_query_id",
 }
 _VIA: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_telegram_via", default=None)
 _COMMAND_RE = re.compile(r"^[a-z0-9_]{1,32}$")
@@ -208,6 +217,7 @@ class Pushed:
     message_id: int | None
     chat_id: int | None
     update: dict[str, Any]
+    callback_query_id: str | None = None  # set for a button press (`press_button`)
 
 
 @dataclass
@@ -244,6 +254,10 @@ class FakeTelegram:
         self.sent: list[dict[str, Any]] = []
         self.edits: list[dict[str, Any]] = []
         self.chat_actions: list[dict[str, Any]] = []
+        #: answerCallbackQuery calls: {"callback_query_id", "text", "show_alert"}
+        self.callback_answers: list[dict[str, Any]] = []
+        self._open_queries: set[str] = set()  # pressed, not yet answered
+        self._query_ids = itertools.count(4_382_907_126_115_000_001)
         self._update_ids = itertools.count(first_update_id)
         self._message_ids: dict[int, itertools.count[int]] = defaultdict(lambda: itertools.count(1))
         self._failures: dict[str, deque[_Failure]] = defaultdict(deque)
@@ -374,6 +388,17 @@ class FakeTelegram:
     async def wait_acked(self, timeout: float = 10.0) -> None:
         """Wait until every pushed update has been confirmed with an offset."""
         await self.wait_for(lambda: not self.updates, timeout)
+
+    def answer_to(self, pressed: Pushed) -> dict[str, Any] | None:
+        """The answerCallbackQuery call for a press (`press_button`), None while unanswered."""
+        return next((a for a in self.callback_answers if a["callback_query_id"] == pressed.callback_query_id), None)
+
+    async def wait_answered(self, pressed: Pushed, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait for the bot to answer a press; returns the answer."""
+        await self.wait_for(lambda: self.answer_to(pressed) is not None, timeout)
+        answer = self.answer_to(pressed)
+        assert answer is not None
+        return answer
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -641,6 +666,44 @@ class FakeTelegram:
         msg = self._new_message(chat, None, text, sender_chat=dict(chat), entities=make_entities(text) or None)
         return self._push_message("channel_post", msg)
 
+    def press_button(
+        self,
+        chat_id: int,
+        message_id: int,
+        user_id: int,
+        *,
+        text: str | None = None,
+        data: str | None = None,
+        username: str | None = None,
+    ) -> Pushed:
+        """Queue the `callback_query` update of `user_id` pressing a button of message
+        `message_id` in `chat_id`: the inline button labelled `text` on the message as it is
+        now (LookupError when it has none: a removed button cannot be pressed), or any
+        `data` (an old client, a forged payload). For webhook delivery pass the result to
+        `post_to_webhook`."""
+        msg = self.messages.get((chat_id, message_id))
+        if msg is None:
+            raise LookupError(f"no message {message_id} in chat {chat_id}")
+        if text is not None:
+            rows = (msg.get("reply_markup") or {}).get("inline_keyboard") or []
+            button = next((b for row in rows for b in row if b.get("text") == text), None)
+            if button is None or "callback_data" not in button:
+                raise LookupError(f"message {message_id} in chat {chat_id} has no button {text!r}")
+            data = button["callback_data"]
+        if data is None:
+            raise ValueError("press_button needs text= or data=")
+        query_id = str(next(self._query_ids))
+        self._open_queries.add(query_id)
+        query: dict[str, Any] = {
+            "id": query_id,
+            "from": self._user(user_id, username=username),
+            "message": dict(msg),
+            "chat_instance": f"{abs(chat_id) * 7919}",  # a stable per-chat id, as Telegram gives
+            "data": data,
+        }
+        pushed = self.push_update({"callback_query": query})
+        return Pushed(pushed.update_id, message_id, chat_id, pushed.update, callback_query_id=query_id)
+
     async def post_to_webhook(
         self, update: dict[str, Any] | Pushed, *, url: str | None = None, secret_token: str | bool | None = True
     ) -> int:
@@ -879,6 +942,10 @@ class FakeTelegram:
                     return self._error("sendMessage", 400, "Bad Request: message to be replied not found")
         elif "message_thread_id" in extra:
             extra["reply_to_message"] = dict(self.messages[(chat["id"], extra["message_thread_id"])].items())
+        markup = self._inline_markup("sendMessage", params)
+        if isinstance(markup, web.Response):
+            return markup
+        extra["reply_markup"] = markup
         msg = self._new_message(chat, dict(self.bot_user), text, **extra)
         record = dict(msg)
         record["_params"] = dict(params)
@@ -900,19 +967,63 @@ class FakeTelegram:
         text = self._visible("editMessageText", params)
         if isinstance(text, web.Response):
             return text
-        if msg.get("text") == text:
+        markup = self._inline_markup("editMessageText", params)
+        if isinstance(markup, web.Response):
+            return markup
+        if msg.get("text") == text and msg.get("reply_markup") == markup:
             return self._error(
                 "editMessageText",
                 400,
                 "Bad Request: message is not modified: specified new message content and reply markup are exactly the same as a current content and reply markup of the message",
             )
         msg = dict(msg, text=text, edit_date=int(time.time()))
+        msg.pop("reply_markup", None)  # an edit without reply_markup removes the keyboard
+        if markup is not None:
+            msg["reply_markup"] = markup
         self.messages[key] = msg
         for sent in self.sent:
             if sent["chat"]["id"] == key[0] and sent["message_id"] == key[1]:
                 sent["text"] = text
-        self.edits.append({"chat_id": key[0], "message_id": key[1], "text": text})
+                sent.pop("reply_markup", None)
+                if markup is not None:
+                    sent["reply_markup"] = markup
+        self.edits.append({"chat_id": key[0], "message_id": key[1], "text": text, "reply_markup": markup})
         return self._ok("editMessageText", msg)
+
+    def _inline_markup(self, method: str, params: dict[str, Any]) -> dict[str, Any] | web.Response | None:
+        """The inline keyboard of a send or edit (None without one), checked as Telegram does."""
+        markup = params.get("reply_markup")
+        if markup is None:
+            return None
+        rows = markup.get("inline_keyboard") if isinstance(markup, dict) else None
+        if rows is None:
+            return None  # reply keyboards and the like: not kept on the message
+        if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+            return self._error(method, 400, "Bad Request: can't parse inline keyboard button")
+        for button in (b for row in rows for b in row):
+            if not isinstance(button, dict) or not button.get("text"):
+                return self._error(method, 400, "Bad Request: can't parse inline keyboard button: text is empty")
+            data = button.get("callback_data")
+            if data is not None and not 1 <= len(str(data).encode()) <= 64:
+                return self._error(method, 400, "Bad Request: BUTTON_DATA_INVALID")
+        return {"inline_keyboard": rows}
+
+    async def _api_answercallbackquery(self, params: dict[str, Any]) -> web.Response:
+        query_id = str(params.get("callback_query_id", ""))
+        if query_id not in self._open_queries:
+            return self._error(
+                "answerCallbackQuery",
+                400,
+                "Bad Request: query is too old and response timeout expired or query ID is invalid",
+            )
+        text = params.get("text")
+        if text is not None and len(str(text)) > 200:
+            return self._error("answerCallbackQuery", 400, "Bad Request: MESSAGE_TOO_LONG")
+        self._open_queries.discard(query_id)
+        self.callback_answers.append(
+            {"callback_query_id": query_id, "text": text, "show_alert": bool(params.get("show_alert", False))}
+        )
+        return self._ok("answerCallbackQuery", True)
 
     async def _api_sendchataction(self, params: dict[str, Any]) -> web.Response:
         chat = self._chat_or_error("sendChatAction", params.get("chat_id"))

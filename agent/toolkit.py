@@ -63,7 +63,7 @@ class McpTools(Protocol):
     """The MCP hub as the tool box sees it (agent/mcp_tools.py)."""
 
     async def tools(self, tenant: str) -> list[Any]:
-        """The servers' tools (`McpTool`: server, name, qualified, description, schema())."""
+        """The servers' tools (`McpTool`: server, name, qualified, description, openai_tool())."""
         ...
 
     async def call(self, tenant: str, qualified: str, arguments: dict[str, Any]) -> str: ...

@@ -162,7 +162,7 @@ class ToolBox:
         tools = [t for t in self._builtin_schemas() if permits(self._rule(t["function"]["name"])[0], self.speaker)]
         for qualified, tool in (await self._mcp_tools()).items():
             if permits(self._rule(qualified)[0], self.speaker):
-                tools.append(tool.schema())
+                tools.append(tool.openai_tool())
         return [t for t in tools if self.only is None or t["function"]["name"] in self.only]
 
     async def call(self, name: str, arguments: str | dict | None) -> str:

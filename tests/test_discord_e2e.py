@@ -411,3 +411,40 @@ async def test_link_code_pasted_in_a_server_without_mention_is_burnt(rig, fake, 
     fake.push_dm(fake.bob, f"/link {code}")
     (accepted,) = await r.replies(fake.dm_channels[fake.bob], 1)
     assert accepted["content"].startswith("Code accepted")
+
+
+async def test_a_confirm_tool_asks_with_buttons_and_anyone_elses_press_is_refused_only_to_them(
+    fake, fake_llm, config_for
+):
+    """docs/concepts.md#tool-confirmations through the real adapter: Allow / Deny buttons,
+    an ephemeral refusal for another member, the asker's Deny stops the call and the
+    question then says so without buttons."""
+    from tests.fakes.llm import tool_call
+
+    fake_llm.script(tool_call("session_search", {"query": "plans"}), reply("As you wish."))
+    cfg = config_for(
+        platforms={"discord": {"enabled": True, "api_base": fake.api_base, "gateway_url": fake.gateway_url}},
+        tools={"session_search": {"confirm": True}},
+    )
+    adapter = DiscordAdapter(cfg.platforms.discord, fake.token, ready_timeout=10, guild_ready_timeout=0.05)
+    app = build_gateway(cfg, [adapter])
+    await app.start()
+    try:
+        fake.push_guild_message(fake.general, fake.alice, "search my plans", mention_bot=True)
+        await fake.wait_until(lambda: any(m["body"].get("components") for m in fake.sent_messages(fake.general)), 20)
+        question = next(m for m in fake.sent_messages(fake.general) if m["body"].get("components"))
+        assert "session_search" in question["content"]
+        other = fake.press_button(question["id"], fake.bob, label="Allow")
+        await fake.wait_until(lambda: bool(fake.followups(other)), 10)
+        [refusal] = fake.followups(other)
+        assert int(refusal["body"].get("flags") or 0) & 64 and "Only the person who asked" in refusal["body"]["content"]
+        assert len(fake_llm.requests) == 1
+        fake.press_button(question["id"], fake.alice, label="Deny")
+        await fake.wait_until(lambda: any(m["content"] == "As you wish." for m in fake.sent_messages(fake.general)), 20)
+        assert await app.drain(10)
+        [result] = [json.loads(m["content"]) for m in fake_llm.requests[-1]["messages"] if m["role"] == "tool"]
+        assert result["success"] is False and "did not allow" in result["error"]
+        assert fake.messages[question["id"]]["content"].endswith("Denied.")
+        assert not fake.messages[question["id"]].get("components")
+    finally:
+        await app.stop(drain_timeout=5)

@@ -433,3 +433,33 @@ async def test_link_code_pasted_in_a_group_without_mention_is_burnt(tg, fake_llm
         [refused] = await answered(tg, app, 1, 222)
         assert "unknown, expired or already used" in refused["text"]
         assert app.links.name_for("telegram:222") is None
+
+
+# ----------------------------------------------------------------------------- tool confirmations
+
+
+async def test_a_confirm_tool_in_a_group_asks_with_buttons_only_the_asker_can_press(tg, fake_llm, config_for):
+    """docs/concepts.md#tool-confirmations, through the real adapter: the question carries
+    Allow / Deny, another member's press gets an alert and changes nothing, the asker's
+    Allow runs the call, and the question then says so without buttons."""
+    from tests.fakes.llm import tool_call
+
+    fake_llm.script(tool_call("session_search", {"query": "lunch"}), reply("Searched, nothing yet."))
+    sections = {"tools": {"session_search": {"confirm": True}}, "limits": {"rate_limit_per_minute": 1000}}
+    async with gateway(tg_config(config_for, tg, sections)) as (app, _adapter):
+        tg.push_group(GROUP, 1, f"@{BOT} search for lunch")
+        [question] = await tg.wait_sent(1, GROUP)
+        buttons = [b["text"] for row in question["reply_markup"]["inline_keyboard"] for b in row]
+        assert buttons == ["Allow", "Deny"] and "session_search" in question["text"]
+        other = tg.press_button(GROUP, question["message_id"], 2, text="Allow")
+        refusal = await tg.wait_answered(other)
+        assert refusal["show_alert"] is True and "Only the person who asked" in refusal["text"]
+        assert len(fake_llm.requests) == 1, "another member's press runs nothing"
+        mine = tg.press_button(GROUP, question["message_id"], 1, text="Allow")
+        assert (await tg.wait_answered(mine))["show_alert"] is not True
+        sent = await answered(tg, app, 2, GROUP)
+        assert sent[-1]["text"] == "Searched, nothing yet."
+        [result] = [json.loads(m["content"]) for m in fake_llm.requests[-1]["messages"] if m["role"] == "tool"]
+        assert result["success"] is True
+        edit = [e for e in tg.edits if e["message_id"] == question["message_id"]][-1]
+        assert edit["text"].endswith("Allowed.") and not edit.get("reply_markup")

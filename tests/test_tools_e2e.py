@@ -1,0 +1,93 @@
+"""The web and MCP tools through the real gateway (docs/concepts.md#tools): configured in
+`tools`, offered by tier, their results kept in the lane's session and its export, counted
+per tool; servers are real (a page server and a fake SearXNG on 127.0.0.1, reached through
+`tools.web.allow_hosts`; an MCP server written with the SDK in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import dm, group, running_gateway, say
+from tests.fakes.llm import offered_tools, reply, tool_call
+from tests.fakes.web import FakeSearchAPI, PageServer
+
+FAKE_MCP = str(Path(__file__).parent / "fakes" / "mcp_server.py")
+
+
+def tool_results(request: dict[str, Any]) -> list[dict[str, Any]]:
+    return [json.loads(m["content"]) for m in request.get("messages", []) if m.get("role") == "tool"]
+
+
+async def test_a_dm_fetches_a_page_the_group_is_never_offered_it_and_the_result_is_the_lanes_data(config_for, fake_llm):
+    async with PageServer() as pages:
+        url = pages.url("/page")
+        fake_llm.script(tool_call("web_fetch", {"url": url}), reply(f"It is the field guide ({url})."), reply("hi"))
+        tools = {"web_fetch": {"enabled": True}, "web": {"allow_hosts": [f"127.0.0.1:{pages.port}"]}}
+        async with running_gateway(config_for, tools=tools) as (app, adapter):
+            assert await say(app, adapter, dm("ada", "what is on this page?")) == [f"It is the field guide ({url})."]
+            [result] = tool_results(fake_llm.requests[-1])
+            assert result["success"] is True and "Field Guide" in result["title"]
+            assert "do-not-read-me" not in result["content"]  # scripts are not text
+            await say(app, adapter, group("g1", "ada", "and here?"))
+            assert "web_fetch" not in offered_tools(fake_llm.requests[-1])
+            [export] = await say(app, adapter, dm("ada", "/export"))
+            assert "Exported" in export
+            assert 'hermes_tool_calls_total{tool="web_fetch",outcome="ok"} 1' in app.metrics.render()
+            profile = app.profiles._open["testchat-ada"].path
+        dump = json.loads(sorted((profile / "exports").glob("*.json"))[-1].read_text(encoding="utf-8"))
+        messages = [m for s in dump["sessions"] for m in s["messages"]]
+        calls = [m for m in messages if m["role"] == "assistant" and m.get("tool_calls")]
+        results = [m for m in messages if m["role"] == "tool" and m.get("tool_name") == "web_fetch"]
+        assert calls and results and "Field Guide" in results[0]["content"]
+        journals = b"".join(p.read_bytes() for p in (profile / "sessions").glob("*.jsonl"))
+        assert b"Hermes carries messages" in journals, "the tool result is journaled like any message"
+
+
+async def test_a_private_address_is_refused_as_a_tool_error_not_a_crash(config_for, fake_llm):
+    async with PageServer() as pages:
+        fake_llm.script(tool_call("web_fetch", {"url": pages.url("/page")}), reply("I could not read it."))
+        async with running_gateway(config_for, tools={"web_fetch": {"enabled": True}}) as (app, adapter):
+            assert await say(app, adapter, dm("ada", "read it")) == ["I could not read it."]
+            [result] = tool_results(fake_llm.requests[-1])
+            assert result["success"] is False and "127.0.0.1" in result["error"]
+            assert pages.requests == []
+            assert 'hermes_tool_calls_total{tool="web_fetch",outcome="error"} 1' in app.metrics.render()
+
+
+async def test_web_search_through_searxng_gives_the_model_titles_urls_and_snippets(config_for, fake_llm):
+    async with FakeSearchAPI(api_key="unused") as api:
+        fake_llm.script(tool_call("web_search", {"query": "hermes gateway"}), reply("Found it."))
+        tools = {"web_search": {"provider": "searxng", "base_url": api.base_url}}
+        async with running_gateway(config_for, tools=tools) as (app, adapter):
+            await say(app, adapter, dm("ada", "search the web"))
+            [result] = tool_results(fake_llm.requests[-1])
+            assert result["success"] is True and result["results"]
+            assert {"title", "url", "snippet"} <= set(result["results"][0])
+            assert api.requests[-1]["provider"] == "searxng"
+
+
+async def test_an_mcp_servers_tools_are_offered_by_its_rule_and_called_for_the_tenant(config_for, fake_llm):
+    fake_llm.script(tool_call("fake__echo", {"text": "ping"}), reply("It said ping."), reply("no tools here"))
+    server = {"command": sys.executable, "args": [FAKE_MCP], "timeout_s": 10}
+    tools = {"mcp": {"servers": {"fake": server}}}
+    async with running_gateway(config_for, tools=tools) as (app, adapter):
+        assert await say(app, adapter, dm("ada", "echo ping")) == ["It said ping."]
+        assert {"fake__echo", "fake__add"} <= offered_tools(fake_llm.requests[0])
+        [result] = tool_results(fake_llm.requests[-1])
+        assert result["success"] is True and "ping" in result["content"]
+        await say(app, adapter, group("g1", "ada", "and in the group?"))
+        assert not {t for t in offered_tools(fake_llm.requests[-1]) if t.startswith("fake__")}
+        [listing] = await say(app, adapter, dm("ada", "/tools"))
+        assert "fake__echo" in listing
+
+
+async def test_one_mcp_tool_can_be_opened_to_everyone_while_its_server_stays_dm_only(config_for, fake_llm):
+    fake_llm.script(reply("hello group"))
+    server = {"command": sys.executable, "args": [FAKE_MCP], "tools": {"add": {"allow": "everyone"}}}
+    async with running_gateway(config_for, tools={"mcp": {"servers": {"fake": server}}}) as (app, adapter):
+        await say(app, adapter, group("g1", "ada", "hi all"))
+        offered = {t for t in offered_tools(fake_llm.requests[-1]) if t.startswith("fake__")}
+        assert offered == {"fake__add"}

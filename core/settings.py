@@ -387,7 +387,8 @@ class McpServerConfig(_Section):
 
     command: str | None = None
     args: list[str] = []
-    env: dict[str, str] = {}
+    env: dict[str, str] = {}  # plain settings; credentials go through env_from
+    env_from: dict[str, str] = {}  # the server's variable -> the gateway's variable holding the value
     url: str | None = None
     headers_env: dict[str, str] = {}  # header name -> the variable holding its value
     per_tenant: bool = False  # one process per tenant, `{tenant}` substituted in args, env, url
@@ -408,9 +409,13 @@ class McpServerConfig(_Section):
     def _one_transport(self) -> McpServerConfig:
         if (self.command is None) == (self.url is None):
             raise ValueError("give either command (a stdio server) or url (streamable HTTP), not both or neither")
-        if self.url is not None and (self.args or self.env):
-            raise ValueError("args and env are for a command; a url server takes headers_env")
+        if self.url is not None and (self.args or self.env or self.env_from):
+            raise ValueError("args, env and env_from are for a command; a url server takes headers_env")
         return self
+
+    def secret_envs(self) -> list[str]:
+        """The gateway's variables this server's credentials come from."""
+        return [*self.env_from.values(), *self.headers_env.values()]
 
     def rule(self, tool: str) -> tuple[ToolAllow, bool]:
         """(allow, confirm) of one of its tools: the tool's own rule over the server's."""

@@ -46,6 +46,10 @@ def secrets_from_config(cfg: Config | None) -> list[str]:
         cfg.platforms.telegram.token_env,
         cfg.platforms.telegram.webhook.secret_token_env,
         cfg.platforms.discord.token_env,
+        cfg.transcription.api_key_env,
+        cfg.tools.web_search.api_key_env,
+        *(offer.api_key_env for offer in cfg.llm.models.values()),
+        *(var for server in cfg.tools.mcp.servers.values() for var in server.secret_envs()),
     ]
     return [os.environ[n] for n in names if n and os.environ.get(n)]
 

@@ -32,11 +32,12 @@ class ToolClients:
 def mcp_spec(name: str, server: McpServerConfig) -> McpServerSpec:
     """A server's spec with its header values read from their variables now."""
     headers = {header: os.environ.get(var, "") for header, var in server.headers_env.items()}
+    env = {**server.env, **{name: os.environ.get(var, "") for name, var in server.env_from.items()}}
     return McpServerSpec(
         name=name,
         command=server.command,
         args=tuple(server.args),
-        env=dict(server.env),
+        env=env,
         url=server.url,
         headers=headers,
         per_tenant=server.per_tenant,

@@ -198,3 +198,32 @@ def test_cluster_mode_refuses_confirmations_in_one_sentence():
     with pytest.raises(ConfigError, match="cluster mode does not route yet"):
         parse_config(data)
     parse_config({"cluster": {"postgres_dsn_env": "PG_DSN"}, "tools": {"web_fetch": {"enabled": True}}})
+
+
+async def test_a_restart_during_the_wait_asks_again_and_never_runs_the_call_unasked(config_for, fake_llm):
+    fake_llm.script(
+        tool_call("session_search", {"query": "x"}), tool_call("session_search", {"query": "x"}), reply("ok")
+    )
+    cfg = config_for(tools={"session_search": {"confirm": True}}, limits={"rate_limit_per_minute": 1000})
+    first = ButtonAdapter()
+    app = build_gateway(cfg, [first])
+    await app.start()
+    await first.sink(dm("ada", "search please"))
+    await wait_asked(first)
+    await app.stop(drain_timeout=0.5)  # the process goes while the question waits
+    assert first.settled == [] or all(outcome != "Allowed." for _, outcome in first.settled)
+    assert not any(m.get("role") == "tool" for r in fake_llm.requests for m in r["messages"])
+    second = ButtonAdapter()
+    app = build_gateway(cfg, [second])
+    await app.start()
+    try:
+        await wait_asked(second)  # the pending message is answered again: it asks again
+        assert second.asked[0].token != first.asked[0].token
+        assert await first.press("ada", allow=True) == "expired" and len(second.settled) == 0
+        assert await second.press("ada", allow=True) == "ok"
+        assert await app.drain(10)
+        [result] = tool_results(fake_llm.requests[-1])
+        assert result["success"] is True
+        assert second.texts("dm-ada")[-1] == "ok"
+    finally:
+        await app.stop()

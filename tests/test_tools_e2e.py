@@ -91,3 +91,26 @@ async def test_one_mcp_tool_can_be_opened_to_everyone_while_its_server_stays_dm_
         await say(app, adapter, group("g1", "ada", "hi all"))
         offered = {t for t in offered_tools(fake_llm.requests[-1]) if t.startswith("fake__")}
         assert offered == {"fake__add"}
+
+
+async def test_a_servers_credential_comes_from_the_gateways_variable_and_never_reaches_the_logs(
+    config_for, fake_llm, monkeypatch
+):
+    from gateway.logs import secrets_from_config
+
+    monkeypatch.setenv("HERMES_TEST_MCP_TOKEN", "tok-7731-SECRET")
+    monkeypatch.setenv("HERMES_SECRET_CANARY", "the gateway's own secret")
+    fake_llm.script(tool_call("fake__whoami", {}), reply("It knows its token."))
+    server = {
+        "command": sys.executable,
+        "args": [FAKE_MCP, "--tag", "{tenant}"],
+        "env_from": {"FAKE_MCP_TAG": "HERMES_TEST_MCP_TOKEN"},
+        "per_tenant": True,
+    }
+    async with running_gateway(config_for, tools={"mcp": {"servers": {"fake": server}}}) as (app, adapter):
+        await say(app, adapter, dm("ada", "who is the server?"))
+        [result] = tool_results(fake_llm.requests[-1])
+        seen = json.loads(result["content"])
+        assert seen["env_tag"] == "tok-7731-SECRET" and seen["tag"] == "testchat-ada"
+        assert seen["canary_visible"] is False
+        assert "tok-7731-SECRET" in secrets_from_config(app.cfg)

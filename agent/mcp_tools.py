@@ -23,13 +23,15 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
+import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TextIO, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -123,6 +125,16 @@ class McpTool:
         }
 
 
+def _errlog(stack: AsyncExitStack) -> TextIO:
+    """Where a stdio server's stderr goes: the gateway's own stderr when it is a real file
+    (the operator sees a server's complaints), else nowhere (stdio_client needs a descriptor)."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return stack.enter_context(open(os.devnull, "w", encoding="utf-8"))
+
+
 class McpHub:
     """Every configured MCP server, started lazily per session key (the server, plus the
     tenant for `per_tenant` ones); at most `max_tenant_sessions` per-tenant sessions, the
@@ -174,6 +186,18 @@ class McpHub:
         except Exception:
             logger.exception("calling the MCP tool %s failed", qualified)
             return _failure(f"the tool {qualified} failed inside the gateway")
+
+    async def probe(self, name: str, tenant: str) -> tuple[int, str | None]:
+        """Start server `name` as `tenant` would: (its tool count, None) or (0, why it cannot
+        run), for `hermes-gateway doctor`."""
+        spec = next((s for s in self._specs if s.name == name), None)
+        if spec is None:
+            return 0, f"no server {name}"
+        slot = self._slot(spec, tenant)
+        running = await slot._running()
+        if isinstance(running, str):
+            return 0, running
+        return len(slot.listed), None
 
     async def close(self) -> None:
         """Stop every session and its process, waiting until they are gone."""
@@ -528,7 +552,7 @@ class _Session:
         if spec.command is not None:
             # stdio_client gives the process get_default_environment() | env, nothing more
             params = StdioServerParameters(command=spec.command, args=list(spec.args), env=dict(spec.env))
-            read, write = await stack.enter_async_context(stdio_client(params))
+            read, write = await stack.enter_async_context(stdio_client(params, errlog=_errlog(stack)))
         else:
             assert spec.url is not None
             # the SDK's default HTTP timeouts; headers go on the client, the SDK's way

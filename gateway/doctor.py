@@ -122,6 +122,13 @@ async def run_doctor(cfg: Config, *, deep: bool = False) -> int:
         if cfg.transcription.base_url:
             ok, detail = await check_transcription(cfg)
             results.append((ok, "transcription", detail))
+    if cfg.tools.web_search.provider is not None or cfg.tools.mcp.servers:  # gateway/tool_checks.py
+        from gateway.tool_checks import check_mcp_servers, check_web_search
+
+        if cfg.tools.web_search.provider is not None:
+            ok, detail = await check_web_search(cfg)
+            results.append((ok, "web search", detail))
+        results.extend(await check_mcp_servers(cfg))
     if cfg.platforms.telegram.enabled:
         from adapters.telegram import doctor as telegram_doctor
 

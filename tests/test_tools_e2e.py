@@ -114,3 +114,50 @@ async def test_a_servers_credential_comes_from_the_gateways_variable_and_never_r
         assert seen["env_tag"] == "tok-7731-SECRET" and seen["tag"] == "testchat-ada"
         assert seen["canary_visible"] is False
         assert "tok-7731-SECRET" in secrets_from_config(app.cfg)
+
+
+def test_doctor_fails_an_mcp_server_that_cannot_start_and_passes_one_that_does(tmp_path, capsys):
+    import yaml
+
+    from gateway.cli import main
+    from tests.fakes.llm import FakeLLM
+
+    with FakeLLM() as llm:
+        servers = {
+            "good": {"command": sys.executable, "args": [FAKE_MCP]},
+            "broken": {"command": sys.executable, "args": ["-c", "import sys; sys.exit(3)"]},
+            "mine": {"command": "no-such-mcp-program", "per_tenant": True},
+        }
+        path = tmp_path / "gw.yaml"
+        config = {
+            "data_dir": str(tmp_path / "d"),
+            "llm": {"base_url": llm.base_url},
+            "tools": {"mcp": {"servers": servers}},
+        }
+        path.write_text(yaml.safe_dump(config))
+        assert main(["doctor", "-c", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "[ok] MCP good: started, " in out
+    assert "[FAIL] MCP broken: the MCP server broken is unavailable: it could not start" in out
+    assert "[FAIL] MCP mine: the command 'no-such-mcp-program' is not found" in out
+
+
+async def test_doctor_checks_that_the_search_provider_answers_with_its_key(monkeypatch):
+    from core.settings import parse_config
+    from gateway.tool_checks import check_web_search
+
+    async with FakeSearchAPI(api_key="k-123") as api:
+        searx = parse_config({"tools": {"web_search": {"provider": "searxng", "base_url": api.base_url}}})
+        ok, detail = await check_web_search(searx)
+        assert ok and "searxng answered" in detail
+        brave = {"provider": "brave", "base_url": api.base_url, "api_key_env": "HERMES_TEST_BRAVE_KEY"}
+        cfg = parse_config({"tools": {"web_search": brave}})
+        monkeypatch.delenv("HERMES_TEST_BRAVE_KEY", raising=False)
+        ok, detail = await check_web_search(cfg)
+        assert not ok and "HERMES_TEST_BRAVE_KEY is not set" in detail
+        monkeypatch.setenv("HERMES_TEST_BRAVE_KEY", "wrong-key")
+        ok, detail = await check_web_search(cfg)
+        assert not ok and "wrong-key" not in detail
+        monkeypatch.setenv("HERMES_TEST_BRAVE_KEY", "k-123")
+        ok, _ = await check_web_search(cfg)
+        assert ok

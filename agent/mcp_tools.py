@@ -28,7 +28,7 @@ import re
 import sys
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, TextIO, TypeVar
@@ -160,11 +160,13 @@ class McpHub:
         self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    async def tools(self, tenant: str) -> list[McpTool]:
-        """The tools of every server `tenant` can use now, starting the ones not yet running.
-        A server that cannot start is left out (and logged); this never raises."""
+    async def tools(self, tenant: str, servers: Collection[str] | None = None) -> list[McpTool]:
+        """The tools of every server `tenant` can use now (of `servers` only, when given: the
+        others are not started), starting the ones not yet running. A server that cannot
+        start is left out (and logged); this never raises."""
         try:
-            return [tool for tool, _, live in await self._catalog(tenant, start=True) if live]
+            found = await self._catalog(tenant, start=True, only=servers)
+            return [tool for tool, _, live in found if live]
         except Exception:
             logger.exception("listing MCP tools failed")
             return []
@@ -207,13 +209,15 @@ class McpHub:
         self._per_tenant.clear()
         await asyncio.gather(*(slot.close() for slot in slots), *list(self._closing))
 
-    async def _catalog(self, tenant: str, *, start: bool) -> list[tuple[McpTool, _Slot, bool]]:
+    async def _catalog(
+        self, tenant: str, *, start: bool, only: Collection[str] | None = None
+    ) -> list[tuple[McpTool, _Slot, bool]]:
         """Every tool known for `tenant`, named, with its slot and whether its server runs
         now (`start`: starting those that do not and may). Tools of a server that stopped
         stay known, so a call to one says why it fails and the names of the others hold."""
         if self._closed:
             return []
-        slots = [self._slot(spec, tenant) for spec in self._specs]
+        slots = [self._slot(spec, tenant) for spec in self._specs if only is None or spec.name in only]
         if start:
             live = await asyncio.gather(*(slot.ensure_running() for slot in slots))
         else:

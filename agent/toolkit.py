@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,7 +62,7 @@ def refusal(name: str, allow: ToolAllow) -> str:
 class McpTools(Protocol):
     """The MCP hub as the tool box sees it (agent/mcp_tools.py)."""
 
-    async def tools(self, tenant: str) -> list[Any]:
+    async def tools(self, tenant: str, servers: Collection[str] | None = None) -> list[Any]:
         """The servers' tools (`McpTool`: server, name, qualified, description, openai_tool())."""
         ...
 
@@ -107,6 +107,15 @@ class ToolServices:
         if name == "web_search":
             return self.rules.web_search.allow, self.rules.web_search.confirm
         return "admin", True
+
+    def mcp_servers_for(self, who: Speaker) -> frozenset[str]:
+        """The MCP servers with a tool `who` may use (by the server's rule or a tool's own)."""
+        return frozenset(
+            name
+            for name, server in self.rules.mcp.servers.items()
+            if permits(server.allow, who)
+            or any(t.allow is not None and permits(t.allow, who) for t in server.tools.values())
+        )
 
     def count(self, tool: str, outcome: str) -> None:
         if self.sink is not None:

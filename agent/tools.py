@@ -133,9 +133,10 @@ class ToolBox:
         if self._mcp is None:
             found: dict[str, Any] = {}
             hub = self.services.mcp
-            if hub is not None and self.only is None:
+            servers = self.services.mcp_servers_for(self.speaker)  # the others are not even started
+            if hub is not None and self.only is None and servers:
                 try:
-                    found = {t.qualified: t for t in await hub.tools(self.tenant)}
+                    found = {t.qualified: t for t in await hub.tools(self.tenant, servers)}
                 except Exception:  # a tool server must never break a turn
                     log.exception("listing MCP tools failed")
             self._mcp = found

@@ -161,3 +161,19 @@ async def test_doctor_checks_that_the_search_provider_answers_with_its_key(monke
         monkeypatch.setenv("HERMES_TEST_BRAVE_KEY", "k-123")
         ok, _ = await check_web_search(cfg)
         assert ok
+
+
+async def test_a_server_no_one_in_the_lane_may_use_is_never_started_for_it(config_for, fake_llm, tmp_path):
+    fake_llm.script(reply("hello group"), reply("hello ada"))
+    marker = tmp_path / "started"
+    server = {
+        "command": "sh",
+        "args": ["-c", f'touch "{marker}-$0"; exec "{sys.executable}" "{FAKE_MCP}"', "{tenant}"],
+        "per_tenant": True,
+    }
+    async with running_gateway(config_for, tools={"mcp": {"servers": {"own": server}}}) as (app, adapter):
+        await say(app, adapter, group("g1", "ada", "hi all"))
+        assert not list(tmp_path.glob("started-*")), "a dm-only server was started for a group lane"
+        await say(app, adapter, dm("ada", "hi"))
+        assert [p.name for p in tmp_path.glob("started-*")] == ["started-testchat-ada"]
+        assert "own__echo" in offered_tools(fake_llm.requests[-1])

@@ -170,6 +170,45 @@ class ConfirmRequest(BaseModel):
 ConfirmVerdict = Literal["ok", "not_yours", "expired"]
 #: (token, user_id of who pressed, allow) -> verdict; set by the gateway before `start`
 ConfirmAnswerer = Callable[[str, str, bool], Awaitable[ConfirmVerdict]]
+#: what a refused press is told (a Telegram alert, an ephemeral Discord reply)
+CONFIRM_REFUSALS: dict[str, str] = {
+    "not_yours": "Only the person who asked can answer this.",
+    "expired": "This question has expired.",
+}
+_CONFIRM_PREFIX = "hgc:"
+
+
+def confirm_payload(token: str, allow: bool) -> str:
+    """A confirmation button's payload (Telegram callback_data, Discord custom_id):
+    `hgc:<token>:a` (Allow) or `hgc:<token>:d` (Deny)."""
+    return f"{_CONFIRM_PREFIX}{token}:{'a' if allow else 'd'}"
+
+
+def parse_confirm_payload(data: object) -> tuple[str, bool] | None:
+    """(token, allow) of one of our buttons' payloads; None for anything else (another
+    feature's button, a malformed payload)."""
+    if not isinstance(data, str) or not data.startswith(_CONFIRM_PREFIX):
+        return None
+    token, sep, verdict = data[len(_CONFIRM_PREFIX) :].rpartition(":")
+    if not sep or not token or verdict not in ("a", "d"):
+        return None
+    return token, verdict == "a"
+
+
+def with_outcome(text: str, outcome: str, limit: int, measure: Callable[[str], int] = len) -> str:
+    """A settled question: `text`, a blank line and `outcome`, the question shortened (with
+    "…") when the whole would be over the platform's `limit` (in `measure`'s unit)."""
+    full = f"{text}\n\n{outcome}"
+    if measure(full) <= limit:
+        return full
+    tail = f"…\n\n{outcome}"
+    room = max(limit - measure(tail), 0)
+    cut = text[:room]
+    while (excess := measure(cut) - room) > 0:  # each char is at least one unit
+        cut = cut[:-excess]
+    return cut.rstrip() + tail
+
+
 #: (platform, text) of a group message the adapter drops unanswered (no mention): the gateway
 #: still looks at it (a link code posted where others read it is burnt); set by the gateway
 OverheardHook = Callable[[str, str], Awaitable[None]]

@@ -78,37 +78,5 @@ def _install_redactor(token: str) -> None:
 
 # --------------------------------------------------------------------------- confirmation buttons
 
-#: the custom_id of a confirmation button: `hgc:<token>:a` (allow) or `hgc:<token>:d` (deny)
-CONFIRM_PREFIX = "hgc:"
 #: Discord's limit for a component's custom_id, in characters
 CUSTOM_ID_MAX_CHARS = 100
-#: the ephemeral reply a refused press gets, by verdict
-REFUSALS: dict[str, str] = {
-    "not_yours": "Only the person who asked can answer this.",
-    "expired": "This question has expired.",
-}
-
-
-def confirm_custom_id(token: str, allow: bool) -> str:
-    """The custom_id of the Allow (`allow=True`) or Deny button of question `token`."""
-    return f"{CONFIRM_PREFIX}{token}:{'a' if allow else 'd'}"
-
-
-def parse_confirm_custom_id(custom_id: object) -> tuple[str, bool] | None:
-    """(token, allow) of one of our buttons' custom_ids; None for anything else."""
-    if not isinstance(custom_id, str) or not custom_id.startswith(CONFIRM_PREFIX):
-        return None
-    token, sep, verdict = custom_id[len(CONFIRM_PREFIX) :].rpartition(":")
-    if not sep or not token or verdict not in ("a", "d"):
-        return None
-    return token, verdict == "a"
-
-
-def with_outcome(text: str, outcome: str, limit: int) -> str:
-    """`text`, a blank line and `outcome`, the question shortened (with "…") when the
-    whole would be over Discord's `limit` characters."""
-    full = f"{text}\n\n{outcome}"
-    if len(full) <= limit:
-        return full
-    tail = f"…\n\n{outcome}"
-    return text[: max(limit - len(tail), 0)].rstrip() + tail

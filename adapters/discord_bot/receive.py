@@ -22,13 +22,11 @@ from adapters.discord_bot.client import (
     INTENT_HINT,
     NO_PINGS,
     PORTAL_URL,
-    REFUSALS,
     log,
-    parse_confirm_custom_id,
 )
 from adapters.discord_bot.commands import SlashCommands
 from core.backoff import Backoff
-from core.messages import ConfirmVerdict, InboundMessage
+from core.messages import CONFIRM_REFUSALS, ConfirmVerdict, InboundMessage, parse_confirm_payload
 
 # How long a press waits for the gateway's verdict (the press is acknowledged first, so
 # Discord's 3 s limit does not apply; a followup is possible for 15 minutes).
@@ -357,7 +355,7 @@ class Receiving(SlashCommands):
         if interaction.type is not discord.InteractionType.component:
             return
         data: Any = interaction.data or {}
-        parsed = parse_confirm_custom_id(data.get("custom_id"))
+        parsed = parse_confirm_payload(data.get("custom_id"))
         if parsed is None:
             return
         token, allow = parsed
@@ -372,7 +370,7 @@ class Receiving(SlashCommands):
         if verdict is None or verdict == "ok" or not acknowledged:
             return
         try:
-            await interaction.followup.send(REFUSALS[verdict], ephemeral=True, allowed_mentions=NO_PINGS)
+            await interaction.followup.send(CONFIRM_REFUSALS[verdict], ephemeral=True, allowed_mentions=NO_PINGS)
         except (TimeoutError, discord.HTTPException, aiohttp.ClientError, OSError) as exc:
             log.warning("discord: could not tell a presser why a press was refused (%s)", type(exc).__name__)
 

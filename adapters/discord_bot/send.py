@@ -12,7 +12,7 @@ import asyncio
 import aiohttp
 import discord
 
-from adapters.discord_bot.client import CUSTOM_ID_MAX_CHARS, NO_PINGS, confirm_custom_id, log, with_outcome
+from adapters.discord_bot.client import CUSTOM_ID_MAX_CHARS, NO_PINGS, log
 from adapters.discord_bot.state import DiscordState, _PendingInteraction
 from core.messages import (
     Attachment,
@@ -21,6 +21,8 @@ from core.messages import (
     DownloadError,
     OutboundMessage,
     SentMessage,
+    confirm_payload,
+    with_outcome,
 )
 
 
@@ -169,7 +171,7 @@ class Sending(DiscordState):
         client = self._client
         if client is None or client.is_closed():
             raise RuntimeError("discord adapter is not running")
-        allow, deny = confirm_custom_id(request.token, True), confirm_custom_id(request.token, False)
+        allow, deny = confirm_payload(request.token, True), confirm_payload(request.token, False)
         if max(len(allow), len(deny)) > CUSTOM_ID_MAX_CHARS:
             log.error("discord: a confirmation token is too long for a button's custom_id; not asked")
             return None

@@ -9,7 +9,6 @@ import datetime as dtm
 import logging
 import re
 import warnings
-from collections.abc import Callable
 from typing import cast
 
 from telegram import Bot
@@ -139,42 +138,5 @@ async def _shutdown_bot(bot: Bot, polling: HTTPXRequest) -> None:
 
 # --------------------------------------------------------------------------- confirmation buttons
 
-#: the payload of a confirmation button: `hgc:<token>:a` (allow) or `hgc:<token>:d` (deny)
-CONFIRM_PREFIX = "hgc:"
 #: Telegram's limit for an inline button's callback_data, in bytes
 CALLBACK_DATA_MAX_BYTES = 64
-#: what a press gets told, by verdict (an empty text: the query is answered silently)
-PRESS_ANSWERS: dict[str, tuple[str, bool]] = {
-    "not_yours": ("Only the person who asked can answer this.", True),
-    "expired": ("This question has expired.", True),
-}
-
-
-def confirm_data(token: str, allow: bool) -> str:
-    """The callback_data of the Allow (`allow=True`) or Deny button of question `token`."""
-    return f"{CONFIRM_PREFIX}{token}:{'a' if allow else 'd'}"
-
-
-def parse_confirm_data(data: object) -> tuple[str, bool] | None:
-    """(token, allow) of one of our buttons' payloads; None for anything else (another
-    bot feature's button, a malformed payload)."""
-    if not isinstance(data, str) or not data.startswith(CONFIRM_PREFIX):
-        return None
-    token, sep, verdict = data[len(CONFIRM_PREFIX) :].rpartition(":")
-    if not sep or not token or verdict not in ("a", "d"):
-        return None
-    return token, verdict == "a"
-
-
-def with_outcome(text: str, outcome: str, limit: int, measure: Callable[[str], int]) -> str:
-    """`text`, a blank line and `outcome`, the question shortened (with "…") when the
-    whole would be over the platform's `limit` (in `measure`'s unit)."""
-    full = f"{text}\n\n{outcome}"
-    if measure(full) <= limit:
-        return full
-    tail = f"…\n\n{outcome}"
-    room = max(limit - measure(tail), 0)
-    cut = text[:room]
-    while (excess := measure(cut) - room) > 0:  # each char is at least one unit
-        cut = cut[:-excess]
-    return cut.rstrip() + tail

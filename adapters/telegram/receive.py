@@ -14,10 +14,10 @@ from typing import Any
 
 from telegram.error import BadRequest, Conflict, EndPointNotFound, InvalidToken, RetryAfter, TelegramError
 
-from adapters.telegram.client import PRESS_ANSWERS, _retry_after_seconds, log, parse_confirm_data
+from adapters.telegram.client import _retry_after_seconds, log
 from adapters.telegram.normalise import Normalising
 from core.backoff import Backoff
-from core.messages import ConfirmVerdict
+from core.messages import CONFIRM_REFUSALS, ConfirmVerdict, parse_confirm_payload
 
 # How long a press waits for the gateway's answer: Telegram's client shows a spinner until
 # the callback query is answered, and refuses answers to a query older than ~15 s.
@@ -236,7 +236,7 @@ class Receiving(Normalising):
             return
         sender = query.get("from")
         user_id = sender.get("id") if isinstance(sender, dict) else None
-        parsed = parse_confirm_data(query.get("data"))
+        parsed = parse_confirm_payload(query.get("data"))
         text, alert = "", False
         if parsed is not None and isinstance(user_id, int):
             token, allow = parsed
@@ -244,7 +244,7 @@ class Receiving(Normalising):
             if verdict == "ok":
                 text = "Allowed." if allow else "Denied."
             elif verdict is not None:
-                text, alert = PRESS_ANSWERS[verdict]
+                text, alert = CONFIRM_REFUSALS[verdict], True
         try:
             await self.bot.answer_callback_query(query_id, text=text or None, show_alert=alert)
         except Exception as exc:  # e.g. the query is too old: the press itself was handled

@@ -18,9 +18,7 @@ from telegram.error import BadRequest, ChatMigrated, Forbidden, NetworkError, Re
 from adapters.telegram.client import (
     CALLBACK_DATA_MAX_BYTES,
     _retry_after_seconds,
-    confirm_data,
     log,
-    with_outcome,
 )
 from adapters.telegram.format import markdown_to_telegram_html
 from adapters.telegram.state import TelegramState
@@ -31,6 +29,8 @@ from core.messages import (
     DownloadError,
     OutboundMessage,
     SentMessage,
+    confirm_payload,
+    with_outcome,
 )
 from core.text import split_text, utf16_len
 
@@ -229,7 +229,7 @@ class Sending(TelegramState):
         the chat refuses it for good, `DeliveryDeferred` when it may work later."""
         if request.chat_id in self._forbidden:
             return None
-        allow, deny = confirm_data(request.token, True), confirm_data(request.token, False)
+        allow, deny = confirm_payload(request.token, True), confirm_payload(request.token, False)
         if max(len(allow.encode()), len(deny.encode())) > CALLBACK_DATA_MAX_BYTES:
             # Telegram would refuse the buttons (BUTTON_DATA_INVALID): the call is denied
             log.error("telegram: a confirmation token is too long for a button's callback_data; not asked")

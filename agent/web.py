@@ -39,6 +39,7 @@ __all__ = [
     "WebPolicy",
     "WebRefused",
     "WebToolError",
+    "tool_json",
     "web_fetch_call",
 ]
 
@@ -465,7 +466,8 @@ def _host_of(raw: str) -> str:
         return "?"
 
 
-def _json(payload: dict[str, Any]) -> str:
+def tool_json(payload: dict[str, Any]) -> str:
+    """A tool result for the model: JSON, non-ASCII kept as it is."""
     return json.dumps(payload, ensure_ascii=False)
 
 
@@ -473,16 +475,16 @@ async def web_fetch_call(fetcher: WebFetcher, args: dict[str, Any]) -> str:
     """Run one web_fetch tool call: the JSON result for the model; never raises."""
     url = args.get("url")
     if not isinstance(url, str) or not url.strip():
-        return _json({"success": False, "error": "url must be a non-empty string"})
+        return tool_json({"success": False, "error": "url must be a non-empty string"})
     try:
         page = await fetcher.fetch(url)
     except WebToolError as err:
-        return _json({"success": False, "error": str(err)})
+        return tool_json({"success": False, "error": str(err)})
     except Exception as err:
         # the message may quote the URL (and its query string): the host and the type only
         log.warning("web_fetch of %s failed unexpectedly (%s)", _host_of(url), type(err).__name__)
         log.debug("web_fetch failure", exc_info=True)
-        return _json({"success": False, "error": "the page could not be fetched (an internal error)"})
-    return _json(
+        return tool_json({"success": False, "error": "the page could not be fetched (an internal error)"})
+    return tool_json(
         {"success": True, "url": page.url, "title": page.title, "content": page.text, "truncated": page.truncated}
     )

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import aiohttp
 from yarl import URL
 
-from agent.web import WebError
+from agent.web import WebError, tool_json
 
 __all__ = ["WEB_SEARCH_TOOL", "SearchHit", "SearchSettings", "WebSearch", "web_search_call"]
 
@@ -192,25 +192,21 @@ def _plain(value: object) -> str:
     return " ".join(html.unescape(re.sub(r"<[^>]{0,200}>", "", value)).split())
 
 
-def _json(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, ensure_ascii=False)
-
-
 async def web_search_call(search: WebSearch, args: dict[str, Any]) -> str:
     """Run one web_search tool call: the JSON result for the model; never raises."""
     query = args.get("query")
     if not isinstance(query, str) or not query.strip():
-        return _json({"success": False, "error": "query must be a non-empty string"})
+        return tool_json({"success": False, "error": "query must be a non-empty string"})
     limit = args.get("limit")
     if not isinstance(limit, int) or isinstance(limit, bool):
         limit = None
     try:
         hits = await search.search(query.strip(), limit)
     except WebError as err:
-        return _json({"success": False, "error": str(err)})
+        return tool_json({"success": False, "error": str(err)})
     except Exception as err:
         log.warning("web_search failed unexpectedly (%s)", type(err).__name__)
         log.debug("web_search failure", exc_info=True)
-        return _json({"success": False, "error": "the search failed (an internal error)"})
+        return tool_json({"success": False, "error": "the search failed (an internal error)"})
     results = [{"title": h.title, "url": h.url, "snippet": h.snippet} for h in hits]
-    return _json({"success": True, "results": results})
+    return tool_json({"success": True, "results": results})

@@ -7,6 +7,8 @@ anything about tenants or sessions (docs/development.md#layers).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -193,6 +195,27 @@ def parse_confirm_payload(data: object) -> tuple[str, bool] | None:
     if not sep or not token or verdict not in ("a", "d"):
         return None
     return token, verdict == "a"
+
+
+async def press_verdict(
+    answerer: ConfirmAnswerer | None, token: str, user_id: str, allow: bool, *, timeout_s: float, log: logging.Logger
+) -> ConfirmVerdict | None:
+    """The gateway's verdict on a button press ("expired" while no answerer is set); None
+    when the answerer failed, took over `timeout_s` or answered nonsense (logged): the
+    adapter then answers the press without a text, and its receive loop goes on."""
+    if answerer is None:
+        return "expired"
+    try:
+        verdict = await asyncio.wait_for(answerer(token, user_id, allow), timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("the gateway could not take a button press")
+        return None
+    if verdict not in ("ok", "not_yours", "expired"):
+        log.warning("the gateway answered a button press with %r; ignored", verdict)
+        return None
+    return verdict
 
 
 def with_outcome(text: str, outcome: str, limit: int, measure: Callable[[str], int] = len) -> str:

@@ -26,7 +26,7 @@ from adapters.discord_bot.client import (
 )
 from adapters.discord_bot.commands import SlashCommands
 from core.backoff import Backoff
-from core.messages import CONFIRM_REFUSALS, ConfirmVerdict, InboundMessage, parse_confirm_payload
+from core.messages import CONFIRM_REFUSALS, ConfirmVerdict, InboundMessage, parse_confirm_payload, press_verdict
 
 # How long a press waits for the gateway's verdict (the press is acknowledged first, so
 # Discord's 3 s limit does not apply; a followup is possible for 15 minutes).
@@ -375,18 +375,4 @@ class Receiving(SlashCommands):
             log.warning("discord: could not tell a presser why a press was refused (%s)", type(exc).__name__)
 
     async def _verdict(self, token: str, user_id: str, allow: bool) -> ConfirmVerdict | None:
-        """The gateway's verdict on a press ("expired" while no answerer is set); None when
-        the answerer failed, timed out or answered nonsense (logged)."""
-        if self.answerer is None:
-            return "expired"
-        try:
-            verdict = await asyncio.wait_for(self.answerer(token, user_id, allow), _PRESS_ANSWER_TIMEOUT_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("discord: the gateway could not take a button press")
-            return None
-        if verdict not in ("ok", "not_yours", "expired"):
-            log.warning("discord: the gateway answered a button press with %r; ignored", verdict)
-            return None
-        return verdict
+        return await press_verdict(self.answerer, token, user_id, allow, timeout_s=_PRESS_ANSWER_TIMEOUT_S, log=log)

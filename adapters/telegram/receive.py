@@ -17,7 +17,7 @@ from telegram.error import BadRequest, Conflict, EndPointNotFound, InvalidToken,
 from adapters.telegram.client import _retry_after_seconds, log
 from adapters.telegram.normalise import Normalising
 from core.backoff import Backoff
-from core.messages import CONFIRM_REFUSALS, ConfirmVerdict, parse_confirm_payload
+from core.messages import CONFIRM_REFUSALS, ConfirmVerdict, parse_confirm_payload, press_verdict
 
 # How long a press waits for the gateway's answer: Telegram's client shows a spinner until
 # the callback query is answered, and refuses answers to a query older than ~15 s.
@@ -251,21 +251,7 @@ class Receiving(Normalising):
             log.warning("telegram: answerCallbackQuery failed (%s)", type(exc).__name__)
 
     async def _verdict(self, token: str, user_id: str, allow: bool) -> ConfirmVerdict | None:
-        """The gateway's verdict on a press ("expired" while no answerer is set); None when
-        the answerer failed, timed out or answered nonsense (logged)."""
-        if self.answerer is None:
-            return "expired"
-        try:
-            verdict = await asyncio.wait_for(self.answerer(token, user_id, allow), _PRESS_ANSWER_TIMEOUT_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("telegram: the gateway could not take a button press")
-            return None
-        if verdict not in ("ok", "not_yours", "expired"):
-            log.warning("telegram: the gateway answered a button press with %r; ignored", verdict)
-            return None
-        return verdict
+        return await press_verdict(self.answerer, token, user_id, allow, timeout_s=_PRESS_ANSWER_TIMEOUT_S, log=log)
 
     async def _overhear(self, raw: dict[str, Any]) -> None:
         """Show the text of a group message dropped unanswered (no mention, an edit, another

@@ -21,6 +21,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.fakes.serve import serve_on_loopback
+
 
 class FakeTranscription:
     def __init__(self, *, api_key: str | None = None) -> None:
@@ -42,11 +44,7 @@ class FakeTranscription:
     async def start(self) -> FakeTranscription:
         app = web.Application(client_max_size=50 * 1024 * 1024)
         app.router.add_post("/v1/audio/transcriptions", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve_on_loopback(app)
         return self
 
     async def stop(self) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.fakes.serve import serve_on_loopback
 from tests.media_files import pdf, png
 
 PAGE_HTML = """<!doctype html>
@@ -84,11 +85,7 @@ class PageServer:
         }
         for path, handler in routes.items():
             app.router.add_get(path, handler)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve_on_loopback(app)
         return self
 
     async def stop(self) -> None:
@@ -234,11 +231,7 @@ class FakeSearchAPI:
         app.router.add_get("/search", self._searxng)
         app.router.add_post("/search", self._tavily)
         app.router.add_get("/res/v1/web/search", self._brave)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve_on_loopback(app)
         return self
 
     async def stop(self) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from agent.providers import NO_ACCESS, ProviderAccess
 
@@ -54,6 +54,8 @@ class TurnContext:
     reserved: Reservation | None = None  # the next call's reservation, made in the turn's first write
     speaker: Speaker | None = None  # who the tools serve (agent/toolkit.py); None: from the place
     confirm: ConfirmGate | None = None  # asks the person to allow a `confirm` tool's call
+    # the tool calls run since the last answer was stored (agent/provenance.py `tool_run`)
+    runs: list[dict[str, Any]] = field(default_factory=list)
 
 
 __all__ = ["Notify", "OnText", "TurnContext"]

@@ -99,6 +99,9 @@ class MemorySnapshot:
     memory: tuple[str, ...] = ()
     user: tuple[str, ...] = ()
     keys: frozenset[str] = frozenset()  # visibility.entry_key of every entry included
+    # the same keys per store, in file order (an answer's provenance names entries by them)
+    memory_keys: tuple[str, ...] = ()
+    user_keys: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -182,9 +185,14 @@ class MemoryStore:
     async def load_snapshot(self) -> MemorySnapshot:
         """Frozen, threat-scanned copy of both stores (the entries this scope sees)."""
         mem, user = await asyncio.to_thread(lambda: (self._visible("memory"), self._visible("user")))
-        keys = frozenset(visibility.entry_key(t, e) for t, es in (("memory", mem), ("user", user)) for e in es)
+        memory_keys = tuple(visibility.entry_key("memory", e) for e in mem)
+        user_keys = tuple(visibility.entry_key("user", e) for e in user)
         return MemorySnapshot(
-            memory=tuple(_withheld(e) for e in mem), user=tuple(_withheld(e) for e in user), keys=keys
+            memory=tuple(_withheld(e) for e in mem),
+            user=tuple(_withheld(e) for e in user),
+            keys=frozenset(memory_keys + user_keys),
+            memory_keys=memory_keys,
+            user_keys=user_keys,
         )
 
     async def entries(self, target: str) -> list[str]:

@@ -22,6 +22,9 @@ FILE = "persona.json"
 #: the most a person's own instructions may hold (they ride in every prompt of their DMs)
 CUSTOM_MAX_CHARS = 2000
 log = logging.getLogger("hermes.agent")
+#: who chose the persona a prompt gets (the first item of `lane_persona`)
+BY_PERSON = "the person you are talking with"
+BY_OPERATOR = "the operator"
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def lane_persona(choice: PersonaChoice, offered: Mapping[str, str], *, private: 
     `private` is true only in a person's own DM: their own text is used there and nowhere
     else; elsewhere only an operator persona the config still offers applies."""
     if private and choice.custom is not None:
-        return ("the person you are talking with", choice.custom)
+        return (BY_PERSON, choice.custom)
     if choice.name is not None and choice.name in offered:
-        return ("the operator", offered[choice.name])
+        return (BY_OPERATOR, offered[choice.name])
     return None

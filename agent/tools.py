@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from agent.memory import MemoryStore
 from agent.memory_approval import PendingWrites
@@ -20,6 +20,10 @@ from agent.skills import SKILL_ACTIONS, SkillStore
 from agent.toolkit import DEFAULT_SERVICES, ConfirmGate, Speaker, ToolServices, failed, permits, question, refusal
 
 log = logging.getLogger("hermes.agent")
+
+#: what became of one tool call: it worked, it failed, it was refused (not allowed here,
+#: unknown, bad arguments) or the person did not allow it
+Outcome = Literal["ok", "error", "refused", "denied"]
 
 MEMORY_TOOL: dict[str, Any] = {
     "type": "function",
@@ -168,38 +172,44 @@ class ToolBox:
 
     async def call(self, name: str, arguments: str | dict | None) -> str:
         """Run one tool call; never raises, always returns the JSON result string."""
+        return (await self.run(name, arguments))[0]
+
+    async def run(self, name: str, arguments: str | dict | None) -> tuple[str, Outcome]:
+        """Run one tool call: (the JSON result string, its outcome), the outcome as /metrics
+        counts it; never raises."""
         try:
             args = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else (arguments or {})
         except json.JSONDecodeError:
-            return _refused("arguments were not valid JSON")
+            return _refused("arguments were not valid JSON"), "refused"
         if not isinstance(args, dict):
-            return _refused("arguments must be a JSON object")
+            return _refused("arguments must be a JSON object"), "refused"
         if self.only is not None and name not in self.only:
-            return _refused(f"only {', '.join(sorted(self.only))} can be used here")
+            return _refused(f"only {', '.join(sorted(self.only))} can be used here"), "refused"
         mcp = await self._mcp_tools()
         known = name in mcp or name in self.services.web or name in ("skill_manage", "memory", "session_search")
         known = known or (name == "reminders" and self.reminders is not None)
         if not known:
-            return _refused(f"unknown tool {name!r}")
+            return _refused(f"unknown tool {name!r}"), "refused"
         allow, confirm = self._rule(name)
         if not permits(allow, self.speaker):  # offered only where allowed; a call made anyway is refused
             self.services.count(name, "refused")
-            return _refused(refusal(name, allow))
+            return _refused(refusal(name, allow)), "refused"
         if confirm:
             why = "nobody can be asked to allow it here" if self.confirm is None else None
             if self.confirm is not None:
                 why = await self.confirm(name, question(self.agent_name, name, args))
             if why is not None:
                 self.services.count(name, "denied")
-                return _refused(f"the person did not allow this call ({why}); do not retry it unasked")
+                return _refused(f"the person did not allow this call ({why}); do not retry it unasked"), "denied"
         if name in mcp:
             out = await self.services.mcp.call(self.tenant, name, args)  # type: ignore[union-attr]
         elif name in self.services.web:
             out = await self.services.web[name].call(args)
         else:
             out = await self._builtin(name, args)
-        self.services.count(name, "error" if failed(out) else "ok")
-        return out
+        outcome: Outcome = "error" if failed(out) else "ok"
+        self.services.count(name, outcome)
+        return out, outcome
 
     async def _builtin(self, name: str, args: dict[str, Any]) -> str:
         if name == "skill_manage":

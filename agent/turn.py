@@ -19,9 +19,10 @@ from agent.media import inline_images
 from agent.memory import MemoryStore
 from agent.messages import StoredMessage
 from agent.metering import BudgetExceeded, Meter, StoreLedger, estimate_stored_tokens
-from agent.persona import lane_persona
+from agent.persona import BY_PERSON, lane_persona
 from agent.profile import Profile
 from agent.prompt import ChatPlace, build_system_prompt
+from agent.provenance import prompt_sources, record, tool_run
 from agent.providers import ProviderAccess, provider_access
 from agent.reminders import ReminderChat, ReminderStore, ReminderTool
 from agent.review import Reviewer, ReviewState
@@ -229,10 +230,15 @@ class Agent:
                 memory=snapshot.memory if mem.memory_enabled else (),
                 user=snapshot.user if mem.user_profile_enabled else (),
                 keys=snapshot.keys,
+                memory_keys=snapshot.memory_keys if mem.memory_enabled else (),
+                user_keys=snapshot.user_keys if mem.user_profile_enabled else (),
             )
         skill_index = None
+        listed: list[str] = []
         if skills is not None:
-            skill_index = render_skill_index(await skills.index(shared_only=place.chat_type != "dm"))
+            infos = await skills.index(shared_only=place.chat_type != "dm")
+            skill_index = render_skill_index(infos)
+            listed = [s.name for s in infos]
         text = build_system_prompt(
             agent_name=self.settings.agent_name,
             place=place,
@@ -248,7 +254,11 @@ class Agent:
             "rule": self._prompt_rule(place, memory, persona),
             "keys": sorted(snapshot.keys) if snapshot is not None else [],
         }
-        msg = StoredMessage(session_id=session_id, role="system", content=text, meta={"memory_stamp": stamp})
+        # what the prompt holds, as references: every answer's provenance starts from them
+        sources = prompt_sources(snapshot, listed, persona, own_persona=persona is not None and persona[0] == BY_PERSON)
+        msg = StoredMessage(
+            session_id=session_id, role="system", content=text, meta={"memory_stamp": stamp, "sources": sources}
+        )
         self.tokens.count_message(msg)
         return msg
 
@@ -573,7 +583,8 @@ class Agent:
                 assistant.content = text
                 if result.cut:  # kept as written, flagged; the person is told it was cut
                     assistant.meta["cut"] = True
-                await store.append(assistant)  # the turn's last write
+                assistant.meta["provenance"] = self._provenance(ctx, history)
+                await store.append(assistant)  # the turn's last write: the provenance rides in it
                 history.append(assistant)
                 if result.cut:
                     return f"{text}\n\n{cut_notice(self.settings.llm.answer_timeout_s)}"
@@ -583,7 +594,8 @@ class Agent:
             for call in assistant.tool_calls:
                 fn = call.get("function", {})
                 name, args = fn.get("name", ""), fn.get("arguments")
-                out = await toolbox.call(name, args)
+                out, outcome = await toolbox.run(name, args)
+                ctx.runs.append(tool_run(name, outcome, out))
                 if name == "memory" and ctx.profile.provider is not None:
                     await self._provider_memory_write(ctx, args, out)
                 tool_msg = StoredMessage(
@@ -595,6 +607,13 @@ class Agent:
             history.extend(outputs)
             ctx.partial = ""
         return "(no answer)"  # unreachable: the last iteration offers no tools
+
+    def _provenance(self, ctx: TurnContext, history: list[StoredMessage]) -> dict[str, Any]:
+        """What went into the answer about to be stored (references only; it rides in the
+        answer's own write, docs/concepts.md#why-an-answer-said-what-it-said); the tool runs
+        recorded so far belong to it, the next answer of the turn starts afresh."""
+        runs, ctx.runs = ctx.runs, []
+        return record(history, runs, scope=lane_scope(ctx.lane.kind, ctx.lane.private), recalled=bool(ctx.recall))
 
     async def _keep_partial(self, ctx: TurnContext, history: list[StoredMessage]) -> str:
         """The turn was stopped: store what the model had written so far (flagged
@@ -608,7 +627,7 @@ class Agent:
             role="assistant",
             content=text or STOPPED_MARKER,
             finish_reason="interrupted",
-            meta={"interrupted": True},
+            meta={"interrupted": True, "provenance": self._provenance(ctx, history)},
         )
         self.tokens.count_message(msg)
         await ctx.profile.sessions.append(msg)  # the turn's last write

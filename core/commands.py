@@ -36,6 +36,7 @@ COMMAND_SPECS: tuple[CommandSpec, ...] = (
     CommandSpec("model", "Which model answers you: list, or choose one (NAME, default)", takes_args=True),
     CommandSpec("persona", "How I answer: a persona (NAME, off, or custom TEXT in private)", takes_args=True),
     CommandSpec("tools", "The tools I can use for you here", ephemeral=True),
+    CommandSpec("why", "What went into my last reply (or N replies back)", takes_args=True, ephemeral=True),
     CommandSpec("undo", "Take back your last message and my answer"),
     CommandSpec("more", "The next part of my last answer, when it was too long for one reply"),
     CommandSpec("export", "Get a copy of your conversations and memory"),

@@ -18,6 +18,8 @@ from agent.memory_approval import PendingWrites
 from agent.model_choice import ModelChoice
 from agent.persona import NONE, PersonaChoice, custom_problem
 from agent.prompt import ChatPlace
+from agent.provenance import Asker, explain
+from agent.provenance import Place as WhyPlace
 from agent.toolkit import Speaker
 from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks, Visibility
 from core.commands import COMMAND_SPECS, CommandSpec, find_command
@@ -473,6 +475,22 @@ async def _provider_mark(ctx: CommandContext, target: str, entry: str, value: Vi
         logging.getLogger("hermes.commands").exception("memory provider on_memory_write failed")
 
 
+async def cmd_why(ctx: CommandContext) -> str:
+    """/why [N]: which stored things went into this lane's last reply (N: the Nth back), as
+    far as the asker may see them here (docs/concepts.md#why-an-answer-said-what-it-said)."""
+    arg = ctx.args.strip().lstrip("#")
+    if arg and (not arg.isdigit() or int(arg) < 1):
+        return "Usage: /why for my last reply here, /why 2 for the one before it, and so on."
+    session_id = await ctx.profile.sessions.route(ctx.lane.session_key)
+    history = await ctx.profile.sessions.history(session_id) if session_id else []
+    if ctx.lane.kind == "chat":
+        place: WhyPlace = "shared"
+    else:
+        place = "private" if ctx.lane.private else "member"
+    asker = Asker(principal=ctx.msg.principal, place=place, session_key=ctx.lane.session_key)
+    return await explain(history, int(arg or 1), asker, ctx.profile.path, ctx.profile.sessions)
+
+
 async def cmd_undo(ctx: CommandContext) -> str:
     session_id = await ctx.profile.sessions.route(ctx.lane.session_key)
     count = await ctx.profile.sessions.undo_last_turn(session_id) if session_id else 0
@@ -724,6 +742,7 @@ HANDLERS: dict[str, Handler] = {
     "memory": cmd_memory,
     "forget": cmd_forget,
     "undo": cmd_undo,
+    "why": cmd_why,
     "more": cmd_more,
     "export": cmd_export,
     "whoami": cmd_whoami,

@@ -17,10 +17,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiosqlite
 
 from agent.messages import StoredMessage
+from agent.provenance import reminder_record
 from agent.reminders import Reminder, ReminderStore
 from core.messages import InboundMessage
 from tenancy.keys import chat_tenant_id, tenant_dir
@@ -94,9 +96,11 @@ def delivered_uid(msg: InboundMessage) -> str:
 
 def delivered_message(session_id: str, msg: InboundMessage, text: str) -> StoredMessage:
     """The reminder as the lane's history keeps it (its uid makes a replay store it once)."""
-    return StoredMessage(
-        session_id=session_id, role="assistant", content=text, uid=delivered_uid(msg), meta={"reminder": msg.message_id}
-    )
+    meta: dict[str, Any] = {"reminder": msg.message_id}
+    number = msg.message_id.removeprefix(PREFIX).split(":")[1:2]  # reminder:<owner>:<id>:<due>
+    if number and number[0].isdigit():  # what /why says of it (docs/concepts.md#why-an-answer-said-what-it-said)
+        meta["provenance"] = reminder_record(int(number[0]), msg.timestamp)
+    return StoredMessage(session_id=session_id, role="assistant", content=text, uid=delivered_uid(msg), meta=meta)
 
 
 class ReminderScheduler:

@@ -414,7 +414,7 @@ async def test_personal_commands_are_answered_ephemerally_in_servers_only(h):
     adapter = await h.start()
     w, fake = h.world, h.fake
     await fake.wait_until(lambda: adapter.commands_synced)
-    assert {"whoami", "status", "memory", "usage", "tools"} == EPHEMERAL_IN_SERVERS
+    assert {"whoami", "status", "memory", "usage", "tools", "why"} == EPHEMERAL_IN_SERVERS
     for n, name in enumerate(sorted(EPHEMERAL_IN_SERVERS)):
         inter = fake.push_interaction(name, user_id=w.alice, channel_id=w.general)
         msg = (await h.wait_for(n + 1))[-1]

@@ -33,7 +33,7 @@ from gateway.kv import KeyValue, SqliteKV
 from gateway.linking import Linking, MergeGuard
 from gateway.media import MediaIntake
 from gateway.metrics import ClusterMetrics, InstrumentedLLM, Metrics
-from gateway.modes import Fencing, OpenQuestions, SharedInbox
+from gateway.modes import Fencing, OpenQuestions, SharedInbox, StopSignals
 from gateway.outbox import Deliverer, Outbox
 from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
@@ -61,6 +61,8 @@ class ModeParts:
     links_refresh: Callable[[], Awaitable[object]] | None = None
     merge_guard: MergeGuard | None = None
     shared: SharedInbox | None = None
+    #: cluster mode: a /stop reaches the node that runs the lane's turn
+    stop_signals: StopSignals | None = None
     #: where tool-call confirmations wait for a press (this process, or PostgreSQL in a cluster)
     questions: OpenQuestions = field(default_factory=LocalQuestions)
     fencing: Fencing | None = None
@@ -211,6 +213,7 @@ def build_parts(
         background,
         links_refresh=mode.links_refresh,
         shared=mode.shared,
+        stop_signals=mode.stop_signals,
     )
     return Parts(
         cfg=cfg,

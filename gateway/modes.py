@@ -3,6 +3,7 @@ implements them (gateway/cluster/build.py builds the parts), and no module outsi
 imports gateway.cluster or psycopg (docs/development.md#layers).
 
 - `SharedInbox`: the ingress commits a message to the shared inbox instead of gateway.db.
+- `StopSignals`: a `/stop` whose lane's turn runs on another node reaches that node.
 - `OpenQuestions`: where tool-call confirmations wait for a press (this process on one
   node, gateway/confirmations.py; PostgreSQL in a cluster, so a press on any node counts).
 - `Fencing`: the lane worker tells a turn fenced out by a lost lease, and a database that
@@ -23,6 +24,14 @@ class SharedInbox(Protocol):
     async def record(self, msg: InboundMessage, lane: Lane | None) -> bool:
         """Commit `msg` on `lane` (None: it cannot be placed; whichever node runs it refuses
         it) once per platform message id, and wake the claim workers; False: known already."""
+        ...
+
+
+class StopSignals(Protocol):
+    async def publish(self, lane_key: str, uid: str) -> None:
+        """Tell every node: stop the turn of `lane_key` if it runs there, and remember that the
+        /stop message `uid` did (docs/cluster.md#stop-and-confirmations-across-nodes). Never
+        raises: a signal that is lost leaves the /stop to be answered when its lane runs it."""
         ...
 
 

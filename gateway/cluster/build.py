@@ -1,11 +1,11 @@
 """The cluster-mode factory: a gateway whose inbox, outbox, small shared state and identity
-links are in PostgreSQL, whose profiles open only under their tenant lease, and whose lanes
-are claimed and run by claim workers (docs/cluster.md).
+links are in PostgreSQL, whose profiles open only under their tenant lease, whose lanes are
+claimed and run by claim workers, and whose nodes signal each other a /stop (docs/cluster.md).
 
 Every part is built here before the runtime exists; what needs the database at start is
 started by the runtime, in order, through `ClusterParts` (gateway/modes.py `ClusterNode`):
-run lock, node start, shared state import and refresh, replay, observability, adapters,
-ingress election, claims.
+run lock, node start, signal listener, shared state import and refresh, replay,
+observability, adapters, ingress election, claims.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressE
 from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
 from gateway.cluster.node import ClusterNode, HeldLease, NodePool, ProfileLeases
 from gateway.cluster.runner import ClaimRunner, LeaseFencing, SharedIngress
+from gateway.cluster.signals import NodeSignals, StopPublisher
 from gateway.inbox import Inbox
 from gateway.outbox import Outbox
 from gateway.runtime import GatewayApp, Parts
@@ -63,6 +64,7 @@ class ClusterParts:
         runner: ClaimRunner,
         election: IngressElection | None,
         health: ClusterHealth,
+        signals: NodeSignals,
     ) -> None:
         self.node = node
         self.identity = identity
@@ -70,6 +72,7 @@ class ClusterParts:
         self.runner = runner
         self.election = election  # None when no adapter receives by election
         self._health = health
+        self.signals = signals  # /stop signals from the other nodes
         self._idle_closer: asyncio.Task | None = None
 
     @property
@@ -78,6 +81,7 @@ class ClusterParts:
 
     async def join(self) -> None:
         await self.node.start()  # pool, migrations, registration, heartbeats
+        self.signals.start()  # before any turn runs here: a /stop elsewhere must reach it
         await self.identity.start()  # pairing, link codes and links in PostgreSQL
 
     async def receive(self) -> None:
@@ -101,6 +105,7 @@ class ClusterParts:
             await self.election.stop()
 
     async def leave(self) -> None:
+        await self.signals.stop()
         await self.node.stop()
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
@@ -149,6 +154,7 @@ def build_cluster_gateway(
         links_refresh=identity.refresh,
         merge_guard=identity.merge_guard,
         shared=SharedIngress(pool, claims),
+        stop_signals=StopPublisher(pool),
         fencing=LeaseFencing(node, shared_outbox),
         cluster_metrics=node.metrics,
         ledger_for=lambda profile: PgLedger(pool, profile.tenant_id),  # budgets atomic across nodes
@@ -174,4 +180,5 @@ def build_cluster_gateway(
         else None
     )
     health = ClusterHealth(pool, node.node_id, instance=node.instance)
-    return ClusterGateway(parts, ClusterParts(node, identity, claims, runner, election, health), shared_outbox)
+    signals = NodeSignals(node.dsn, node.node_id, on_stop=parts.ingress.stop_here)
+    return ClusterGateway(parts, ClusterParts(node, identity, claims, runner, election, health, signals), shared_outbox)

@@ -1,6 +1,7 @@
-"""The cluster-mode factory: a gateway whose inbox, outbox, small shared state and identity
-links are in PostgreSQL, whose profiles open only under their tenant lease, whose lanes are
-claimed and run by claim workers, and whose nodes signal each other a /stop (docs/cluster.md).
+"""The cluster-mode factory: a gateway whose inbox, outbox, small shared state, identity
+links and open confirmations are in PostgreSQL, whose profiles open only under their tenant
+lease, whose lanes are claimed and run by claim workers, and whose nodes signal each other
+a /stop or a decided confirmation (docs/cluster.md).
 
 Every part is built here before the runtime exists; what needs the database at start is
 started by the runtime, in order, through `ClusterParts` (gateway/modes.py `ClusterNode`):
@@ -29,6 +30,7 @@ from gateway.cluster.inbox import Claim
 from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressElection, Role, discord_shard
 from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
 from gateway.cluster.node import ClusterNode, HeldLease, NodePool, ProfileLeases
+from gateway.cluster.questions import PgQuestions
 from gateway.cluster.runner import ClaimRunner, LeaseFencing, SharedIngress
 from gateway.cluster.signals import NodeSignals, StopPublisher
 from gateway.inbox import Inbox
@@ -72,7 +74,7 @@ class ClusterParts:
         self.runner = runner
         self.election = election  # None when no adapter receives by election
         self._health = health
-        self.signals = signals  # /stop signals from the other nodes
+        self.signals = signals  # /stop and confirmation signals from the other nodes
         self._idle_closer: asyncio.Task | None = None
 
     @property
@@ -144,6 +146,8 @@ def build_cluster_gateway(
     shared_outbox = ClusterOutbox(node)
     identity = SharedIdentity(cfg, pool, node.node_id, node.ttl)
     claims = ClaimWorkers(node, run_claim, workers=cfg.cluster.max_lanes, poll_s=cfg.cluster.poll_interval_s)
+    # tool-call confirmations a press on any node decides (docs/cluster.md#stop-and-confirmations-across-nodes)
+    questions = PgQuestions(pool, node.node_id, cfg.tools.confirm_timeout_s)
     mode = ModeParts(
         # duck-typed: they implement what the gateway, Access and Linking call in cluster mode
         inbox=cast(Inbox, ClusterInbox(node, shared_outbox)),
@@ -155,6 +159,7 @@ def build_cluster_gateway(
         merge_guard=identity.merge_guard,
         shared=SharedIngress(pool, claims),
         stop_signals=StopPublisher(pool),
+        questions=questions,
         fencing=LeaseFencing(node, shared_outbox),
         cluster_metrics=node.metrics,
         ledger_for=lambda profile: PgLedger(pool, profile.tenant_id),  # budgets atomic across nodes
@@ -180,5 +185,5 @@ def build_cluster_gateway(
         else None
     )
     health = ClusterHealth(pool, node.node_id, instance=node.instance)
-    signals = NodeSignals(node.dsn, node.node_id, on_stop=parts.ingress.stop_here)
+    signals = NodeSignals(node.dsn, node.node_id, on_stop=parts.ingress.stop_here, on_decided=questions.decided)
     return ClusterGateway(parts, ClusterParts(node, identity, claims, runner, election, health, signals), shared_outbox)

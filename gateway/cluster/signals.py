@@ -1,8 +1,8 @@
 """Signals between nodes through LISTEN/NOTIFY (docs/cluster.md#stop-and-confirmations-across-nodes):
-a `/stop` for a lane whose turn runs on another node. One channel per schema, JSON payloads
-with a `kind`; every node listens on a dedicated connection. A signal is a hint that makes
-the answer prompt: a lost one (the listener reconnecting) means the turn runs on, and the
-/stop is answered truthfully when its lane runs it.
+a `/stop` for a lane whose turn runs on another node, and a confirmation decided by a press
+on another node. One channel per schema, JSON payloads with a `kind`; every node listens
+on a dedicated connection. A signal is a hint that makes the answer prompt: a lost one
+(the listener reconnecting) only makes it late or, for a /stop, means the turn runs on.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ KEEPALIVE_S = 30.0  # with no signal for this long the connection is checked wit
 
 OnStop = Callable[[str, str], object]
 """(lane key, the /stop message's input uid): stop the lane's turn if it runs here."""
+OnDecided = Callable[[str], object]
+"""(token): a question this node asked was decided by a press (on any node)."""
 
 
 async def notify(conn: Conn, payload: dict[str, Any]) -> None:
@@ -61,12 +63,13 @@ class NodeSignals:
         node_id: str,
         *,
         on_stop: OnStop,
+        on_decided: OnDecided,
         backoff: Backoff | None = None,
         schema: str | None = None,
     ) -> None:
         self._dsn, self._schema = dsn, schema
         self.node_id = node_id
-        self._on_stop = on_stop
+        self._on_stop, self._on_decided = on_stop, on_decided
         self._backoff = backoff or Backoff(0.5, 10.0, jitter=0.2)
         self._task: asyncio.Task | None = None
         self._listening = asyncio.Event()
@@ -129,6 +132,8 @@ class NodeSignals:
             kind = signal["kind"]
             if kind == "stop":
                 self._on_stop(str(signal["lane"]), str(signal["uid"]))
+            elif kind == "decided" and signal.get("node") == self.node_id:
+                self._on_decided(str(signal["token"]))
         except Exception:  # a malformed or unknown signal (a newer node's) is ignored
             log.warning("ignored a signal this node cannot read", exc_info=True)
 

@@ -451,15 +451,6 @@ class ToolsConfig(_Section):
     web_search: WebSearchConfig = WebSearchConfig()
     mcp: McpConfig = McpConfig()
 
-    def any_confirm(self) -> bool:
-        builtin = (self.memory, self.session_search, self.skill_manage, self.reminders)
-        return (
-            any(r.confirm for r in builtin)
-            or self.web_fetch.confirm
-            or self.web_search.confirm
-            or any(s.confirm or any(t.confirm for t in s.tools.values()) for s in self.mcp.servers.values())
-        )
-
 
 class BudgetLimits(_Section):
     """Caps on one tenant's model use; unset = no cap (docs/configuration.md#budgets)."""
@@ -632,8 +623,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cluster_refuses_node_local_features(self) -> Config:
-        """Reminders and streamed drafts keep state on one node; in cluster mode they are
-        off, and turning one on explicitly is an error rather than a silent no-op."""
+        """Reminders, streamed drafts and progress notices keep state on one node; in cluster
+        mode they are off, and turning one on explicitly is an error rather than a silent no-op."""
         if not self.cluster.enabled:
             return self
         if "enabled" in self.reminders.model_fields_set and self.reminders.enabled:
@@ -645,11 +636,6 @@ class Config(_Section):
             raise ValueError(
                 "delivery.streaming: streamed replies are not available in cluster mode yet "
                 "(cluster.postgres_dsn_env is set); remove the key or set it to off"
-            )
-        if self.tools.any_confirm():
-            raise ValueError(
-                "tools: confirm: a confirmation's buttons may be pressed on another node, which cluster "
-                "mode does not route yet; remove the confirm keys or set them to false"
             )
         if self.compression.progress_notices:
             raise ValueError(

@@ -25,7 +25,7 @@ from core.protocols import Adapter
 from core.settings import AgentSettings, Config
 from gateway.access import Access
 from gateway.commands import CommandParts
-from gateway.confirmations import Confirmations
+from gateway.confirmations import Confirmations, LocalQuestions
 from gateway.inbox import Inbox
 from gateway.ingress import Ingress, Refusals
 from gateway.jobs import Background, RunningTurns
@@ -33,7 +33,7 @@ from gateway.kv import KeyValue, SqliteKV
 from gateway.linking import Linking, MergeGuard
 from gateway.media import MediaIntake
 from gateway.metrics import ClusterMetrics, InstrumentedLLM, Metrics
-from gateway.modes import Fencing, SharedInbox
+from gateway.modes import Fencing, OpenQuestions, SharedInbox, StopSignals
 from gateway.outbox import Deliverer, Outbox
 from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
@@ -61,6 +61,10 @@ class ModeParts:
     links_refresh: Callable[[], Awaitable[object]] | None = None
     merge_guard: MergeGuard | None = None
     shared: SharedInbox | None = None
+    #: cluster mode: a /stop reaches the node that runs the lane's turn
+    stop_signals: StopSignals | None = None
+    #: where tool-call confirmations wait for a press (this process, or PostgreSQL in a cluster)
+    questions: OpenQuestions = field(default_factory=LocalQuestions)
     fencing: Fencing | None = None
     cluster_metrics: ClusterMetrics | None = None
     #: where a tenant's budget counts live (None: its profile's state.db)
@@ -173,7 +177,7 @@ def build_parts(
     reviews = Reviews(cfg.memory, agents, linking, deliverer, background)
     refusals = Refusals(cfg, by_platform, inbox, access, metrics, replies, background, shared=mode.shared is not None)
     commands = CommandParts(cfg, access, agent, agents, inbox, links, linking, reminders)
-    confirmations = Confirmations(by_platform, cfg.tools.confirm_timeout_s)
+    confirmations = Confirmations(by_platform, cfg.tools.confirm_timeout_s, mode.questions)
     turns = Turns(
         cfg,
         by_platform,
@@ -209,6 +213,7 @@ def build_parts(
         background,
         links_refresh=mode.links_refresh,
         shared=mode.shared,
+        stop_signals=mode.stop_signals,
     )
     return Parts(
         cfg=cfg,

@@ -20,7 +20,7 @@ from gateway.lanes import Lanes
 from gateway.limits import RateLimiter
 from gateway.linking import Linking
 from gateway.metrics import Metrics
-from gateway.modes import SharedInbox
+from gateway.modes import SharedInbox, StopSignals
 from gateway.reminders import is_reminder
 from gateway.replies import Replies
 from tenancy.identity import IdentityLinks
@@ -155,6 +155,7 @@ class Ingress:
         *,
         links_refresh: Callable[[], Awaitable[object]] | None = None,
         shared: SharedInbox | None = None,
+        stop_signals: StopSignals | None = None,
     ) -> None:
         self.cfg = cfg
         self.inbox = inbox
@@ -170,9 +171,11 @@ class Ingress:
         # cluster mode: brings `links` up to date with links other nodes made, before routing
         self.links_refresh = links_refresh
         self.shared = shared  # cluster mode: messages go to the shared inbox, claim workers run them
+        self.stop_signals = stop_signals  # cluster mode: a /stop reaches the node running the turn
         self.limiter = RateLimiter(cfg.limits.rate_limit_per_minute)
         self.accepting = False  # the runtime opens and closes the doors (start, stop)
-        self._stopped_here: set[str] = set()  # cluster mode: /stop messages that stopped a turn at ingress
+        # cluster mode: /stop messages that stopped a turn on arrival (here, or signalled by another node)
+        self._stopped_here: set[str] = set()
 
     async def handle_inbound(self, msg: InboundMessage) -> None:
         """The adapters' sink: returns once `msg` is durably recorded (or known already)."""
@@ -218,11 +221,23 @@ class Ingress:
         self.metrics.inbound.inc(platform=msg.platform, outcome="new")
         if lane is not None and not is_reminder(msg):
             command = parse_command(msg.text)
-            if command is not None and command[0].name == "stop":  # reaches a turn running on this node
-                running = self.running.get(lane.key)
-                if running is not None and not running.is_set():
-                    running.set()
-                    self._stopped_here.add(input_uid(msg))
+            if command is not None and command[0].name == "stop":
+                uid = input_uid(msg)
+                # the lane's turn runs here, or on the node the signal reaches
+                # (docs/cluster.md#stop-and-confirmations-across-nodes)
+                if not self.stop_here(lane.key, uid) and self.stop_signals is not None:
+                    await self.stop_signals.publish(lane.key, uid)
+
+    def stop_here(self, lane_key: str, uid: str) -> bool:
+        """Cluster mode: stop `lane_key`'s turn if it runs on this node, and remember that the
+        /stop message `uid` did, so that it answers "Stopped." when its lane runs it; False
+        when no turn of the lane runs here (a signal from another node is then ignored)."""
+        running = self.running.get(lane_key)
+        if running is None or running.is_set():
+            return False
+        running.set()
+        self._stopped_here.add(uid)
+        return True
 
     async def overheard(self, platform: str, text: str) -> None:
         """A group message the adapter does not answer (no mention): nothing is recorded or

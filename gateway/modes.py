@@ -1,8 +1,11 @@
-"""What the single-node runtime needs of cluster mode, as three protocols: gateway/cluster/
+"""What the single-node runtime needs of cluster mode, as protocols: gateway/cluster/
 implements them (gateway/cluster/build.py builds the parts), and no module outside it
 imports gateway.cluster or psycopg (docs/development.md#layers).
 
 - `SharedInbox`: the ingress commits a message to the shared inbox instead of gateway.db.
+- `StopSignals`: a `/stop` whose lane's turn runs on another node reaches that node.
+- `OpenQuestions`: where tool-call confirmations wait for a press (this process on one
+  node, gateway/confirmations.py; PostgreSQL in a cluster, so a press on any node counts).
 - `Fencing`: the lane worker tells a turn fenced out by a lost lease, and a database that
   went away, from other failures.
 - `ClusterNode`: the runtime starts and stops the node's parts in its own order.
@@ -10,16 +13,47 @@ imports gateway.cluster or psycopg (docs/development.md#layers).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from core.lanes import Lane
-from core.messages import InboundMessage
+from core.messages import ConfirmRequest, ConfirmVerdict, InboundMessage
 
 
 class SharedInbox(Protocol):
     async def record(self, msg: InboundMessage, lane: Lane | None) -> bool:
         """Commit `msg` on `lane` (None: it cannot be placed; whichever node runs it refuses
         it) once per platform message id, and wake the claim workers; False: known already."""
+        ...
+
+
+class StopSignals(Protocol):
+    async def publish(self, lane_key: str, uid: str) -> None:
+        """Tell every node: stop the turn of `lane_key` if it runs there, and remember that the
+        /stop message `uid` did (docs/cluster.md#stop-and-confirmations-across-nodes). Never
+        raises: a signal that is lost leaves the /stop to be answered when its lane runs it."""
+        ...
+
+
+class OpenQuestions(Protocol):
+    """The open tool-call questions (docs/concepts.md#tool-confirmations), by token."""
+
+    async def open(self, request: ConfirmRequest, lane: str) -> None:
+        """Keep `request`, asked in the turn of lane `lane`, open for a press."""
+        ...
+
+    async def decide(self, token: str, user_id: str, allow: bool) -> ConfirmVerdict:
+        """A press: "ok" when `user_id` may answer and the question is still open (then it is
+        decided, once), "not_yours" for anyone else, "expired" when it is not open."""
+        ...
+
+    async def wait(self, token: str, timeout: float, stop: asyncio.Event | None) -> bool | None:
+        """The decision (True: allowed) once pressed; None when `timeout` passed or `stop` was
+        set first: the question has expired then, and a later press is told so."""
+        ...
+
+    async def close(self, token: str) -> None:
+        """Forget the question (a press from now on says "expired")."""
         ...
 
 

@@ -309,7 +309,7 @@ class Turns:
                             lane=lane.session_key,
                         ),
                         speaker=speaker,
-                        confirm=self.confirmations.gate_for(last.msg, stop),
+                        confirm=self.confirmations.gate_for(last.msg, key, stop),
                     )
                 finally:
                     self.running.end(key, stop)

@@ -193,11 +193,16 @@ async def test_tools_lists_what_the_speaker_may_use_here(config_for, fake_llm):
     assert fake_llm.requests == []
 
 
-def test_cluster_mode_refuses_confirmations_in_one_sentence():
-    data = {"cluster": {"postgres_dsn_env": "PG_DSN"}, "tools": {"web_fetch": {"enabled": True, "confirm": True}}}
-    with pytest.raises(ConfigError, match="cluster mode does not route yet"):
-        parse_config(data)
-    parse_config({"cluster": {"postgres_dsn_env": "PG_DSN"}, "tools": {"web_fetch": {"enabled": True}}})
+def test_cluster_mode_accepts_confirmations_since_a_press_on_any_node_counts():
+    # the questions live in PostgreSQL there (tests/test_cluster_signals.py presses across nodes)
+    data = {
+        "cluster": {"postgres_dsn_env": "PG_DSN"},
+        "tools": {"web_fetch": {"enabled": True, "confirm": True}, "session_search": {"confirm": True}},
+    }
+    cfg = parse_config(data)
+    assert cfg.cluster.enabled and cfg.tools.web_fetch.confirm and cfg.tools.session_search.confirm
+    with pytest.raises(ConfigError, match="reminders"):  # what still keeps state on one node is refused
+        parse_config({**data, "reminders": {"enabled": True}})
 
 
 async def test_a_restart_during_the_wait_asks_again_and_never_runs_the_call_unasked(config_for, fake_llm):

@@ -1,11 +1,12 @@
-"""The cluster-mode factory: a gateway whose inbox, outbox, small shared state and identity
-links are in PostgreSQL, whose profiles open only under their tenant lease, and whose lanes
-are claimed and run by claim workers (docs/cluster.md).
+"""The cluster-mode factory: a gateway whose inbox, outbox, small shared state, identity
+links and open confirmations are in PostgreSQL, whose profiles open only under their tenant
+lease, whose lanes are claimed and run by claim workers, and whose nodes signal each other
+a /stop or a decided confirmation (docs/cluster.md).
 
 Every part is built here before the runtime exists; what needs the database at start is
 started by the runtime, in order, through `ClusterParts` (gateway/modes.py `ClusterNode`):
-run lock, node start, shared state import and refresh, replay, observability, adapters,
-ingress election, claims.
+run lock, node start, signal listener, shared state import and refresh, replay,
+observability, adapters, ingress election, claims.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from gateway.cluster.inbox import Claim
 from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressElection, Role, discord_shard
 from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
 from gateway.cluster.node import ClusterNode, HeldLease, NodePool, ProfileLeases
+from gateway.cluster.questions import PgQuestions
 from gateway.cluster.runner import ClaimRunner, LeaseFencing, SharedIngress
+from gateway.cluster.signals import NodeSignals, StopPublisher
 from gateway.inbox import Inbox
 from gateway.outbox import Outbox
 from gateway.runtime import GatewayApp, Parts
@@ -63,6 +66,7 @@ class ClusterParts:
         runner: ClaimRunner,
         election: IngressElection | None,
         health: ClusterHealth,
+        signals: NodeSignals,
     ) -> None:
         self.node = node
         self.identity = identity
@@ -70,6 +74,7 @@ class ClusterParts:
         self.runner = runner
         self.election = election  # None when no adapter receives by election
         self._health = health
+        self.signals = signals  # /stop and confirmation signals from the other nodes
         self._idle_closer: asyncio.Task | None = None
 
     @property
@@ -78,6 +83,7 @@ class ClusterParts:
 
     async def join(self) -> None:
         await self.node.start()  # pool, migrations, registration, heartbeats
+        self.signals.start()  # before any turn runs here: a /stop elsewhere must reach it
         await self.identity.start()  # pairing, link codes and links in PostgreSQL
 
     async def receive(self) -> None:
@@ -101,6 +107,7 @@ class ClusterParts:
             await self.election.stop()
 
     async def leave(self) -> None:
+        await self.signals.stop()
         await self.node.stop()
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
@@ -139,6 +146,8 @@ def build_cluster_gateway(
     shared_outbox = ClusterOutbox(node)
     identity = SharedIdentity(cfg, pool, node.node_id, node.ttl)
     claims = ClaimWorkers(node, run_claim, workers=cfg.cluster.max_lanes, poll_s=cfg.cluster.poll_interval_s)
+    # tool-call confirmations a press on any node decides (docs/cluster.md#stop-and-confirmations-across-nodes)
+    questions = PgQuestions(pool, node.node_id, cfg.tools.confirm_timeout_s)
     mode = ModeParts(
         # duck-typed: they implement what the gateway, Access and Linking call in cluster mode
         inbox=cast(Inbox, ClusterInbox(node, shared_outbox)),
@@ -149,6 +158,8 @@ def build_cluster_gateway(
         links_refresh=identity.refresh,
         merge_guard=identity.merge_guard,
         shared=SharedIngress(pool, claims),
+        stop_signals=StopPublisher(pool),
+        questions=questions,
         fencing=LeaseFencing(node, shared_outbox),
         cluster_metrics=node.metrics,
         ledger_for=lambda profile: PgLedger(pool, profile.tenant_id),  # budgets atomic across nodes
@@ -174,4 +185,5 @@ def build_cluster_gateway(
         else None
     )
     health = ClusterHealth(pool, node.node_id, instance=node.instance)
-    return ClusterGateway(parts, ClusterParts(node, identity, claims, runner, election, health), shared_outbox)
+    signals = NodeSignals(node.dsn, node.node_id, on_stop=parts.ingress.stop_here, on_decided=questions.decided)
+    return ClusterGateway(parts, ClusterParts(node, identity, claims, runner, election, health, signals), shared_outbox)

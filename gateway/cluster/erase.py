@@ -2,9 +2,9 @@
 
 The profile directory and gateway.db are scrubbed by gateway/tenants.py; this removes what
 the nodes share: inbox and outbox rows of the tenant and of its private chats (and pending
-messages from its accounts elsewhere), its lanes and lease, pairing and link codes, the
-`shared_kv` rows that name its accounts, and its identity links. Run with every node
-stopped, like `profiles delete` itself.
+messages from its accounts elsewhere), its lanes and lease, open confirmations, pairing and
+link codes, the `shared_kv` rows that name its accounts, and its identity links. Run with
+every node stopped, like `profiles delete` itself.
 """
 
 from __future__ import annotations
@@ -37,7 +37,15 @@ async def erase_tenant(pool: Pool, tenant_id: str, principals: set[str], chats: 
             removed += cur.rowcount
             cur = await conn.execute("DELETE FROM outbox WHERE platform = %s AND chat_id = %s", (platform, chat))
             removed += cur.rowcount
-        for table in ("outbox", "lanes", "tenant_leases", "budget_usage", "budget_pending", "budget_said"):
+        for table in (
+            "outbox",
+            "lanes",
+            "tenant_leases",
+            "budget_usage",
+            "budget_pending",
+            "budget_said",
+            "confirmations",
+        ):
             cur = await conn.execute(f"DELETE FROM {table} WHERE tenant = %s", (tenant_id,))
             removed += cur.rowcount
         cur = await conn.execute(

@@ -195,6 +195,27 @@ CREATE TABLE budget_said (
 );
 """,
     ),
+    Migration(
+        6,
+        "tool-call confirmations answered on any node",
+        """
+-- a tool call waiting for a press (docs/cluster.md#stop-and-confirmations-across-nodes): a
+-- press on any node decides it with one conditional UPDATE and notifies `node`, whose turn
+-- waits; the row is deleted once the asker is done, and expires by itself if it died
+CREATE TABLE confirmations (
+    token      text PRIMARY KEY,
+    tenant     text NOT NULL,
+    lane       text NOT NULL,
+    user_id    text NOT NULL,
+    node       text NOT NULL,
+    state      text NOT NULL DEFAULT 'open' CHECK (state IN ('open', 'allowed', 'denied', 'expired')),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    expires_at timestamptz NOT NULL,
+    decided_at timestamptz
+);
+CREATE INDEX confirmations_by_expiry ON confirmations (expires_at);
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

@@ -41,9 +41,9 @@ class _Section(BaseModel):
 
 
 DEFAULT_ANSWER_MAX_TOKENS = 4096
-#: storage.memory_budget_mib's default: about 300 profiles open, so the gateway stays under
+#: storage.memory_budget_mib's default: 286 profiles open, so the gateway stays under
 #: 200 MiB RSS at 1,000 people (docs/concepts.md#open-profiles)
-DEFAULT_MEMORY_BUDGET_MIB = 80
+DEFAULT_MEMORY_BUDGET_MIB = 76
 
 
 _CHOICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")

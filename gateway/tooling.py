@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.mcp_tools import McpHub, McpServerSpec
 from agent.toolkit import ToolServices, ToolSink, WebTool
-from agent.web import WEB_FETCH_TOOL, WebFetcher, WebPolicy, web_fetch_call
-from agent.web_search import WEB_SEARCH_TOOL, SearchSettings, WebSearch, web_search_call
 from core.settings import Config, McpServerConfig
+
+if TYPE_CHECKING:
+    from agent.mcp_tools import McpServerSpec
 
 
 @dataclass
@@ -31,6 +31,8 @@ class ToolClients:
 
 def mcp_spec(name: str, server: McpServerConfig) -> McpServerSpec:
     """A server's spec with its header values read from their variables now."""
+    from agent.mcp_tools import McpServerSpec
+
     headers = {header: os.environ.get(var, "") for header, var in server.headers_env.items()}
     env = {**server.env, **{name: os.environ.get(var, "") for name, var in server.env_from.items()}}
     return McpServerSpec(
@@ -47,11 +49,14 @@ def mcp_spec(name: str, server: McpServerConfig) -> McpServerSpec:
 
 
 def build_tools(cfg: Config, sink: ToolSink | None) -> ToolClients:
-    """The tools `cfg` turns on; nothing is connected or started until a call needs it."""
+    """The tools `cfg` turns on; nothing is connected or started until a call needs it. A
+    tool's modules are imported only when it is on (a gateway without tools pays nothing)."""
     t = cfg.tools
     web: dict[str, WebTool] = {}
     closers: list[Callable[[], Awaitable[None]]] = []
     if t.web_fetch.enabled:
+        from agent.web import WEB_FETCH_TOOL, WebFetcher, WebPolicy, web_fetch_call
+
         fetcher = WebFetcher(
             WebPolicy(
                 allow_hosts=frozenset(t.web.allow_hosts),
@@ -67,6 +72,8 @@ def build_tools(cfg: Config, sink: ToolSink | None) -> ToolClients:
         web["web_fetch"] = WebTool(WEB_FETCH_TOOL, fetch)
         closers.append(fetcher.aclose)
     if t.web_search.provider is not None:
+        from agent.web_search import WEB_SEARCH_TOOL, SearchSettings, WebSearch, web_search_call
+
         search = WebSearch(
             SearchSettings(
                 provider=t.web_search.provider,
@@ -84,6 +91,8 @@ def build_tools(cfg: Config, sink: ToolSink | None) -> ToolClients:
         closers.append(search.aclose)
     hub = None
     if t.mcp.servers:
+        from agent.mcp_tools import McpHub
+
         hub = McpHub([mcp_spec(name, server) for name, server in t.mcp.servers.items()])
         closers.append(hub.close)
     return ToolClients(ToolServices(t, web, hub, sink), closers)

@@ -86,7 +86,7 @@ async def test_profile_layout_and_manifest(tmp_path):
 def test_the_open_profiles_are_sized_by_memory_within_the_descriptor_limit_and_the_cap():
     """docs/concepts.md#open-profiles: budget / 272 KiB, within (RLIMIT_NOFILE - reserve) / 5
     descriptors, at most max_open_profiles, at least one."""
-    assert open_limit(None, DEFAULT_MEMORY_BUDGET_MIB, 20000) == 301  # the default: under 200 MiB at 1,000 people
+    assert open_limit(None, DEFAULT_MEMORY_BUDGET_MIB, 20000) == 286  # the default: under 200 MiB at 1,000 people
     assert open_limit(None, 272, resource.RLIM_INFINITY) == 1024
     assert open_limit(None, 1, 20000) == 3
     assert open_limit(None, 272, 1024) == (1024 - 256) // 5  # the descriptors decide

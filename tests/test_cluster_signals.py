@@ -96,7 +96,9 @@ async def test_a_stop_through_one_node_stops_the_turn_another_node_runs_within_a
         assert await post(tg, tg.push_private(301, "/stop"), other) == 200
         await until(stop.is_set, timeout=5, what="the turn's stop")
         took = time.monotonic() - started
-        assert took < 1.0, f"the stop reached the running node after {took:.2f} s"
+        # a second by design; 2 s here so a loaded CI machine does not flake (without the
+        # signal nothing stops this turn at all: it hangs for 60 s)
+        assert took < 2.0, f"the stop reached the running node after {took:.2f} s"
         await until(lambda: runner.app.ingress.running.get(lane) is None, timeout=5, what="the turn's end")
         await settled(nodes)
         await asyncio.sleep(0.3)  # nothing more is said
@@ -224,11 +226,10 @@ async def test_a_question_asked_on_one_node_is_allowed_by_the_askers_press_on_an
         assert "session_search" in message["text"]
         await asyncio.sleep(0.3)
         assert len(fake_llm.requests) == 1, "nothing runs before the press"
-        pressed_at = time.monotonic()
         assert (await press(tg, message, 401, other, text="Allow"))["text"] == "Allowed."
+        # woken by the signal or the 1 s poll; test_the_asking_node_wakes_on_the_decided_signal_alone
+        # tells the two apart
         await until(lambda: len(fake_llm.requests) == 2, timeout=5, what="the turn going on")
-        took = time.monotonic() - pressed_at
-        assert took < 0.8, f"the asking node woke {took:.2f} s after the press (the signal did not reach it)"
         await settled(nodes)
         [result] = tool_results(fake_llm.requests[-1])
         assert result["success"] is True
@@ -319,8 +320,8 @@ async def test_of_presses_at_once_on_two_nodes_exactly_one_decides_and_the_asker
         assert sorted(verdicts) == ["expired"] * 5 + ["ok"]
         winner = verdicts.index("ok") % 2 == 0
         started = time.monotonic()
-        assert await asker.wait("t1", 5, None) is winner
-        assert time.monotonic() - started < 1.0
+        assert await asker.wait("t1", 30, None) is winner
+        assert time.monotonic() - started < 5.0  # the 0.2 s poll, not the 30 s wait
         await asker.close("t1")
         assert await presser.decide("t1", "111", allow=True) == "expired"
 
@@ -333,7 +334,7 @@ async def test_of_presses_at_once_on_two_nodes_exactly_one_decides_and_the_asker
         asyncio.get_running_loop().call_later(0.2, stop.set)
         started = time.monotonic()
         assert await asker.wait("t3", 30, stop) is None
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 5.0  # the stop, not the 30 s wait
         assert await presser.decide("t3", "111", allow=True) == "expired"
         async with pool.connection() as conn:
             rows = await (await conn.execute("SELECT token, state FROM confirmations ORDER BY token")).fetchall()
@@ -355,8 +356,8 @@ async def test_the_asking_node_wakes_on_the_decided_signal_alone(pool, schema): 
         await asyncio.sleep(0.1)
         started = time.monotonic()
         assert await PgQuestions(pool, "node-b", 30).decide("t5", "111", allow=False) == "ok"
-        assert await asyncio.wait_for(waiting, 5) is False
-        assert time.monotonic() - started < 0.5
+        assert await asyncio.wait_for(waiting, 10) is False
+        assert time.monotonic() - started < 10.0  # the signal: the poll would take 30 s
     finally:
         await listener.stop()
 

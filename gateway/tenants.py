@@ -146,14 +146,14 @@ def live_principals(links: IdentityLinks, info: TenantInfo) -> list[str]:
     return sorted(p for p in info.principals if links.name_for(p) is None)
 
 
-def find_tenant(cfg: Config, ref: str) -> TenantInfo:
+def find_tenant(cfg: Config, ref: str, links: IdentityLinks | None = None) -> TenantInfo:
     """A tenant by id (`telegram-111`, `link-alice`), directory name, or principal
-    (`telegram:111`, following live identity links only)."""
+    (`telegram:111`, following live identity links only: `links`, else links.json)."""
     profiles = scan_profiles(cfg.data_dir)
     for info in profiles:
         if ref in (info.tenant_id, info.dir_name):
             return info
-    links = load_links(cfg)
+    links = links if links is not None else load_links(cfg)
     if ":" in ref:
         linked = links.tenant_for(ref)
         if linked is not None:
@@ -387,7 +387,7 @@ def _kv_put(data_dir: Path, items: dict[str, str]) -> None:
 # ----- export / restore of one profile --------------------------------------------------------
 
 
-def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Path:
+def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None, links: IdentityLinks | None = None) -> Path:
     """One .tar.gz with everything the tenant owns: EXPORT.json, profile/tenant.json,
     profile/memories/, profile/sessions/*.jsonl, profile/provider/, profile/state.db (online
     backup) and profile/state.sql (a text dump of it). Mode 0600."""
@@ -396,7 +396,7 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
     if out.is_dir():
         out = out / f"hermes-export-{info.dir_name}-{stamp}.tar.gz"
     private_mkdir(out.parent)
-    links = load_links(cfg)
+    links = links if links is not None else load_links(cfg)
     link_name = next(iter(link_names_of(links, info.tenant_id)), None)
     principals = live_principals(links, info)
     with tempfile.TemporaryDirectory(prefix=".hermes-export-", dir=out.parent) as tmp:
@@ -428,7 +428,13 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None) -> Pa
     return out
 
 
-def archive_problems(cfg: Config, manifest: dict[str, Any], tenant_json: dict[str, Any], target: Path) -> list[str]:
+def archive_problems(
+    cfg: Config,
+    manifest: dict[str, Any],
+    tenant_json: dict[str, Any],
+    target: Path,
+    links: IdentityLinks | None = None,
+) -> list[str]:
     """Why an export archive must not be restored as it is: it may only link and pair
     principals its own tenant.json lists, that belong to its tenant, and that no other
     tenant owns (an edited archive must not join someone else's account to it)."""
@@ -443,7 +449,7 @@ def archive_problems(cfg: Config, manifest: dict[str, Any], tenant_json: dict[st
         problems.append(f"its link {name!r} is not tenant {tid!r}")
     wanted = {p for p in link.get("principals", []) if isinstance(p, str)} if name else set()
     wanted |= {p for p in manifest.get("paired") or [] if isinstance(p, str)}
-    links = load_links(cfg)
+    links = links if links is not None else load_links(cfg)
     others = [i for i in scan_profiles(cfg.data_dir) if i.path != target]
     for p in sorted(wanted):
         if p not in listed:
@@ -462,7 +468,9 @@ def archive_problems(cfg: Config, manifest: dict[str, Any], tenant_json: dict[st
     return problems
 
 
-def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> TenantInfo:
+def restore_profile(
+    cfg: Config, archive: Path, *, force: bool = False, links: IdentityLinks | None = None
+) -> TenantInfo:
     """Put an exported profile back (gateway stopped): its directory, its identity link and
     its pairing approval."""
     archive = Path(archive)
@@ -504,7 +512,7 @@ def restore_profile(cfg: Config, archive: Path, *, force: bool = False) -> Tenan
             os.replace(stage, target)
         link = manifest.get("link") or None
         if link and link.get("name"):
-            links = load_links(cfg)
+            links = links if links is not None else load_links(cfg)
             for p in link.get("principals", []):
                 current = links.name_for(p)
                 if current is None:
@@ -534,7 +542,9 @@ class DeleteReport:
     shared_rows: int = 0  # cluster mode: rows removed from PostgreSQL
 
 
-def delete_tenant(cfg: Config, info: TenantInfo, *, erase_shared: EraseShared | None = None) -> DeleteReport:
+def delete_tenant(
+    cfg: Config, info: TenantInfo, *, erase_shared: EraseShared | None = None, links: IdentityLinks | None = None
+) -> DeleteReport:
     """Remove everything a tenant owns (the gateway must be stopped): its profile directory
     (memory, journals, state.db, provider namespace, exports), profiles merged into it and
     left behind, its identity link, and its rows in gateway.db; then, through
@@ -546,7 +556,7 @@ def delete_tenant(cfg: Config, info: TenantInfo, *, erase_shared: EraseShared | 
     with RunLock(data_dir).acquire("`profiles delete`"):
         lock_fd = _lock_profile(info.path)
         try:
-            links = load_links(cfg)
+            links = links if links is not None else load_links(cfg)
             principals = set(live_principals(links, info))  # never an account that left the link
             link_names = set(link_names_of(links, info.tenant_id))
             chats = dm_chats(info.path)

@@ -96,3 +96,48 @@ async def test_profiles_delete_in_cluster_mode_removes_the_persons_postgresql_ro
     assert await _rows(pool, "SELECT principal FROM link_codes") == [("telegram:333",)]
     assert await _rows(pool, "SELECT key FROM shared_kv WHERE key LIKE 'paired:%'") == [("paired:telegram:333",)]
     assert await _rows(pool, "SELECT principal FROM identity_links") == []
+
+
+async def test_admin_commands_in_cluster_mode_follow_the_links_nodes_made_at_runtime(
+    tmp_path, fake_llm, pool, schema, monkeypatch, capsys
+):
+    """Links made at runtime live in PostgreSQL in a cluster, not in links.json: `profiles`
+    and `budget` find a linked account's tenant through them (docs/cluster.md#shared-identity-state)."""
+    import yaml
+
+    from gateway.cli import main as cli_main
+    from gateway.cli.common import admin_links
+
+    data = tmp_path / "data"
+    single = make_config(data, fake_llm.base_url, tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}})
+    tg = RecordingAdapter("telegram")
+    app = build_gateway(single, [tg])
+    await app.start()
+    try:
+        await say(app, tg, dm("111", "hello", platform="telegram"))
+    finally:
+        await app.stop()
+    async with pool.connection() as conn:  # the link as a node records a runtime /link
+        for principal in ("telegram:111", "discord:222"):
+            await conn.execute("INSERT INTO identity_links (principal, link_name) VALUES (%s, 'al')", (principal,))
+    monkeypatch.setenv("HERMES_LINKS_TEST_DSN", f"{DSN}?options={quote(f'-c search_path={schema}')}")
+    cfg = make_config(data, fake_llm.base_url, cluster={"postgres_dsn_env": "HERMES_LINKS_TEST_DSN"})
+    assert not (data / "links.json").exists()
+    links = await asyncio.to_thread(admin_links, cfg)
+    assert (await asyncio.to_thread(find_tenant, cfg, "discord:222", links)).tenant_id == "link-al"
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data_dir": str(data),
+                "llm": {"base_url": fake_llm.base_url},
+                "cluster": {"postgres_dsn_env": "HERMES_LINKS_TEST_DSN"},
+            }
+        )
+    )
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli_main, ["-c", str(config), "profiles", "path", "discord:222"]) == 0
+    assert capsys.readouterr().out.strip().endswith("link-al")
+    assert await asyncio.to_thread(cli_main, ["-c", str(config), "profiles", "show", "discord:222", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["tenant"] == "link-al" and "discord:222" in shown["principals"]

@@ -21,7 +21,7 @@ from agent.ledger import LIMIT_KEYS, NANOS
 from agent.metering import effective_limits, period_of
 from agent.reminders import ReminderStore
 from core.settings import Config
-from gateway.cli.common import CONFIG_HELP, guard
+from gateway.cli.common import CONFIG_HELP, admin_links, guard
 from gateway.runlock import AdminError
 from gateway.tenants import TenantInfo, find_tenant
 
@@ -100,7 +100,7 @@ def _status(cfg: Config, info: TenantInfo) -> dict[str, Any]:
 
 
 def cmd_budget_show(cfg: Config, args: argparse.Namespace) -> int:
-    data = _status(cfg, find_tenant(cfg, args.tenant))
+    data = _status(cfg, find_tenant(cfg, args.tenant, admin_links(cfg)))
     if args.json:
         print(json.dumps(data, indent=1))
         return 0
@@ -139,7 +139,7 @@ def _limit(kind: type[int] | type[float]) -> Callable[[str], int | float | None]
 
 
 def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
-    info = find_tenant(cfg, args.tenant)
+    info = find_tenant(cfg, args.tenant, admin_links(cfg))
     given = {k: getattr(args, k) for k in LIMIT_KEYS if getattr(args, k) is not ...}
     if not given and not args.default:
         raise AdminError("name at least one of --tokens-per-day, --tokens-per-month, --cost-per-day, --cost-per-month")
@@ -153,7 +153,7 @@ def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_budget_reset(cfg: Config, args: argparse.Namespace) -> int:
-    info = find_tenant(cfg, args.tenant)
+    info = find_tenant(cfg, args.tenant, admin_links(cfg))
     if cfg.cluster.enabled:
         _in_cluster(cfg, info, lambda pg: pg.reset())
     else:

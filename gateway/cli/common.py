@@ -12,6 +12,7 @@ from pathlib import Path
 
 from core.settings import Config
 from gateway.runlock import AdminError
+from tenancy.identity import IdentityLinks
 
 DEFAULT_CONFIG = "hermes-gateway.yaml"
 CONFIG_HELP = "config file (default: hermes-gateway.yaml, or $HERMES_GATEWAY_CONFIG)"
@@ -53,3 +54,16 @@ def guard(fn: Handler) -> Handler:
             return 1
 
     return run
+
+
+def admin_links(cfg: Config) -> IdentityLinks:
+    """The identity links the admin commands follow: links.json on one node, PostgreSQL in
+    cluster mode (where the nodes keep the links made at runtime)."""
+    if not cfg.cluster.enabled:
+        from gateway.tenants import load_links
+
+        return load_links(cfg)
+    # psycopg and gateway/cluster are imported only in cluster mode (docs/cluster.md)
+    from gateway.cluster.links import load_shared_links
+
+    return load_shared_links(cfg)

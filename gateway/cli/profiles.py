@@ -17,7 +17,7 @@ from typing import Any
 from agent.fileio import private_mkdir
 from core.settings import Config
 from gateway.backup import backup_data_dir, restore_data_dir
-from gateway.cli.common import CONFIG_HELP, guard
+from gateway.cli.common import CONFIG_HELP, admin_links, guard
 from gateway.runlock import AdminError, RunLock, gateway_running
 from gateway.tenants import (
     count,
@@ -25,7 +25,6 @@ from gateway.tenants import (
     export_profile,
     find_tenant,
     live_principals,
-    load_links,
     profile_stats,
     repair_profile,
     restore_profile,
@@ -71,7 +70,7 @@ def _when(ts: float | None) -> str:
 def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     rows = []
-    links = load_links(cfg)
+    links = admin_links(cfg)
     for info in scan_profiles(cfg.data_dir):
         stats = profile_stats(info.path)
         principals = live_principals(links, info)
@@ -118,8 +117,8 @@ def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
-    info = find_tenant(cfg, args.tenant)
-    links = load_links(cfg)
+    links = admin_links(cfg)
+    info = find_tenant(cfg, args.tenant, links)
     stats = profile_stats(info.path)
     memory = {}
     for target, fname in (("memory", "MEMORY.md"), ("user", "USER.md")):
@@ -182,13 +181,14 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_profiles_path(cfg: Config, args: argparse.Namespace) -> int:
     """Print the profile directory (the HERMES_HOME) of a principal or tenant, e.g. for
     `HERMES_HOME=$(hermes-gateway profiles path telegram:111) hermes`."""
+    links = admin_links(cfg)
     try:
-        path = find_tenant(cfg, args.principal).path
+        path = find_tenant(cfg, args.principal, links).path
     except AdminError:
         platform, sep, user = args.principal.partition(":")
         if not sep or not platform or not user:
             raise
-        tenant = load_links(cfg).tenant_for(args.principal) or person_tenant_id(platform, user)
+        tenant = links.tenant_for(args.principal) or person_tenant_id(platform, user)
         path = tenant_dir(cfg.data_dir, tenant)
         print(
             f"note: {args.principal} has no profile yet; it will be created there on their first message",
@@ -200,7 +200,8 @@ def cmd_profiles_path(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_profiles_export(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
-    info = find_tenant(cfg, args.tenant)
+    links = admin_links(cfg)
+    info = find_tenant(cfg, args.tenant, links)
     problem = profile_problem(info.path)
     if problem is not None:
         raise AdminError(
@@ -210,18 +211,19 @@ def cmd_profiles_export(cfg: Config, args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else None
     if output is not None and args.output.endswith(("/", os.sep)):  # `-o new/dir/`: a directory to create
         private_mkdir(output)
-    out = export_profile(cfg, info, output)
+    out = export_profile(cfg, info, output, links)
     print(f"exported {info.tenant_id} to {out}")
     return 0
 
 
 def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
-    info = find_tenant(cfg, args.tenant)
+    links = admin_links(cfg)
+    info = find_tenant(cfg, args.tenant, links)
     if gateway_running(cfg.data_dir):
         RunLock(cfg.data_dir).acquire("`profiles delete`")  # raises the explanation
     stats = profile_stats(info.path)
-    members = live_principals(load_links(cfg), info)
+    members = live_principals(links, info)
     print(
         f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
         f"{count(stats['sessions'], 'session', 'sessions')}, {count(stats['messages'], 'message', 'messages')}, "
@@ -259,7 +261,7 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
-    info = restore_profile(cfg, Path(args.archive), force=args.force)
+    info = restore_profile(cfg, Path(args.archive), force=args.force, links=admin_links(cfg))
     stats = profile_stats(info.path)
     print(
         f"restored {info.tenant_id} to {info.path}: {count(stats['sessions'], 'session', 'sessions')}, "
@@ -270,7 +272,7 @@ def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_profiles_repair(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
-    info = find_tenant(cfg, args.tenant)
+    info = find_tenant(cfg, args.tenant, admin_links(cfg))
     if profile_problem(info.path, deep=True) is None:
         print(f"{info.tenant_id} is not damaged; nothing to repair")
         return 0

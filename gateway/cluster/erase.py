@@ -81,7 +81,9 @@ def erase_tenant_now(cfg: Config, tenant_id: str, principals: set[str], chats: s
 def delete_tenant_everywhere(cfg: Config, info: TenantInfo) -> DeleteReport:
     """`profiles delete` in cluster mode: the profile and gateway.db (`delete_tenant`), then
     the tenant's rows in PostgreSQL, under the same run lock."""
-    return delete_tenant(cfg, info, erase_shared=partial(erase_tenant_now, cfg))
+    from gateway.cluster.links import load_shared_links
+
+    return delete_tenant(cfg, info, erase_shared=partial(erase_tenant_now, cfg), links=load_shared_links(cfg))
 
 
 __all__ = ["delete_tenant_everywhere", "erase_tenant", "erase_tenant_now"]

@@ -15,7 +15,8 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import psycopg
 from psycopg.rows import DictRow
 
-from gateway.cluster.db import ClusterError, Conn, Pool, fetch_one, one_line
+from core.settings import Config
+from gateway.cluster.db import ClusterError, Conn, Pool, dsn_from_env, fetch_one, one_line, open_pool
 from gateway.cluster.leases import Lease, acquire_lease, release_lease, renew_lease
 from tenancy.identity import IdentityLinks
 
@@ -62,6 +63,24 @@ class PgLinkStore:
             links.replace_runtime(await _read(conn))
         self._seen = gen
         return True
+
+
+def load_shared_links(cfg: Config) -> IdentityLinks:
+    """The identity links as the cluster has them (the config's pinned, the runtime ones from
+    PostgreSQL, not links.json), for the admin commands (no loop running); a change saved
+    through them is recorded in PostgreSQL (docs/cluster.md#shared-identity-state)."""
+
+    async def run() -> IdentityLinks:
+        pool = await open_pool(dsn_from_env(cfg.cluster.postgres_dsn_env or ""), max_size=1)
+        try:
+            store = PgLinkStore(pool)
+            links = IdentityLinks.shared(store, cfg.tenancy)
+            await store.refresh(links, force=True)
+            return links
+        finally:
+            await pool.close()
+
+    return asyncio.run(run())
 
 
 async def _read(conn: Conn) -> dict[str, list[str]]:

@@ -1213,8 +1213,12 @@ class ClusterStorm:
                 if mid is not None and shard == sess["shard"] and nxt["start"] < at < end and t in answered_at
             ]
             if not proof:
+                # only messages a session heard count (a push while the shard had none is
+                # heard by nobody, on Discord too): the proof above counts the same ones
                 pushed_then = sum(
-                    1 for _, shard, at in self.dc_pushed.values() if shard == sess["shard"] and nxt["start"] < at < end
+                    1
+                    for mid, shard, at in self.dc_pushed.values()
+                    if mid is not None and shard == sess["shard"] and nxt["start"] < at < end
                 )
                 if pushed_then:  # messages went to the new holder and none was answered
                     r.takeovers_unproven += 1

@@ -97,15 +97,15 @@ async def speaker_of(
     senders: Sequence[str],
     place: ChatPlace,
     chat_admin_checks: Sequence[Callable[[], Awaitable[bool]] | None],
-    tools: ToolsConfig,
+    ask_chat_admin: bool,
 ) -> Speaker:
     """Who a turn's (or /tools') tools serve (docs/concepts.md#who-may-use-a-tool): every
     sender must qualify for a tier; the platform is asked about chat admins only in a group,
-    and only when a tool's rule needs it."""
+    and only when a tool's rule needs it (`ask_chat_admin`, from `asks_chat_admin`)."""
     dm = place.chat_type == "dm" and not place.shared
     operator = all(access.is_admin(p) for p in senders)
     chat_admin = operator
-    if not dm and not chat_admin and asks_chat_admin(tools):
+    if not dm and not chat_admin and ask_chat_admin:
         chat_admin = all(c is not None for c in chat_admin_checks) and all(
             [await c() for c in chat_admin_checks if c is not None]
         )
@@ -113,6 +113,7 @@ async def speaker_of(
 
 
 def asks_chat_admin(tools: ToolsConfig) -> bool:
+    """Whether any tool's rule is `chat_admin` (then a group turn asks the platform)."""
     rules: list[str | None] = [tools.memory.allow, tools.session_search.allow, tools.skill_manage.allow]
     rules += [tools.reminders.allow, tools.web_fetch.allow, tools.web_search.allow]
     for server in tools.mcp.servers.values():
@@ -711,7 +712,8 @@ async def cmd_tools(ctx: CommandContext) -> str:
 
     agent = await ctx.parts.agents.of(ctx.profile)
     msg = ctx.msg
-    speaker = await speaker_of(ctx.parts.access, [msg.principal], ctx.place, [ctx.chat_admin], ctx.parts.cfg.tools)
+    ask = asks_chat_admin(ctx.parts.cfg.tools)
+    speaker = await speaker_of(ctx.parts.access, [msg.principal], ctx.place, [ctx.chat_admin], ask)
     chat = ReminderChat(msg.platform, msg.chat_id, msg.chat_type, msg.thread_id, msg.user_id, msg.user_name)
     box = agent.toolbox(
         ctx.profile, ctx.lane, ctx.place, agent.lane_memory(ctx.profile, ctx.lane), chat, speaker=speaker

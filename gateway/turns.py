@@ -28,7 +28,7 @@ from core.messages import InboundMessage, OutboundKind, OutboundMessage
 from core.protocols import Adapter, ChatAdmins
 from core.settings import Config
 from core.text import page_text
-from gateway.commands import CommandContext, CommandParts, parse_command, run_command, speaker_of
+from gateway.commands import CommandContext, CommandParts, asks_chat_admin, parse_command, run_command, speaker_of
 from gateway.confirmations import Confirmations
 from gateway.delivery import more_key, more_mark, more_offer
 from gateway.faults import MODEL_DOWN_KINDS, ModelDown, damaged_database, damaged_profile, resource_fault, storage_fault
@@ -113,6 +113,7 @@ class Turns:
     ) -> None:
         self.cfg = cfg
         self.confirmations = confirmations  # tool calls that wait for the person's press
+        self._ask_chat_admin = asks_chat_admin(cfg.tools)  # once, not on every turn
         self.adapters = adapters
         self.agents = agents
         self.linking = linking
@@ -429,7 +430,7 @@ class Turns:
         every one of them may use (gateway/commands.py `speaker_of`)."""
         senders = {j.msg.principal: j.msg for j in jobs}
         checks = [self._chat_admin_check(m) for m in senders.values()]
-        return await speaker_of(self.commands.access, list(senders), place, checks, self.cfg.tools)
+        return await speaker_of(self.commands.access, list(senders), place, checks, self._ask_chat_admin)
 
     def _chat_admin_check(self, msg: InboundMessage) -> Callable[[], Awaitable[bool]] | None:
         """The adapter's `is_chat_admin` for this message's sender, if the platform has one."""

@@ -22,6 +22,18 @@ async def _rows(pool, sql: str) -> list:
         return [tuple(r.values()) for r in await (await conn.execute(sql)).fetchall()]
 
 
+async def _linked_profile(data, fake_llm) -> None:
+    """alice's linked profile (telegram:111 with discord:222), made by a single node on `data`."""
+    single = make_config(data, fake_llm.base_url, tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}})
+    tg = RecordingAdapter("telegram")
+    app = build_gateway(single, [tg])
+    await app.start()
+    try:
+        await say(app, tg, dm("111", "hello", platform="telegram"))
+    finally:
+        await app.stop()
+
+
 async def _seed(pool) -> None:
     """Shared rows of alice (telegram:111, a link with discord:222) and of bob (telegram:333)."""
     async with pool.connection() as conn:
@@ -69,15 +81,7 @@ async def test_profiles_delete_in_cluster_mode_removes_the_persons_postgresql_ro
     tmp_path, fake_llm, pool, schema, monkeypatch
 ):
     data = tmp_path / "data"
-    # alice's linked profile, made by a single node on the same data directory
-    single = make_config(data, fake_llm.base_url, tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}})
-    tg = RecordingAdapter("telegram")
-    app = build_gateway(single, [tg])
-    await app.start()
-    try:
-        await say(app, tg, dm("111", "hello", platform="telegram"))
-    finally:
-        await app.stop()
+    await _linked_profile(data, fake_llm)
     await _seed(pool)
     monkeypatch.setenv("HERMES_DELETE_TEST_DSN", f"{DSN}?options={quote(f'-c search_path={schema}')}")
     cfg = make_config(
@@ -109,14 +113,7 @@ async def test_admin_commands_in_cluster_mode_follow_the_links_nodes_made_at_run
     from gateway.cli.common import admin_links
 
     data = tmp_path / "data"
-    single = make_config(data, fake_llm.base_url, tenancy={"identity_links": {"al": ["telegram:111", "discord:222"]}})
-    tg = RecordingAdapter("telegram")
-    app = build_gateway(single, [tg])
-    await app.start()
-    try:
-        await say(app, tg, dm("111", "hello", platform="telegram"))
-    finally:
-        await app.stop()
+    await _linked_profile(data, fake_llm)
     async with pool.connection() as conn:  # the link as a node records a runtime /link
         for principal in ("telegram:111", "discord:222"):
             await conn.execute("INSERT INTO identity_links (principal, link_name) VALUES (%s, 'al')", (principal,))

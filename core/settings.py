@@ -623,24 +623,15 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cluster_refuses_node_local_features(self) -> Config:
-        """Reminders, streamed drafts and progress notices keep state on one node; in cluster
-        mode they are off, and turning one on explicitly is an error rather than a silent no-op."""
+        """Reminders keep state on one node; in cluster mode they are off, and turning them on
+        explicitly is an error rather than a silent no-op. (Streamed drafts and progress
+        notices go through the PostgreSQL outbox: docs/cluster.md#streaming-and-progress-notices.)"""
         if not self.cluster.enabled:
             return self
         if "enabled" in self.reminders.model_fields_set and self.reminders.enabled:
             raise ValueError(
                 "reminders.enabled: reminders are not available in cluster mode yet "
                 "(cluster.postgres_dsn_env is set); remove the key or set it to false"
-            )
-        if "streaming" in self.delivery.model_fields_set and self.delivery.streaming != "off":
-            raise ValueError(
-                "delivery.streaming: streamed replies are not available in cluster mode yet "
-                "(cluster.postgres_dsn_env is set); remove the key or set it to off"
-            )
-        if self.compression.progress_notices:
-            raise ValueError(
-                "compression.progress_notices: progress notices are edited in place, which cluster "
-                "mode does not support yet; remove the key or set it to false"
             )
         return self
 
@@ -651,8 +642,8 @@ class Config(_Section):
 
     @property
     def streaming_mode(self) -> Literal["dm", "all", "off"]:
-        """`delivery.streaming`, off in cluster mode."""
-        return "off" if self.cluster.enabled else self.delivery.streaming
+        """`delivery.streaming`, in either mode (a cluster records drafts in PostgreSQL)."""
+        return self.delivery.streaming
 
 
 class AgentSettings(BaseModel):

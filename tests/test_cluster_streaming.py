@@ -53,6 +53,11 @@ async def draft_in_chat(fake: FakeTelegram, chat: int) -> dict[str, Any]:
     return draft
 
 
+async def marked_sent(app: GatewayApp, stream: str) -> None:
+    """Until the node has marked its first `stream` chunk sent (past the send window)."""
+    await until_rows(app, f"SELECT id FROM outbox WHERE sent_at IS NOT NULL AND body->>'stream' = '{stream}'")
+
+
 async def test_a_chunk_under_a_stale_epoch_is_refused_by_the_statement_that_would_record_it(tg, fake_llm, node_config):  # noqa: F811
     async with started(node_config("n1", delivery=STREAM)) as one:
         app = one.app
@@ -119,6 +124,7 @@ async def test_a_streamed_answer_whose_node_died_mid_stream_is_finished_by_the_n
     async with started(node_config("n1", delivery=STREAM)) as one:
         assert await post(tg, tg.push_private(4300, "tell me"), one) == 200
         draft = await draft_in_chat(tg, 4300)
+        await marked_sent(one.app, "draft")
         await freeze(one.app)
         async with started(node_config("n2", delivery=STREAM)) as two:
             await tg.wait_for(lambda: tg.sent_messages(4300)[0]["text"] == "Whole answer.", timeout=30)
@@ -128,6 +134,31 @@ async def test_a_streamed_answer_whose_node_died_mid_stream_is_finished_by_the_n
     assert [m["message_id"] for m in sent] == [draft["message_id"]]  # one message: the draft became the final
     assert sent[0]["text"] == "Whole answer."
     assert texts(tg, 4300) == ["Whole answer."]
+
+
+async def test_a_draft_the_platform_took_but_the_dead_node_never_marked_is_left_stale_above_one_final_answer(
+    tg,  # noqa: F811
+    fake_llm,
+    node_config,  # noqa: F811
+):
+    fake_llm.script(
+        paused("Part of an answer that the dying node never finishes", after_chars=18), reply("Whole answer.")
+    )
+    async with started(node_config("n1", delivery=STREAM)) as one:
+        tg.delay_next("sendMessage", 5.0)  # the draft is carried out, its answer comes late
+        assert await post(tg, tg.push_private(4350, "tell me"), one) == 200
+        await draft_in_chat(tg, 4350)
+        await freeze(one.app)  # Telegram shows the draft; the ledger never learns its message id
+        async with started(node_config("n2", delivery=STREAM)) as two:
+            await tg.wait_sent(2, 4350, timeout=30)
+            await settled([two], timeout=30)
+    # the send window (docs/cluster.md#streaming-and-progress-notices): a stale draft, then the answer once
+    [stale, final] = texts(tg, 4350)
+    assert stale.endswith(CURSOR) and final == "Whole answer."
+    assert (
+        tg.sent_messages(4350)[1]["reply_to_message"]["message_id"]
+        == tg.sent_messages(4350)[0]["reply_to_message"]["message_id"]
+    )
 
 
 async def test_a_final_edit_the_platform_took_but_the_dead_node_never_marked_is_not_sent_twice(
@@ -167,6 +198,7 @@ async def test_a_progress_notice_left_open_by_a_node_that_died_is_ended_by_the_n
         # what compression's notify does while the turn runs (agent/compression.py)
         await Notifier(app.replies, msg)("progress", "Compressing the conversation (9,000 tokens)…")
         await tg.wait_sent(1, 4500, timeout=20)
+        await marked_sent(app, "progress")
         await freeze(app)
         async with started(node_config("n2", compression={"progress_notices": True})) as two:
             await tg.wait_sent(2, 4500, timeout=30)

@@ -260,7 +260,7 @@ async def test_three_nodes_under_sigkills_answer_every_message_once_in_order(tmp
 async def test_streamed_answers_across_sigkills_of_the_streaming_node_arrive_once_and_final(tmp_path):
     r = await cluster_storm(
         tmp_path,
-        messages=90,
+        messages=150,  # ~15 s of traffic: five or six kills, most of them cutting streams
         people=12,
         seed=9,
         interval=0.1,
@@ -273,7 +273,7 @@ async def test_streamed_answers_across_sigkills_of_the_streaming_node_arrive_onc
         stream_s=2.5,
         say=_quiet,
     )
-    assert r.kills >= 2, r
+    assert r.kills >= 3, r
     assert r.streamed_finals > 0, (summary(r), r.details)  # answers were streamed: drafts replaced by the final
     # a node was SIGKILLed mid-stream and another node finished that answer
     assert r.streams_taken_over >= 1, (summary(r), r.details)

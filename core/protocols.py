@@ -137,6 +137,21 @@ class Closable(Protocol):
     async def aclose(self) -> None: ...
 
 
+class SendPacer(Protocol):
+    """Spaces a bot's sends under the platform's flood limits (per chat, per group, per bot).
+    One node paces in its own process (adapters/telegram/flood.py `FloodGate`); a cluster
+    shares the pacing through PostgreSQL (docs/cluster.md#flood-pacing-across-nodes)."""
+
+    async def wait_turn(self, chat_id: str) -> None:
+        """Return when a message to `chat_id` may go out now, and count it as sent; raises
+        `DeliveryDeferred` when that cannot be known now (the shared pacing is unreachable)."""
+        ...
+
+    def hold(self, chat_id: str, seconds: float) -> None:
+        """The platform answered 429 for this chat: nothing goes there for `seconds`."""
+        ...
+
+
 @runtime_checkable
 class ElectedReceiver(Protocol):
     """Cluster mode: receives only while this node holds the platform's ingress role

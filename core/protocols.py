@@ -7,12 +7,14 @@ attributes, so what an adapter can do is written in one place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from core.messages import (
     Attachment,
     ConfirmAnswerer,
     ConfirmRequest,
+    InboundMessage,
     InboundSink,
     OutboundMessage,
     OverheardHook,
@@ -163,6 +165,24 @@ class ElectedReceiver(Protocol):
     async def start_receiving(self) -> None: ...
 
     async def stop_receiving(self) -> None: ...
+
+
+@runtime_checkable
+class AdoptsReplies(Protocol):
+    """Cluster mode: a message another node received may carry a `ReplyHandle` (a Discord
+    slash command that node deferred); the node that runs its turn hands it to its own
+    adapter first, so the answer completes that interaction
+    (docs/cluster.md#slash-commands-answered-from-any-node)."""
+
+    def adopt(self, msg: InboundMessage) -> None:
+        """Answer `msg` through its handle from now on (an expired one still keeps a private
+        answer out of the channel)."""
+        ...
+
+    async def release(self, message_ids: Sequence[str], done: bool) -> None:
+        """The lane's claim ended: forget these messages' handles. With `done` nothing will
+        answer them any more, so the placeholder of one still unanswered is removed."""
+        ...
 
 
 @runtime_checkable

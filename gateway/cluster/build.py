@@ -31,7 +31,7 @@ from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressE
 from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
 from gateway.cluster.node import ClusterNode, HeldLease, NodePool, ProfileLeases
 from gateway.cluster.questions import PgQuestions
-from gateway.cluster.runner import ClaimRunner, LeaseFencing, SharedIngress
+from gateway.cluster.runner import ClaimRunner, HandedReplies, LeaseFencing, SharedIngress
 from gateway.cluster.signals import NodeSignals, StopPublisher
 from gateway.inbox import Inbox
 from gateway.outbox import Outbox
@@ -198,6 +198,7 @@ def build_cluster_gateway(
         parts.profiles,
         parts.running,
         parts.background,
+        HandedReplies(parts.adapters.values()),  # slash commands deferred by any node
     )
     roles = ingress_roles(parts.adapters.values(), cfg)
     election = (

@@ -20,6 +20,7 @@ from pydantic import SecretStr
 
 from adapters.discord_bot import DiscordAdapter
 from core.messages import ReplyHandle
+from core.settings import DiscordConfig
 from gateway.cluster.build import build_cluster_gateway
 from gateway.cluster.inbox import Inbound, record_inbound, spend_expired_handles
 from gateway.cluster.ingress import discord_shard
@@ -27,6 +28,7 @@ from gateway.runtime import GatewayApp
 from tests.fakes.discord_api import FakeDiscord
 from tests.pg import require_postgres
 from tests.test_cluster_node import DSN_ENV, TTL, schema_dsn
+from tests.test_telegram_adapter import Recorder
 
 require_postgres()
 
@@ -183,3 +185,30 @@ async def test_an_interaction_token_past_its_life_leaves_the_inbox_but_privacy_s
     async with pool.connection() as conn:
         row = await (await conn.execute("SELECT reply_handle FROM inbox")).fetchone()
     assert row is not None and row["reply_handle"] == {"ephemeral": True}
+
+
+async def test_the_node_that_ran_a_lane_removes_the_placeholder_of_a_command_nothing_answered(fake):
+    """`release` at the end of a claim: given back unfinished, the next holder answers (the
+    placeholder stays); done without an answer, nothing will, so "thinking..." goes now."""
+    cfg = DiscordConfig(enabled=True, api_base=fake.api_base, gateway_url=fake.gateway_url)
+    adapter = DiscordAdapter(cfg, fake.token, ready_timeout=10, guild_ready_timeout=0.05, elected=True)
+    sink = Recorder()
+    await adapter.start(sink)
+    try:
+        await adapter.start_shard(0)
+        await fake.wait_until(lambda: 0 in fake.connected_shards)
+        inter = fake.push_interaction("help", user_id=fake.alice, channel_id=fake.general)
+        (msg,) = await sink.wait(1)
+        assert (await fake.wait_answered(inter))["type"] == 5
+        assert msg.reply_handle is not None and msg.reply_handle.application_id == fake.app_id
+        assert inter["token"] not in repr(msg) and inter["token"] not in msg.model_dump_json()
+        deletes = lambda: fake.rest_calls("DELETE", r"/messages/@original$")  # noqa: E731
+        adapter.adopt(msg)
+        await adapter.release([msg.message_id], done=False)
+        assert deletes() == []
+        adapter.adopt(msg)  # the lane's next holder
+        await adapter.release([msg.message_id], done=True)
+        assert len(deletes()) == 1
+        assert next(s for s in fake.interactions.values() if s["id"] == inter["id"]).get("original_deleted")
+    finally:
+        await adapter.stop()

@@ -12,18 +12,18 @@ observability, adapters, ingress election, claims.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, cast
 
 from agent.llm import LLMClient
 from agent.tokens import TokenCounter
-from core.protocols import Adapter, ElectedReceiver, ElectedShards
+from core.protocols import Adapter, ElectedReceiver, ElectedShards, SendPacer
 from core.settings import Config
 from gateway.build import ModeParts, build_parts
 from gateway.cluster.budgets import PgLedger
 from gateway.cluster.claims import ClaimWorkers
-from gateway.cluster.db import dsn_from_env
+from gateway.cluster.db import Pool, dsn_from_env
 from gateway.cluster.health import ClusterHealth
 from gateway.cluster.identity import SharedIdentity
 from gateway.cluster.inbox import Claim
@@ -31,7 +31,7 @@ from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressE
 from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
 from gateway.cluster.node import ClusterNode, HeldLease, NodePool, ProfileLeases
 from gateway.cluster.questions import PgQuestions
-from gateway.cluster.runner import ClaimRunner, LeaseFencing, SharedIngress
+from gateway.cluster.runner import ClaimRunner, HandedReplies, LeaseFencing, SharedIngress
 from gateway.cluster.signals import NodeSignals, StopPublisher
 from gateway.inbox import Inbox
 from gateway.outbox import Outbox
@@ -125,10 +125,31 @@ class ClusterGateway(GatewayApp):
         self._election = cluster.election
 
 
+AdaptersFor = Callable[[SendPacer | None], Sequence[Adapter]]
+"""Builds a node's adapters around what they share with the other nodes: the Telegram send
+pacer (None when Telegram is off; docs/cluster.md#flood-pacing-across-nodes)."""
+
+
+def shared_flood_gate(cfg: Config, pool: Pool) -> SendPacer | None:
+    """The Telegram pacer every node shares through `pool`; None when Telegram is off (so a
+    Discord-only node never loads the Telegram library)."""
+    if not cfg.platforms.telegram.enabled:
+        return None
+    from gateway.cluster.pacing import PgFloodGate
+
+    return PgFloodGate(pool)
+
+
 def build_cluster_gateway(
-    cfg: Config, adapters: Sequence[Adapter] = (), *, llm: LLMClient | None = None, tokens: TokenCounter | None = None
+    cfg: Config,
+    adapters: Sequence[Adapter] = (),
+    *,
+    adapters_for: AdaptersFor | None = None,
+    llm: LLMClient | None = None,
+    tokens: TokenCounter | None = None,
 ) -> GatewayApp:
-    """A cluster node for `cfg` (cluster.enabled) serving `adapters`; `llm` and `tokens` for tests."""
+    """A cluster node for `cfg` (cluster.enabled) serving `adapters`, and those `adapters_for`
+    builds around the node's shared parts (what `run` does); `llm` and `tokens` for tests."""
     if not cfg.cluster.enabled:
         raise ValueError("cluster.enabled is not set: build this gateway with gateway.build.build_gateway")
     runner: ClaimRunner | None = None  # built once the lanes exist; the node and the claim workers call it
@@ -143,6 +164,8 @@ def build_cluster_gateway(
 
     node = ClusterNode(cfg.cluster, dsn_from_env(cfg.cluster.postgres_dsn_env or ""), on_lost=lease_lost)
     pool = NodePool(node).as_pool()  # opened by node.start()
+    if adapters_for is not None:
+        adapters = [*adapters, *adapters_for(shared_flood_gate(cfg, pool))]
     shared_outbox = ClusterOutbox(node)
     identity = SharedIdentity(cfg, pool, node.node_id, node.ttl)
     claims = ClaimWorkers(node, run_claim, workers=cfg.cluster.max_lanes, poll_s=cfg.cluster.poll_interval_s)
@@ -175,6 +198,7 @@ def build_cluster_gateway(
         parts.profiles,
         parts.running,
         parts.background,
+        HandedReplies(parts.adapters.values()),  # slash commands deferred by any node
     )
     roles = ingress_roles(parts.adapters.values(), cfg)
     election = (

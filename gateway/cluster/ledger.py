@@ -198,7 +198,10 @@ class ClusterOutbox:
                     """UPDATE inbox SET answered_at = now(), outcome = %s, done_epoch = %s,
                            done_at = CASE WHEN EXISTS (SELECT 1 FROM outbox o
                                          WHERE o.inbox_id = inbox.id AND o.sent_at IS NULL)
-                                     THEN NULL ELSE now() END
+                                     THEN NULL ELSE now() END,
+                           reply_handle = CASE WHEN EXISTS (SELECT 1 FROM outbox o
+                                         WHERE o.inbox_id = inbox.id AND o.sent_at IS NULL)
+                                     THEN reply_handle END
                        WHERE id = %s""",
                     (outcome, held.epoch, r["id"]),
                 )
@@ -292,7 +295,8 @@ class ClusterOutbox:
                     (held.epoch if held is not None else None, outcome, sent_id, chunk_id),
                 )
                 cur = await conn.execute(
-                    """UPDATE inbox SET done_at = now() WHERE id = %s AND done_at IS NULL AND answered_at IS NOT NULL
+                    """UPDATE inbox SET done_at = now(), reply_handle = NULL
+                       WHERE id = %s AND done_at IS NULL AND answered_at IS NOT NULL
                        AND NOT EXISTS (SELECT 1 FROM outbox WHERE inbox_id = %s AND sent_at IS NULL)""",
                     (row["inbox_id"], row["inbox_id"]),
                 )

@@ -27,6 +27,7 @@ from typing import Any, cast
 from core.errors import LeaseLost
 from core.settings import ClusterConfig
 from gateway.cluster.db import ClusterError, Conn, Pool, open_pool
+from gateway.cluster.inbox import spend_expired_handles
 from gateway.cluster.leases import (
     Lease,
     NodeHolder,
@@ -322,6 +323,9 @@ class ClusterNode:
                 self._lose(held, "taken over by another node")
                 continue
             held.lease, held.deadline = lease, started + self.ttl - self.margin
+        # after the renewals, which must not wait for it: interaction tokens past their life
+        # (docs/cluster.md#slash-commands-answered-from-any-node)
+        await spend_expired_handles(self.pool)
 
 
 class NodePool:

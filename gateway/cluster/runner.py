@@ -40,6 +40,17 @@ def without_nul(value: Any) -> Any:
     return value
 
 
+def inbound_of(msg: InboundMessage, lane: Lane | None) -> Inbound:
+    """`msg` as the shared inbox keeps it, on `lane` (None: it cannot be placed, and is
+    refused ("bad_ids") by whichever node runs it, like on one node)."""
+    if lane is not None:
+        tenant, lane_key = lane.tenant_id, lane.key
+    else:
+        tenant = lane_key = f"unplaceable/{msg.platform}/{msg.chat_id}"
+    payload = without_nul(msg.model_dump(mode="json"))  # PostgreSQL text cannot hold NUL
+    return Inbound(msg.platform, msg.chat_id, msg.message_id, lane_key, tenant, payload)
+
+
 class SharedIngress:
     """The `SharedInbox` of gateway/modes.py: a message goes into PostgreSQL on its lane
     (once per platform message id), and this node's claim workers are woken."""
@@ -49,14 +60,7 @@ class SharedIngress:
         self.claims = claims
 
     async def record(self, msg: InboundMessage, lane: Lane | None) -> bool:
-        if lane is not None:
-            tenant, lane_key = lane.tenant_id, lane.key
-        else:  # refused ("bad_ids") by whichever node runs it, like on one node
-            tenant = lane_key = f"unplaceable/{msg.platform}/{msg.chat_id}"
-        payload = without_nul(msg.model_dump(mode="json"))  # PostgreSQL text cannot hold NUL
-        new = await record_inbound(
-            self.pool, Inbound(msg.platform, msg.chat_id, msg.message_id, lane_key, tenant, payload)
-        )
+        new = await record_inbound(self.pool, inbound_of(msg, lane))
         if new is None:
             return False
         self.claims.kick()

@@ -46,23 +46,23 @@ async def until(cond: Any, timeout: float = 20.0, what: str = "condition") -> No
         await asyncio.sleep(0.02)
 
 
-def reminder_texts(tg, chat: int) -> list[str]:
-    return [t for t in texts(tg, chat) if t.startswith("⏰ Reminder")]
+def reminder_texts(fake_tg, chat: int) -> list[str]:
+    return [t for t in texts(fake_tg, chat) if t.startswith("⏰ Reminder")]
 
 
 def dm_chat(user: int) -> ReminderChat:
     return ReminderChat("telegram", str(user), "dm", None, str(user), f"u{user}", lane=f"agent:main:telegram:dm:{user}")
 
 
-async def file_reminder(tg, data_dir, user: int, text: str, due: float, repeat: str | None = None) -> None:
+async def file_reminder(fake_tg, data_dir, user: int, text: str, due: float, repeat: str | None = None) -> None:
     """A reminder as the lease holder's tool writes it to the person's reminders.json (in
     the private chat the person has with the bot)."""
-    tg.add_chat(user, "private")
+    fake_tg.add_chat(user, "private")
     store = ReminderStore(tenant_dir(data_dir, f"telegram-{user}"))
     await store.add(text, due, dm_chat(user), tz=None, repeat=repeat, cap=50, now=time.time())
 
 
-async def test_a_reminder_set_on_one_node_is_indexed_and_delivered_once_whichever_node_scans(tg, fake_llm, node_config):
+async def test_a_reminder_set_on_one_node_is_indexed_and_delivered_once_whichever_node_scans(tg, fake_llm, node_config):  # noqa: F811
     async with cluster(node_config, "n1", "n2") as nodes:
         fake_llm.script(
             tool_call("reminders", {"action": "create", "text": "water the plants", "in_minutes": 30}),
@@ -94,7 +94,7 @@ async def _true(value: Any) -> bool:
     return bool(value)
 
 
-async def test_a_late_reminder_in_a_cluster_says_it_is_late_as_on_one_node(tg, fake_llm, node_config):
+async def test_a_late_reminder_in_a_cluster_says_it_is_late_as_on_one_node(tg, fake_llm, node_config):  # noqa: F811
     async with cluster(node_config, "n1", "n2") as nodes:
         fake_llm.script(
             tool_call("reminders", {"action": "create", "text": "stretch", "in_minutes": 10}), reply("Okay.")
@@ -108,7 +108,7 @@ async def test_a_late_reminder_in_a_cluster_says_it_is_late_as_on_one_node(tg, f
         assert sent == "⏰ Reminder: stretch\n(This is late: it was due 2 hours ago, while I was offline.)"
 
 
-async def test_a_stale_epoch_cannot_fire_a_reminder_and_the_new_holder_fires_it_once(tg, fake_llm, node_config):
+async def test_a_stale_epoch_cannot_fire_a_reminder_and_the_new_holder_fires_it_once(tg, fake_llm, node_config):  # noqa: F811
     async with cluster(node_config, "n1", "n2") as nodes:
         n1, n2 = nodes
         tenant = "telegram-113"
@@ -147,7 +147,7 @@ async def test_a_stale_epoch_cannot_fire_a_reminder_and_the_new_holder_fires_it_
         assert reminder_texts(tg, 113) == ["⏰ Reminder: take the pills"]
 
 
-async def test_two_nodes_racing_over_many_due_reminders_record_and_deliver_each_once(tg, fake_llm, node_config):
+async def test_two_nodes_racing_over_many_due_reminders_record_and_deliver_each_once(tg, fake_llm, node_config):  # noqa: F811
     users = list(range(120, 126))
     async with cluster(node_config, "n1", "n2") as nodes:
         for user in users:
@@ -169,9 +169,7 @@ async def test_two_nodes_racing_over_many_due_reminders_record_and_deliver_each_
         assert await rows(nodes[0], "SELECT count(*) FROM reminder_due") == [(0,)]
 
 
-async def test_an_occurrence_fired_by_a_node_that_died_before_moving_the_file_on_is_not_fired_again(
-    tg, fake_llm, node_config
-):
+async def test_an_occurrence_fired_by_a_node_that_died_is_not_fired_again(tg, fake_llm, node_config):  # noqa: F811
     async with cluster(node_config, "n1", "n2") as nodes:
         tenant, due = "telegram-114", time.time() + 120
         await file_reminder(tg, nodes[0].app.cfg.data_dir, 114, "daily walk", due, repeat="daily")
@@ -191,9 +189,7 @@ async def test_an_occurrence_fired_by_a_node_that_died_before_moving_the_file_on
         assert reminder_texts(tg, 114) == []
 
 
-async def test_a_reminder_in_the_file_but_not_in_the_index_is_indexed_when_its_profile_opens(
-    tg, fake_llm, node_config
-):
+async def test_a_reminder_in_the_file_but_not_in_the_index_is_indexed_when_its_profile_opens(tg, fake_llm, node_config):  # noqa: F811
     async with cluster(node_config, "n1", "n2") as nodes:
         # its writer died between the file and the index
         await file_reminder(tg, nodes[0].app.cfg.data_dir, 115, "feed the cat", time.time() + 900)

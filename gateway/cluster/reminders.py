@@ -177,6 +177,11 @@ class PgReminders:
                 ).fetchone()
                 if claimed is not None and await insert_inbound(conn, inbound) is not None:
                     recorded += 1
+                    log.info(
+                        "reminder fired %.1f s after its time",
+                        now - reminder.due,
+                        extra={"event": "reminder_fired", "tenant": tenant_id, "epoch": held.epoch},
+                    )
             held.check()
             await store.advance(reminder.id, reminder.due, now)
         await self.sync(tenant_id, held)
@@ -185,6 +190,7 @@ class PgReminders:
     # ----- the loop -----------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
+            self._wake.clear()  # before the scan: a change noted from now on is not missed
             try:
                 await self.tick()
                 async with self.node.pool.connection() as conn:
@@ -193,12 +199,13 @@ class PgReminders:
                     ).fetchone()
                 due = row["due"] if row is not None else None
                 wait = self.poll_s if due is None else due - self.clock()
+                if wait <= 0:  # due, and held by another node, which fires it: look again after a while
+                    wait = min(self.poll_s, self.node.ttl / 3)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("reminder scan failed (%s); trying again shortly", exc)
                 wait = self.poll_s
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), max(0.05, min(wait, self.poll_s)))
             except TimeoutError:

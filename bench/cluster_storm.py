@@ -853,6 +853,8 @@ class ClusterStorm:
         step = self.messages // (self.reminders + 1) if self.reminders else 0
         for n in range(1, self.messages + 1):
             await asyncio.sleep(self.interval)
+            if self.reminder_takeover and n == self.messages // 2 and self.takeover_task is None:
+                self.takeover_task = self._spawn_task(self._reminder_takeover(counters))
             if n == 1 and self.reminders:  # its profile opens: the overdue reminder is found
                 token, pushed, key = self._next_message(n, counters, dm_from=self.users[0])
                 self.send(token, pushed, key)
@@ -863,8 +865,6 @@ class ClusterStorm:
                 self.rm_pushed[rm] = token
                 self.send(token, pushed, key)
                 continue
-            if self.reminder_takeover and n == self.messages // 2 and self.takeover_task is None:
-                self.takeover_task = self._spawn_task(self._reminder_takeover(counters))
             if self.discord_share and self.rng.random() < self.discord_share:
                 self._next_discord(n, counters)
                 continue
@@ -899,32 +899,51 @@ class ClusterStorm:
         node.restarting = False
 
     async def _reminder_takeover(self, counters: dict[tuple[str, str], int]) -> None:
-        """Set a reminder due half a lease later, SIGKILL the node that ran the turn right
-        after it answered (it holds the tenant's lease), keep it down past the due time."""
+        """Set a reminder due half a lease later; once its turn's answer is recorded (so the
+        turn is not run again) and before the reminder fires, SIGKILL the node holding its
+        tenant's lease (the node that would fire it) and keep it down past the due time."""
+        import psycopg
+
         due_s = self.lease_ttl_s / 2
+        user = self.users[1]
         token, pushed, key = self._next_message(
-            self.messages + 2, counters, word=f"remind in {due_s:g}s as {TAKEOVER_REMINDER}", dm_from=self.users[1]
+            self.messages + 2, counters, word=f"remind in {due_s:g}s as {TAKEOVER_REMINDER}", dm_from=user
         )
         self.rm_pushed[TAKEOVER_REMINDER] = token
         self.send(token, pushed, key)
+
+        def holder() -> str | None:
+            """The tenant's live lease holder once the answer is recorded and the reminder not fired."""
+            with psycopg.connect(self.dsn, connect_timeout=5) as conn:
+                ready = conn.execute(
+                    """SELECT 1 FROM inbox WHERE payload->>'text' LIKE %s AND answered_at IS NOT NULL
+                       AND EXISTS (SELECT 1 FROM reminder_due WHERE tenant = %s AND fired_at IS NULL)""",
+                    (f"%{TAKEOVER_REMINDER}%", f"telegram-{user}"),
+                ).fetchone()
+                if ready is None:
+                    return None
+                row = conn.execute(
+                    "SELECT holder FROM tenant_leases WHERE tenant = %s AND expires_at > now()", (f"telegram-{user}",)
+                ).fetchone()
+                return row[0] if row else None
+
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            sent = next((m for m in self.tg.sent if token in m.get("text", "")), None)
-            if sent is not None:
-                break
-            await asyncio.sleep(0.005)
-        else:
-            self.result.details.append("reminder takeover: the setting message was not answered within 30 s; skipped")
-            return
-        label = str(sent.get("_via") or "")
-        node = next((x for x in self.nodes if x.life is not None and label == f"{x.name}-{x.life.index}"), None)
-        if node is None or not node.alive or node.restarting or node is self.paused_node:
-            self.result.details.append(f"reminder takeover: the answering node {label} is not running; skipped")
+        name = None
+        while time.monotonic() < deadline and name is None:
+            with contextlib.suppress(psycopg.Error):
+                name = await asyncio.to_thread(holder)
+            await asyncio.sleep(0.01)
+        node = next((x for x in self.nodes if x.name == name), None)
+        if node is None or not node.alive or node.restarting or node is self.paused_node or node.life is None:
+            self.result.details.append(
+                f"reminder takeover: no running holder of the tenant was found ({name}); skipped"
+            )
             return
         node.restarting = True  # the chaos loop leaves it alone
+        label = f"{node.name}-{node.life.index}"
         self._kill(node)
         self.result.takeover_killed = label
-        self.say(f"  killed {label} right after it set {TAKEOVER_REMINDER} (due in {due_s:g} s)")
+        self.say(f"  killed {label}, which holds the tenant of {TAKEOVER_REMINDER} (due in {due_s:g} s)")
         self._spawn_task(self._restart_later(node, due_s + 2 * self.lease_ttl_s + 2))
 
     async def _pause_scenario(self, counters: dict[tuple[str, str], int]) -> None:

@@ -202,3 +202,15 @@ async def test_a_reminder_in_the_file_but_not_in_the_index_is_indexed_when_its_p
         await until(lambda: _true(reminder_texts(tg, 115)), what="the delivery")
         await settled(nodes)
         assert reminder_texts(tg, 115) == ["⏰ Reminder: feed the cat"]
+
+
+async def test_a_damaged_reminders_file_does_not_keep_its_profile_from_opening(tg, fake_llm, node_config):  # noqa: F811
+    async with cluster(node_config, "n1", "n2") as nodes:
+        path = tenant_dir(nodes[0].app.cfg.data_dir, "telegram-116") / "reminders.json"
+        path.parent.mkdir(parents=True)
+        path.write_text('{"next_id": 2, "reminders": [{"id": 1}]}', "utf-8")  # no text, no due
+        fake_llm.script(reply("Hi there."))
+        assert await post(tg, tg.push_private(116, "hello"), nodes[0]) == 200
+        await settled(nodes)
+        assert texts(tg, 116) == ["Hi there."]
+        assert await rows(nodes[0], "SELECT count(*) FROM reminder_due") == [(0,)]

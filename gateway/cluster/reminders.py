@@ -118,8 +118,11 @@ class PgReminders:
             return
         try:
             await self.sync(tenant_id, held)
-        except ValueError:  # an unreadable file: the scheduler's next look logs it again
-            log.warning("reminders.json of an opened profile is unreadable; its reminders are not indexed")
+        except (ValueError, KeyError, TypeError) as exc:  # a damaged file must not keep the profile shut
+            log.warning(
+                "reminders.json of an opened profile is unreadable (%s); its reminders are not indexed",
+                type(exc).__name__,
+            )
 
     async def sync(self, tenant_id: str, held: HeldLease) -> None:
         """Make the tenant's rows the file's current occurrences, fenced by `held`; an

@@ -162,9 +162,11 @@ def next_occurrence(due: float, tz: str | None, repeat: str, after: float) -> fl
 class ReminderStore:
     """`reminders.json` of one profile; every change is a locked, atomic read-modify-write."""
 
-    def __init__(self, profile_dir: Path) -> None:
+    def __init__(self, profile_dir: Path, guard: Callable[[], None] | None = None) -> None:
         self.path = Path(profile_dir) / FILE
         self._lock_path = Path(profile_dir) / f".{FILE}.lock"
+        # called right before the file is replaced; raises to refuse it (cluster mode: the lease)
+        self.guard = guard
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -184,6 +186,8 @@ class ReminderStore:
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = self._read()
             result = fn(data)
+            if self.guard is not None:
+                self.guard()
             atomic_write(self.path, json.dumps(data, ensure_ascii=False, indent=1))
             return result
         finally:

@@ -178,7 +178,9 @@ class Agent:
         async def index(due: float | None, lower_only: bool) -> None:
             await hook(tenant, due, lower_only)
 
-        return ReminderTool(ReminderStore(profile.path), chat, self.settings.reminders.max_per_tenant, index, group)
+        return ReminderTool(
+            ReminderStore(profile.path, profile.guard), chat, self.settings.reminders.max_per_tenant, index, group
+        )
 
     def _review_toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, only: frozenset[str]) -> ToolBox:
         box = self.toolbox(profile, lane, place, self.lane_memory(profile, lane))

@@ -623,15 +623,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cluster_refuses_node_local_features(self) -> Config:
-        """Reminders, streamed drafts and progress notices keep state on one node; in cluster
-        mode they are off, and turning one on explicitly is an error rather than a silent no-op."""
+        """Streamed drafts and progress notices keep state on one node; in cluster mode they
+        are off, and turning one on explicitly is an error rather than a silent no-op."""
         if not self.cluster.enabled:
             return self
-        if "enabled" in self.reminders.model_fields_set and self.reminders.enabled:
-            raise ValueError(
-                "reminders.enabled: reminders are not available in cluster mode yet "
-                "(cluster.postgres_dsn_env is set); remove the key or set it to false"
-            )
         if "streaming" in self.delivery.model_fields_set and self.delivery.streaming != "off":
             raise ValueError(
                 "delivery.streaming: streamed replies are not available in cluster mode yet "
@@ -646,8 +641,8 @@ class Config(_Section):
 
     @property
     def reminders_on(self) -> bool:
-        """Reminders run on a single node only (cluster mode turns them off)."""
-        return self.reminders.enabled and not self.cluster.enabled
+        """Reminders are delivered (on one node, and in cluster mode: docs/cluster.md#reminders)."""
+        return self.reminders.enabled
 
     @property
     def streaming_mode(self) -> Literal["dm", "all", "off"]:

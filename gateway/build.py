@@ -33,7 +33,7 @@ from gateway.kv import KeyValue, SqliteKV
 from gateway.linking import Linking, MergeGuard
 from gateway.media import MediaIntake
 from gateway.metrics import ClusterMetrics, InstrumentedLLM, Metrics
-from gateway.modes import Fencing, OpenQuestions, SharedInbox, StopSignals
+from gateway.modes import Fencing, OpenQuestions, Reminders, SharedInbox, StopSignals
 from gateway.outbox import Deliverer, Outbox
 from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
@@ -69,6 +69,8 @@ class ModeParts:
     cluster_metrics: ClusterMetrics | None = None
     #: where a tenant's budget counts live (None: its profile's state.db)
     ledger_for: Callable[[Profile], Ledger] | None = None
+    #: the reminders' due index and what fires them (None: gateway.db and this process)
+    reminders: Reminders | None = None
     #: identity state shared with other nodes: a /link merge needs `merge_guard`
     cluster: bool = False
     running: RunningTurns = field(default_factory=RunningTurns)
@@ -156,8 +158,12 @@ def build_parts(
         assert ingress is not None
         return await ingress.submit_reminder(msg)
 
-    reminders = ReminderScheduler(lambda: inbox.db, cfg.data_dir, submit_reminder)
-    # the tool keeps the due-time index current; no reminders in cluster mode
+    reminders: Reminders = (
+        mode.reminders
+        if mode.reminders is not None
+        else ReminderScheduler(lambda: inbox.db, cfg.data_dir, submit_reminder)
+    )
+    # the tool keeps the due-time index current
     for each in agents.all():
         each.reminder_index = reminders.note if cfg.reminders_on else None
     kv = mode.kv if mode.kv is not None else SqliteKV(inbox)

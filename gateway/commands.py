@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gateway.access import Access
     from gateway.inbox import Inbox
     from gateway.linking import Linking
-    from gateway.reminders import ReminderScheduler
+    from gateway.modes import Reminders
     from tenancy.identity import IdentityLinks
 
 
@@ -62,7 +62,7 @@ class CommandParts:
     inbox: Inbox
     links: IdentityLinks
     linking: Linking
-    reminders: ReminderScheduler
+    reminders: Reminders
 
 
 @dataclass
@@ -598,7 +598,7 @@ async def cmd_reminders(ctx: CommandContext) -> str:
     /reminders cancel N cancels one."""
     from agent.reminders import Reminder, ReminderStore
 
-    store = ReminderStore(ctx.profile.path)
+    store = ReminderStore(ctx.profile.path, ctx.profile.guard)
     msg = ctx.msg
 
     def here(reminder: Reminder) -> bool:  # any other lane sees only what was set in it

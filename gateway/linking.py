@@ -80,7 +80,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from core.settings import Config
     from gateway.inbox import Inbox
     from gateway.metrics import Metrics
-    from gateway.reminders import ReminderScheduler
+    from gateway.modes import Reminders
     from tenancy.identity import IdentityLinks
     from tenancy.profiles import ProfileManager
 
@@ -163,7 +163,7 @@ class Linking:
         profiles: ProfileManager,
         inbox: Inbox,
         metrics: Metrics,
-        reminders: ReminderScheduler,
+        reminders: Reminders,
         send: Send,
         *,
         store: KeyValue | None = None,
@@ -760,8 +760,8 @@ class Linking:
             self._ungate([personal])
         self.metrics.links.inc(kind="unlink", outcome="ok")
         log.info("unlink: one account left %s", link_tenant)
-        try:  # cluster mode has no reminders (and writes a profile only under its lease)
-            stopped = [] if self.cluster else await self._stop_reminders_of(link_tenant, target)
+        try:  # in cluster mode this lane's claim holds the link tenant's lease
+            stopped = await self._stop_reminders_of(link_tenant, target)
         except Exception:
             log.exception("unlink: could not stop the reminders set from the account that left")
             stopped = []

@@ -148,11 +148,11 @@ async def settled(nodes: list[Node], timeout: float = 20) -> None:
 # --- config and CLI -------------------------------------------------------------------------
 
 
-def test_a_cluster_config_refuses_reminders_and_streaming_turned_on_and_defaults_them_off(node_config):
+def test_a_cluster_config_refuses_streaming_turned_on_and_keeps_reminders_on(node_config):
     cfg = node_config("n1")
-    assert cfg.cluster.max_lanes == 4 and not cfg.reminders_on and cfg.streaming_mode == "off"
-    with pytest.raises(ConfigError, match=r"reminders\.enabled"):
-        node_config("n1", reminders={"enabled": True})
+    assert cfg.cluster.max_lanes == 4 and cfg.reminders_on and cfg.streaming_mode == "off"
+    assert node_config("n1", reminders={"enabled": True}).reminders_on  # docs/cluster.md#reminders
+    assert not node_config("n1", reminders={"enabled": False}).reminders_on
     with pytest.raises(ConfigError, match=r"delivery\.streaming"):
         node_config("n1", delivery={"streaming": "dm"})
     with pytest.raises(ConfigError, match="node_id"):

@@ -1,5 +1,5 @@
 """The cluster-mode factory: a gateway whose inbox, outbox, small shared state, identity
-links and open confirmations are in PostgreSQL, whose profiles open only under their tenant
+links, open confirmations and reminders' due index are in PostgreSQL, whose profiles open only under their tenant
 lease, whose lanes are claimed and run by claim workers, and whose nodes signal each other
 a /stop or a decided confirmation (docs/cluster.md).
 
@@ -18,6 +18,8 @@ from typing import Any, cast
 
 from agent.llm import LLMClient
 from agent.tokens import TokenCounter
+from core.lanes import Lane
+from core.messages import InboundMessage
 from core.protocols import Adapter, ElectedReceiver, ElectedShards, SendPacer
 from core.settings import Config
 from gateway.build import ModeParts, build_parts
@@ -31,11 +33,13 @@ from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressE
 from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
 from gateway.cluster.node import ClusterNode, HeldLease, NodePool, ProfileLeases
 from gateway.cluster.questions import PgQuestions
+from gateway.cluster.reminders import PgReminders
 from gateway.cluster.runner import ClaimRunner, HandedReplies, LeaseFencing, SharedIngress
 from gateway.cluster.signals import NodeSignals, StopPublisher
 from gateway.inbox import Inbox
 from gateway.outbox import Outbox
 from gateway.runtime import GatewayApp, Parts
+from tenancy.keys import resolve_lane
 
 
 def ingress_roles(adapters: Iterable[Adapter], cfg: Config) -> list[Role]:
@@ -171,13 +175,23 @@ def build_cluster_gateway(
     claims = ClaimWorkers(node, run_claim, workers=cfg.cluster.max_lanes, poll_s=cfg.cluster.poll_interval_s)
     # tool-call confirmations a press on any node decides (docs/cluster.md#stop-and-confirmations-across-nodes)
     questions = PgQuestions(pool, node.node_id, cfg.tools.confirm_timeout_s)
+
+    async def lane_of(msg: InboundMessage) -> Lane | None:
+        await identity.refresh()  # a link another node made places the occurrence too
+        try:
+            return resolve_lane(msg, cfg.tenancy, identity.links)
+        except ValueError:
+            return None
+
+    # the due index in PostgreSQL, fired under tenant leases (docs/cluster.md#reminders)
+    reminders = PgReminders(node, cfg.data_dir, lane_of, poll_s=cfg.cluster.poll_interval_s)
     mode = ModeParts(
         # duck-typed: they implement what the gateway, Access and Linking call in cluster mode
         inbox=cast(Inbox, ClusterInbox(node, shared_outbox)),
         outbox=cast(Outbox, shared_outbox),
         links=identity.links,
         kv=identity.kv,
-        gate=ProfileLeases(node),
+        gate=ProfileLeases(node, opened=reminders.opened if cfg.reminders_on else None),
         links_refresh=identity.refresh,
         merge_guard=identity.merge_guard,
         shared=SharedIngress(pool, claims),
@@ -186,6 +200,7 @@ def build_cluster_gateway(
         fencing=LeaseFencing(node, shared_outbox),
         cluster_metrics=node.metrics,
         ledger_for=lambda profile: PgLedger(pool, profile.tenant_id),  # budgets atomic across nodes
+        reminders=reminders,
         cluster=True,
     )
     parts = build_parts(cfg, adapters, mode, llm=llm, tokens=tokens)

@@ -64,30 +64,35 @@ class Claim:
 async def record_inbound(pool: Pool, msg: Inbound) -> int | None:
     """Commit the message to the inbox; its id, or None for a duplicate delivery (already recorded)."""
     async with pool.connection() as conn, conn.transaction():
-        cur = await conn.execute(
-            """INSERT INTO inbox (platform, chat_id, message_id, lane, tenant, payload, reply_handle)
-               VALUES (%s, %s, %s, %s, %s, %s, %s)
-               ON CONFLICT (platform, chat_id, message_id) DO NOTHING RETURNING id""",
-            (
-                msg.platform,
-                msg.chat_id,
-                msg.message_id,
-                msg.lane,
-                msg.tenant,
-                Jsonb(msg.payload),
-                Jsonb(msg.reply_handle) if msg.reply_handle is not None else None,
-            ),
-        )
-        row = await cur.fetchone()
-        if row is None:
-            return None
-        await conn.execute(
-            """INSERT INTO lanes AS l (lane, tenant, head_id) VALUES (%s, %s, %s)
-               ON CONFLICT (lane) DO UPDATE SET head_id = coalesce(l.head_id, EXCLUDED.head_id)""",
-            (msg.lane, msg.tenant, row["id"]),
-        )
-        await conn.execute(NOTIFY_SQL)  # delivered on commit: idle nodes wake up and claim
-        return int(row["id"])
+        return await insert_inbound(conn, msg)
+
+
+async def insert_inbound(conn: Conn, msg: Inbound) -> int | None:
+    """`record_inbound` inside the caller's transaction (a reminder's fence, gateway/cluster/reminders.py)."""
+    cur = await conn.execute(
+        """INSERT INTO inbox (platform, chat_id, message_id, lane, tenant, payload, reply_handle)
+           VALUES (%s, %s, %s, %s, %s, %s, %s)
+           ON CONFLICT (platform, chat_id, message_id) DO NOTHING RETURNING id""",
+        (
+            msg.platform,
+            msg.chat_id,
+            msg.message_id,
+            msg.lane,
+            msg.tenant,
+            Jsonb(msg.payload),
+            Jsonb(msg.reply_handle) if msg.reply_handle is not None else None,
+        ),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    await conn.execute(
+        """INSERT INTO lanes AS l (lane, tenant, head_id) VALUES (%s, %s, %s)
+           ON CONFLICT (lane) DO UPDATE SET head_id = coalesce(l.head_id, EXCLUDED.head_id)""",
+        (msg.lane, msg.tenant, row["id"]),
+    )
+    await conn.execute(NOTIFY_SQL)  # delivered on commit: idle nodes wake up and claim
+    return int(row["id"])
 
 
 _REAP = """UPDATE lanes SET claimed_by = NULL, claimed_at = NULL

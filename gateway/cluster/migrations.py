@@ -279,6 +279,28 @@ $fn$;
 ALTER TABLE inbox ADD COLUMN reply_handle jsonb;
 """,
     ),
+    Migration(
+        8,
+        "the due index of reminders",
+        """
+-- one row per current occurrence of a reminder (docs/cluster.md#reminders): the tenant's
+-- reminders.json is the truth, this is what nodes scan for due work. `due_at` is the file's
+-- UTC timestamp; `fired_*` are set, under the tenant's lease and epoch, in the transaction
+-- that records the occurrence in the inbox, and the row goes once the file moved past it
+CREATE TABLE reminder_due (
+    tenant      text NOT NULL,
+    reminder_id bigint NOT NULL,
+    due_at      double precision NOT NULL,
+    principal   text NOT NULL,
+    fired_at    timestamptz,
+    fired_epoch bigint,
+    fired_by    text,
+    PRIMARY KEY (tenant, reminder_id, due_at)
+);
+CREATE INDEX reminder_due_unfired ON reminder_due (due_at) WHERE fired_at IS NULL;
+CREATE INDEX reminder_due_fired ON reminder_due (fired_at) WHERE fired_at IS NOT NULL;
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

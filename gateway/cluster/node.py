@@ -19,7 +19,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -358,12 +358,20 @@ class ProfileLeases:
     `tenant`, `epoch`, `node` and the wall-clock `ts`; the open is logged once the lease is
     held and before SQLite opens, the close after SQLite closed and before the release."""
 
-    def __init__(self, node: ClusterNode) -> None:
+    def __init__(self, node: ClusterNode, opened: Callable[[str, HeldLease], Awaitable[None]] | None = None) -> None:
         self.node = node
+        # told of every open under its lease, before the profile is used (the reminders' index)
+        self.opened = opened
         self._open: dict[str, HeldLease] = {}
 
     async def opening(self, tenant_id: str) -> Callable[[], None]:
         held = await self.node.hold(tenant_id)
+        if self.opened is not None:
+            try:
+                await self.opened(tenant_id, held)
+            except BaseException:
+                await self.node.unhold(held)
+                raise
         self._open[tenant_id] = held
         self._audit("profile_open", held)
         return held.check

@@ -43,6 +43,18 @@ def without_nul(value: Any) -> Any:
     return value
 
 
+def to_inbound(msg: InboundMessage, lane: Lane | None) -> Inbound:
+    """`msg` as the shared inbox keeps it, on `lane` (None: it cannot be placed, and is
+    refused ("bad_ids") by whichever node runs it, like on one node)."""
+    if lane is not None:
+        tenant, lane_key = lane.tenant_id, lane.key
+    else:
+        tenant = lane_key = f"unplaceable/{msg.platform}/{msg.chat_id}"
+    payload = without_nul(msg.model_dump(mode="json"))  # PostgreSQL text cannot hold NUL
+    handle = msg.reply_handle.stored() if msg.reply_handle is not None else None  # not in the payload
+    return Inbound(msg.platform, msg.chat_id, msg.message_id, lane_key, tenant, payload, handle)
+
+
 class SharedIngress:
     """The `SharedInbox` of gateway/modes.py: a message goes into PostgreSQL on its lane
     (once per platform message id), and this node's claim workers are woken."""
@@ -52,15 +64,7 @@ class SharedIngress:
         self.claims = claims
 
     async def record(self, msg: InboundMessage, lane: Lane | None) -> bool:
-        if lane is not None:
-            tenant, lane_key = lane.tenant_id, lane.key
-        else:  # refused ("bad_ids") by whichever node runs it, like on one node
-            tenant = lane_key = f"unplaceable/{msg.platform}/{msg.chat_id}"
-        payload = without_nul(msg.model_dump(mode="json"))  # PostgreSQL text cannot hold NUL
-        handle = msg.reply_handle.stored() if msg.reply_handle is not None else None  # not in the payload
-        new = await record_inbound(
-            self.pool, Inbound(msg.platform, msg.chat_id, msg.message_id, lane_key, tenant, payload, handle)
-        )
+        new = await record_inbound(self.pool, to_inbound(msg, lane))
         if new is None:
             return False
         self.claims.kick()

@@ -22,6 +22,7 @@ from agent.model_choice import ModelChoice, read_model, write_model
 from agent.persona import PersonaChoice, read_choice, write_choice
 from agent.providers import MemoryProvider
 from agent.sessions import SessionStore
+from agent.vault import ProfileFiles
 
 
 def zone_memo(path: Path) -> FileMemo[tzinfo]:
@@ -53,8 +54,12 @@ class Profile:
     budget_file: FileMemo[dict[str, float | None]] | None = None
     #: persona.json as the open read it (in its pool job); None: read on first use
     persona_choice: PersonaChoice | None = None
+    #: its files, sealed with the tenant's key when storage.encryption is per_tenant
+    files: ProfileFiles | None = None
 
     def __post_init__(self) -> None:
+        if self.files is None:
+            self.files = ProfileFiles(self.path)
         if self.zone_file is None:
             self.zone_file = zone_memo(self.path)
         if self.budget_file is None:

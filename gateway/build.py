@@ -20,6 +20,7 @@ from agent.profile import Profile
 from agent.sessions import StoragePool
 from agent.tokens import TokenCounter
 from agent.turn import Agent
+from agent.vault import open_keyring
 from core.messages import InboundMessage
 from core.protocols import Adapter
 from core.settings import AgentSettings, Config
@@ -112,6 +113,9 @@ def build_parts(
         gate=mode.gate,
         # WAL's shared-memory index is for one host; a shared data_dir needs a rollback journal
         journal_mode="delete" if cfg.cluster.enabled else "wal",
+        keyring=open_keyring(
+            cfg.data_dir, cfg.storage.encryption, cfg.storage.master_key_env, cfg.storage.master_key_file
+        ),
     )
     own_llm = llm is None
     client = llm or LLMClient.from_config(cfg.llm)

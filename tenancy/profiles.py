@@ -29,6 +29,7 @@ from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
 from agent.sessions.errors import damaged_sqlite
+from agent.vault import KEY_FILE, DataKey, Keyring, ProfileFiles, VaultError
 from core.settings import DEFAULT_MEMORY_BUDGET_MIB
 from tenancy.keys import tenant_dir, tenant_dir_name
 
@@ -165,6 +166,8 @@ def journal_records(path: Path) -> list[dict]:
 def _damage_of(exc: BaseException) -> str | None:
     """The damage an open failure shows (SQLite finding a file that is not a sound
     database, a layout entry of the wrong type), or None for anything that may pass."""
+    if isinstance(exc, VaultError):  # a destroyed, missing or wrong key: one sentence already
+        return str(exc)
     if damaged_sqlite(exc):  # "file is not a database", "disk image is malformed"
         return f"state.db cannot be read ({exc})"
     if isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)):
@@ -266,12 +269,17 @@ class ProfileManager:
         pool: StoragePool | None = None,
         gate: ProfileGate | None = None,
         journal_mode: JournalMode = "wal",
+        keyring: Keyring | None = None,
     ) -> None:
         """`max_open` caps the open profiles below what `memory_budget_mib` and the
         descriptor limit allow (`open_limit`). `gate` guards every open and write (cluster
         mode); `journal_mode` "delete" opens SQLite with a rollback journal, safe on a
-        network filesystem (one host at a time)."""
+        network filesystem (one host at a time). `keyring` (storage.encryption per_tenant)
+        keys every profile with its tenant's data key (docs/privacy.md#encryption-at-rest)."""
         self.data_dir = data_dir
+        self.keyring = keyring
+        # tenant id -> its unwrapped data key, so a reopen does not unwrap again; evict() drops it
+        self._keys: dict[str, DataKey] = {}
         self.gate = gate
         self.journal_mode: JournalMode = journal_mode
         self.pool = pool  # storage threads shared by every profile's SessionStore
@@ -425,14 +433,18 @@ class ProfileManager:
             checks = None if known is not None else self._checks(tenant_id, kind, path, found)
             zone, budget = zone_memo(path), budget_memo(path)
 
-            def before() -> None:  # on the pool thread, in the open's own job (no hop of its own)
+            key_found: list[DataKey | None] = []
+
+            def before() -> DataKey | None:  # on the pool thread, in the open's own job (no hop of its own)
                 if checks is not None:
                     checks()
+                key_found.append(self._key_of(tenant_id, path))
                 persona.append(read_choice(path))
                 model.append(read_model(path))
                 budget.load()
                 if kind == "person":  # a chat's budget days are UTC's
                     zone.load()
+                return key_found[0]
 
             sessions = SessionStore(
                 path,
@@ -459,6 +471,7 @@ class ProfileManager:
         if gate is None:
             self._known[tenant_id] = principals
         mem_limit, user_limit = self._memory_limits
+        key = key_found[0] if key_found else self._keys.get(tenant_id)
         memory = MemoryStore(path, mem_limit, user_limit, guard=guard)
         provider = make_provider(self._provider_kind)
         on_close = (lambda: gate.closed(tenant_id)) if gate is not None else None
@@ -474,6 +487,7 @@ class ProfileManager:
             model_choice=model[0] if model else None,
             zone_file=zone,
             budget_file=budget,
+            files=ProfileFiles(path, key),
         )
         if provider is not None:
             try:
@@ -489,6 +503,23 @@ class ProfileManager:
             )
         profile.principals = principals  # the same set as in _known: add_principal updates both
         return profile
+
+    def _key_of(self, tenant_id: str, path: Path) -> DataKey | None:
+        """The tenant's data key, unwrapped once per process (on the pool thread); a new
+        profile gets one. None when encryption is off, which refuses an encrypted profile."""
+        if self.keyring is None:
+            if (path / KEY_FILE).exists():
+                raise VaultError(
+                    f"{tenant_id}'s profile is encrypted, but storage.encryption is off: "
+                    f"set it to per_tenant with its master key"
+                )
+            return None
+        key = self._keys.get(tenant_id)
+        if key is None:
+            fresh = not (path / "state.db").exists()  # nothing stored yet: a new tenant
+            key = self.keyring.key_for(tenant_id, path, create=fresh)
+            self._keys[tenant_id] = key
+        return key
 
     def _checks(self, tenant_id: str, kind: str, path: Path, found: list[set[str]]) -> Callable[[], None]:
         """The checks of a profile directory not yet known in this process, run on the pool
@@ -517,6 +548,7 @@ class ProfileManager:
         """Close a profile now (e.g. before deleting it); False if it is in use. Its
         directory is checked again when it next opens."""
         self._known.pop(tenant_id, None)
+        self._keys.pop(tenant_id, None)
         async with self._lock:
             profile = self._open.get(tenant_id)
             closing = self._closing.get(tenant_id)

@@ -20,6 +20,7 @@ import apsw
 from agent.messages import StoredMessage
 from agent.sessions.codec import msg_row
 from agent.sessions.errors import SessionStoreError, UnknownSessionError
+from agent.vault import DataKey
 
 SCHEMA_VERSION = 1
 # PRAGMA user_version of a state.db whose schema script already ran (so open() can skip it)
@@ -175,16 +176,21 @@ def chunks(items: list[T], n: int = _SQL_CHUNK) -> Iterable[list[T]]:
 JournalMode = Literal["wal", "delete"]
 
 
-def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> apsw.Connection:
+def connect(
+    path: Path, fsync: str, journal_mode: JournalMode = "wal", *, key: DataKey | None = None
+) -> apsw.Connection:
     """Open state.db for one profile (usable from any pool thread, one call at a time).
 
     `journal_mode` "delete" (a rollback journal) is for a data_dir on a network filesystem
     (cluster mode): WAL's shared-memory index only works among processes of one host.
     A close leaves the WAL for the next open or SQLite's auto-checkpoint (no checkpoint and
     fsyncs per close); the journal, written first, covers what an un-fsynced WAL loses.
-    The schema script runs only when PRAGMA user_version says it has not run yet."""
+    The schema script runs only when PRAGMA user_version says it has not run yet. With
+    `key` the file is encrypted by SQLite3 Multiple Ciphers (docs/privacy.md#encryption-at-rest)."""
     db = apsw.Connection(str(path), statementcachesize=STATEMENT_CACHE)
     try:
+        if key is not None:
+            db.execute(key.db_pragma(), can_cache=False).fetchall()
         db.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
         db.set_busy_timeout(10000)
         mode = "WAL" if journal_mode == "wal" else "DELETE"

@@ -47,6 +47,7 @@ from agent.sessions.pool import StoragePool, default_pool
 from agent.sessions.reconcile import reconcile
 from agent.sessions.search import clamp_limit, search
 from agent.sessions.write import Lines, Tx, journaled
+from agent.vault import DataKey
 
 log = logging.getLogger("agent.sessions")
 
@@ -181,19 +182,22 @@ class SessionStore:
         self._routes: dict[str, str] = {}  # session_key -> live session id
         self._live: OrderedDict[str, _Live] = OrderedDict()
         self._soft = _Soft()
+        #: the tenant's data key (set by open's `before`): state.db and journal lines sealed
+        self.key: DataKey | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def open(self, before: Callable[[], None] | None = None) -> SessionStore:
+    async def open(self, before: Callable[[], DataKey | None] | None = None) -> SessionStore:
         """Open state.db (schema only when its version is older) and reconcile it with the
         journals. `before` runs first in the same pool job (the caller's checks of the
-        profile directory: no extra hop); if it raises, nothing is opened."""
+        profile directory: no extra hop) and returns the tenant's data key when its profile
+        is encrypted (docs/privacy.md#encryption-at-rest); if it raises, nothing is opened."""
         if self._db is not None:
             return self
 
         def job() -> apsw.Connection:
             if before is not None:
-                before()
+                self.key = before()
             return self._open_blocking()
 
         self._db = await self._pool.run(job)
@@ -208,7 +212,7 @@ class SessionStore:
         db: apsw.Connection | None = None
         try:  # whatever fails (a descriptor limit too) releases the profile lock again
             private_file(self.db_path)  # SQLite gives -wal/-shm the database file's mode
-            db = q.connect(self.db_path, self.fsync, self._journal_mode)
+            db = q.connect(self.db_path, self.fsync, self._journal_mode, key=self.key)
             reconcile(db, self._journal)
             return db
         except BaseException:

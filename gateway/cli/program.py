@@ -8,6 +8,7 @@ import importlib.metadata
 import os
 import sys
 
+from agent.vault import VaultError
 from core.settings import ConfigError, load_config
 from gateway.cli import budget, cluster, doctor, init, profiles, run
 from gateway.cli.common import CONFIG_HELP, DEFAULT_CONFIG, setup_logging
@@ -55,7 +56,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    except (AdminError, StartupError) as err:
+    except (AdminError, StartupError, VaultError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -34,6 +34,8 @@ __all__ = [
     "Keyring",
     "VaultError",
     "is_sealed",
+    "is_sealed_line",
+    "key_of",
     "parse_master_key",
 ]
 
@@ -52,6 +54,15 @@ class VaultError(Exception):
 def is_sealed(blob: bytes) -> bool:
     """Whether `blob` is a sealed record (and so needs a key to read)."""
     return blob.startswith(_MAGIC)
+
+
+# a sealed journal line is base64 of a sealed record: these first characters never change
+_LINE_MAGIC = base64.b64encode(_MAGIC + b"\0\0")[:5]
+
+
+def is_sealed_line(line: bytes) -> bool:
+    """Whether a journal line (without its newline) is a sealed record (DataKey.seal_line)."""
+    return line.startswith(_LINE_MAGIC)
 
 
 def _hkdf(secret: bytes, salt: bytes, info: str) -> bytes:
@@ -178,12 +189,16 @@ class Keyring:
         """Whether the profile was made encrypted (it holds a wrapped data key)."""
         return (Path(profile) / KEY_FILE).exists()
 
-    def key_for(self, tenant_id: str, profile: Path, *, create: bool = False) -> DataKey:
+    def key_for(
+        self, tenant_id: str, profile: Path, *, create: bool = False, slot_name: str | None = None
+    ) -> DataKey:
         """The tenant's data key, unwrapped; with `create`, a new one for a profile that has
-        none yet (a new tenant). VaultError when it was destroyed or does not unwrap."""
+        none yet (a new tenant). VaultError when it was destroyed or does not unwrap.
+        `slot_name`: the profile's directory name when `profile` is a staging copy of it."""
         profile = Path(profile)
         key_file = profile / KEY_FILE
-        slot = self._read_slot(tenant_id, profile.name)
+        slot_name = slot_name or profile.name
+        slot = self._read_slot(tenant_id, slot_name)
         try:
             wrapped = json.loads(key_file.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -193,7 +208,7 @@ class Keyring:
         if wrapped is None:
             if not create:
                 raise VaultError(f"{tenant_id}'s profile has no data key: it was not made encrypted")
-            return self._create(tenant_id, profile, slot)
+            return self._create(tenant_id, profile, slot, slot_name)
         if slot is None:
             raise VaultError(f"{tenant_id}'s key was destroyed (the profile was deleted); its data cannot be read")
         return DataKey(tenant_id, self._unwrap(wrapped, slot, tenant_id))
@@ -209,11 +224,11 @@ class Keyring:
         blob = _seal(self._kek(slot, tenant_id, master), raw, f"data key\0{tenant_id}".encode())
         return json.dumps({"version": 1, "tenant_id": tenant_id, "wrapped": base64.b64encode(blob).decode()})
 
-    def _create(self, tenant_id: str, profile: Path, slot: bytes | None) -> DataKey:
+    def _create(self, tenant_id: str, profile: Path, slot: bytes | None, slot_name: str) -> DataKey:
         if slot is None:
             slot = os.urandom(_KEY_BYTES)
             private_mkdir(self.directory)
-            atomic_write(self._slot_path(profile.name), _seal(self.master, slot, f"slot\0{tenant_id}".encode()))
+            atomic_write(self._slot_path(slot_name), _seal(self.master, slot, f"slot\0{tenant_id}".encode()))
         raw = os.urandom(_KEY_BYTES)
         private_mkdir(profile)
         atomic_write(profile / KEY_FILE, self._wrap(raw, slot, tenant_id))
@@ -340,6 +355,19 @@ class ProfileFiles:
 
     def write_text(self, place: str, text: str) -> None:
         self.write_bytes(place, text.encode("utf-8"))
+
+
+def key_of(keyring: Keyring | None, tenant_id: str, profile: Path) -> DataKey | None:
+    """The key a reader outside the store needs (the CLI, doctor, backups, exports): None
+    for a plain profile; VaultError, one sentence, for an encrypted one without a keyring
+    or whose key was destroyed (docs/privacy.md#keys)."""
+    if not (Path(profile) / KEY_FILE).exists():
+        return None
+    if keyring is None:
+        raise VaultError(
+            f"{tenant_id}'s profile is encrypted, but storage.encryption is off: set it to per_tenant with its master key"
+        )
+    return keyring.key_for(tenant_id, profile)
 
 
 def open_keyring(data_dir: Path, encryption: str, env_name: str | None, key_file: Path | None) -> Keyring | None:

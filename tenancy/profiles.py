@@ -29,6 +29,7 @@ from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
 from agent.sessions.errors import damaged_sqlite
+from agent.sessions.journal import decode_line, place_of
 from agent.vault import KEY_FILE, DataKey, Keyring, ProfileFiles, VaultError
 from core.settings import DEFAULT_MEMORY_BUDGET_MIB
 from tenancy.keys import tenant_dir, tenant_dir_name
@@ -79,10 +80,11 @@ def manifest_problem(path: Path) -> str | None:
     return None
 
 
-def profile_problem(path: Path, *, deep: bool = False) -> str | None:
+def profile_problem(path: Path, *, deep: bool = False, key: DataKey | None = None) -> str | None:
     """What is wrong with the profile directory `path`, or None. Cheap checks of the
     layout, tenant.json and state.db's header; `deep` adds SQLite's integrity_check
-    (blocking: run it off the event loop)."""
+    (blocking: run it off the event loop). An encrypted profile's header is ciphertext:
+    only `deep` with its `key` checks its state.db (docs/privacy.md#encryption-at-rest)."""
     if not path.exists():
         return None
     if not path.is_dir():
@@ -98,16 +100,19 @@ def profile_problem(path: Path, *, deep: bool = False) -> str | None:
         return None
     if not db.is_file():
         return "state.db is not a regular file"
+    encrypted = (path / KEY_FILE).exists()
     with db.open("rb") as fh:
         header = fh.read(len(SQLITE_HEADER))
-    if header and header != SQLITE_HEADER:
+    if header and header != SQLITE_HEADER and not encrypted:
         return "state.db is not a SQLite database (damaged header)"
-    if deep and header:
+    if deep and header and (key is not None or not encrypted):
         try:
             # APSW, as the store: in the gateway this runs right before the store opens the
             # file, and one process keeps to one SQLite library per file (docs/concepts.md#session-storage)
             conn = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
             try:
+                if key is not None:
+                    conn.execute(key.db_pragma(), can_cache=False).fetchall()
                 conn.set_busy_timeout(10000)
                 verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])  # type: ignore[index]
             finally:
@@ -144,18 +149,22 @@ def tenant_id_of_dir(name: str) -> str | None:
         return None
 
 
-def journal_records(path: Path) -> list[dict]:
-    """Every whole JSON object line of the profile's journals (blocking; for repairs and
-    reports of a profile whose state.db cannot be read)."""
+def journal_records(path: Path, key: DataKey | None = None) -> list[dict]:
+    """Every whole JSON object line of the profile's journals, opened with `key` when
+    sealed (blocking; for repairs and reports of a profile whose state.db cannot be read).
+    VaultError, one sentence, for sealed lines without the key."""
     out: list[dict] = []
     sessions = path / "sessions"
     if not sessions.is_dir():
         return out
     for journal in sorted(sessions.glob("*.jsonl")):
+        place = place_of(journal)
         with journal.open("rb") as fh:
             for line in fh:
+                if not line.strip():
+                    continue
                 try:
-                    data = json.loads(line)
+                    data = decode_line(line.rstrip(b"\r\n"), key, place)
                 except ValueError:
                     continue  # a torn or damaged line; reconciliation cuts it
                 if isinstance(data, dict):
@@ -531,7 +540,8 @@ class ProfileManager:
 
         def checks() -> None:
             tenant_dir(self.data_dir, tenant_id)  # raises if the directory leads out of profiles/
-            problem = profile_problem(path, deep=deep)
+            key = self._key_of(tenant_id, path) if deep else None  # an encrypted state.db's check needs it
+            problem = profile_problem(path, deep=deep, key=key)
             if problem is not None:
                 raise _Found(problem)
             found.append(ensure_profile_dir(self.data_dir, tenant_id, kind)[1])

@@ -160,8 +160,10 @@ class SessionStore:
         guard: Callable[[], None] | None = None,
         journal_mode: q.JournalMode = "wal",
         profile_lock: bool = True,
+        key: DataKey | None = None,
     ) -> None:
-        """`guard` is called before every storage call and may raise to refuse it (cluster
+        """`key` is the tenant's data key for a caller that has it (an open's `before` may
+        return it instead; docs/privacy.md#encryption-at-rest). `guard` is called before every storage call and may raise to refuse it (cluster
         mode: the tenant lease is gone); a refused close writes nothing. `journal_mode`
         "delete" suits a network filesystem. `profile_lock` False leaves the one-writer rule
         to the caller (cluster mode's tenant lease) instead of an flock on this host."""
@@ -175,15 +177,15 @@ class SessionStore:
         self.db_path = self.profile_dir / "state.db"
         self.sessions_dir = self.profile_dir / "sessions"
         self._pool = pool or default_pool()
-        self._journal = Journal(self.sessions_dir, fsync, self._pool.syncer)
+        self._journal = Journal(self.sessions_dir, fsync, self._pool.syncer, key)
         self._db: apsw.Connection | None = None
         self._lock = asyncio.Lock()
         self._lock_fd: int | None = None
         self._routes: dict[str, str] = {}  # session_key -> live session id
         self._live: OrderedDict[str, _Live] = OrderedDict()
         self._soft = _Soft()
-        #: the tenant's data key (set by open's `before`): state.db and journal lines sealed
-        self.key: DataKey | None = None
+        #: the tenant's data key (or set by open's `before`): state.db and journal lines sealed
+        self.key: DataKey | None = key
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -198,6 +200,7 @@ class SessionStore:
         def job() -> apsw.Connection:
             if before is not None:
                 self.key = before()
+            self._journal.key = self.key  # before the first line is read or written
             return self._open_blocking()
 
         self._db = await self._pool.run(job)

@@ -37,6 +37,7 @@ __all__ = [
     "is_sealed_line",
     "key_of",
     "parse_master_key",
+    "shred_slot",
 ]
 
 KEY_FILE = "key.json"  # in the profile: the wrapped data key
@@ -132,8 +133,12 @@ class DataKey:
 
     def db_pragma(self) -> str:
         """The statement that keys state.db (SQLite3 Multiple Ciphers, raw key, no KDF)."""
+        return f'PRAGMA key="{self.db_key()}"'
+
+    def db_key(self) -> str:
+        """state.db's raw key as SQLite3 Multiple Ciphers reads it (`x'<hex>'`, no KDF)."""
         sub = _hkdf(self.raw, b"hermes-gateway state.db", self.tenant_id)
-        return f"PRAGMA key=\"x'{sub.hex()}'\""
+        return f"x'{sub.hex()}'"
 
 
 @dataclass
@@ -189,9 +194,7 @@ class Keyring:
         """Whether the profile was made encrypted (it holds a wrapped data key)."""
         return (Path(profile) / KEY_FILE).exists()
 
-    def key_for(
-        self, tenant_id: str, profile: Path, *, create: bool = False, slot_name: str | None = None
-    ) -> DataKey:
+    def key_for(self, tenant_id: str, profile: Path, *, create: bool = False, slot_name: str | None = None) -> DataKey:
         """The tenant's data key, unwrapped; with `create`, a new one for a profile that has
         none yet (a new tenant). VaultError when it was destroyed or does not unwrap.
         `slot_name`: the profile's directory name when `profile` is a staging copy of it."""
@@ -237,18 +240,11 @@ class Keyring:
     def shred(self, tenant_id: str, profile: Path) -> bool:
         """Destroy the tenant's slot, which makes every copy of its data unreadable; first,
         before any of its files go. False when it had none."""
-        path = self._slot_path(Path(profile).name)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return False
-        with open(path, "r+b") as fh:  # overwrite, so the slot is not left in free blocks of a simple FS
-            fh.write(os.urandom(size))
-            fh.flush()
-            os.fsync(fh.fileno())
-        path.unlink()
-        fsync_dir(self.directory)
-        return True
+        return shred_slot(self.directory.parent, Path(profile))
+
+    def has_slot(self, profile: Path) -> bool:
+        """Whether the keyring still holds the slot of the profile directory `profile`."""
+        return self._slot_path(Path(profile).name).exists()
 
     def tenants(self) -> list[str]:
         """Profile directory names that hold a slot."""
@@ -355,6 +351,25 @@ class ProfileFiles:
 
     def write_text(self, place: str, text: str) -> None:
         self.write_bytes(place, text.encode("utf-8"))
+
+
+def shred_slot(data_dir: Path, profile: Path) -> bool:
+    """Overwrite and remove the keyring slot of the profile directory `profile`: no master
+    key needed, so a delete shreds even while encryption is off (docs/privacy.md#delete-is-crypto-shredding).
+    False when there was none."""
+    directory = Path(data_dir) / KEYRING_DIR
+    path = directory / f"{Path(profile).name}.slot"
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return False
+    with open(path, "r+b") as fh:  # overwrite, so the slot is not left in free blocks of a simple FS
+        fh.write(os.urandom(size))
+        fh.flush()
+        os.fsync(fh.fileno())
+    path.unlink()
+    fsync_dir(directory)
+    return True
 
 
 def key_of(keyring: Keyring | None, tenant_id: str, profile: Path) -> DataKey | None:

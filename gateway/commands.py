@@ -540,7 +540,12 @@ async def cmd_export(ctx: CommandContext) -> str:
     out_dir = ctx.profile.path / "exports"
     private_mkdir(out_dir)
     path = out_dir / f"export-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    write_private(path, json.dumps(data, ensure_ascii=False, indent=1, default=str))
+    text = json.dumps(data, ensure_ascii=False, indent=1, default=str)
+    files = ctx.profile.files
+    if files is not None and files.sealed:  # sealed like the rest; `profiles export` opens it (docs/privacy.md)
+        files.write_text(f"exports/{path.name}", text)
+    else:
+        write_private(path, text)
     sessions = data.get("sessions", [])
     messages = sum(len(s.get("messages", [])) for s in sessions)
     return (

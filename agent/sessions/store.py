@@ -849,12 +849,17 @@ class SessionStore:
 
     async def backup_to(self, dest_path: Path) -> None:
         """Copy state.db to `dest_path` with SQLite's online backup API (a self-contained
-        file with a rollback journal, which the stdlib `sqlite3` reads)."""
+        file with a rollback journal, which the stdlib `sqlite3` reads); an encrypted one
+        is copied plain (docs/privacy.md#exports-and-the-hermes-cli)."""
         dest_path = Path(dest_path)
+        key = self.key
 
         def job(c: _Call) -> None:
             private_mkdir(dest_path.parent)
             private_file(dest_path)
-            q.backup_file(c.db, dest_path)
+            if key is not None:
+                q.plain_copy(c.db, dest_path, key)
+            else:
+                q.backup_file(c.db, dest_path)
 
         await self._call(job)

@@ -4,11 +4,13 @@ profile opened without its key, and a /link merge of two encrypted profiles."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import apsw
 import pytest
+import yaml
 
 from agent.messages import StoredMessage
 from agent.sessions import SessionStore
@@ -18,6 +20,7 @@ from gateway.build import build_gateway
 from tenancy.keys import link_tenant_id, tenant_dir
 from tenancy.profiles import ProfileDamaged, ProfileManager, journal_records
 from tests.conftest import RecordingAdapter, dm, say
+from tests.test_crash_recovery import run_gateway
 from tests.test_linking import link
 
 CANARY = "canary-7f3a-the-ferry-leaves-at-dawn"
@@ -165,3 +168,50 @@ async def test_a_link_merge_of_two_encrypted_profiles_reseals_their_lines_under_
     # the personal profiles merged away took their keys with them
     assert keyring.tenants() == [profile.name]
     assert not (cfg.data_dir / KEYRING_DIR / f"{tenant_dir(cfg.data_dir, 'telegram-111').name}.slot").exists()
+
+
+async def test_sigkill_mid_burst_with_encryption_on_then_restart_loses_nothing(tmp_path, fake_llm, monkeypatch):
+    """The crash test of tests/test_crash_recovery.py on encrypted profiles: journal and
+    state.db agree by uid after a SIGKILL and a restart, every sent reply is stored."""
+    storage = encrypted(monkeypatch)  # the child process inherits the master key's variable
+    config = tmp_path / "gw.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data_dir": str(tmp_path / "data"),
+                "llm": {"base_url": fake_llm.base_url, "model": "fake", "max_retries": 0},
+                "storage": {**storage, "fsync": "batch"},
+                "limits": {"rate_limit_per_minute": 1000, "max_queued_turns": 100, "busy_mode": "queue"},
+            }
+        )
+    )
+    n = 40
+    first = await run_gateway(config, n, kill_after_replies=10)
+    assert len(first) >= 10
+    second = await run_gateway(config, n, kill_after_replies=None)
+    keyring = ring(tmp_path / "data")
+    stored: dict[str, tuple[str, str]] = {}
+    for profile in sorted((tmp_path / "data" / "profiles").iterdir()):
+        key = keyring.key_for(tenant_id_of(profile), profile)
+        journal = {r["uid"] for r in journal_records(profile, key) if r.get("type") == "message"}
+        conn = apsw.Connection(str(profile / "state.db"))
+        try:
+            conn.execute(key.db_pragma()).fetchall()
+            db = {
+                uid: (role, content) for uid, role, content in conn.execute("SELECT uid, role, content FROM messages")
+            }
+        finally:
+            conn.close()
+        assert journal == set(db), f"journal and SQLite differ in {profile.name}"
+        assert all(is_sealed_line(line) for line in journal_lines(profile))
+        assert b"burst-" not in (profile / "state.db").read_bytes()
+        stored.update(db)
+    users = [c for r, c in stored.values() if r == "user"]
+    contents = [c for _, c in stored.values()]
+    assert sorted(users) == sorted(f"burst-{i}" for i in range(n))
+    for reply in first + second:
+        assert reply in contents, f"reply {reply!r} was sent but not stored"
+
+
+def tenant_id_of(profile: Path) -> str:
+    return str(json.loads((profile / "tenant.json").read_text(encoding="utf-8"))["tenant_id"])

@@ -27,7 +27,7 @@ from agent.fileio import private_file, private_mkdir, tighten_tree, write_privat
 from agent.vault import KEY_FILE, KEYRING_DIR, DataKey, Keyring, VaultError, key_of
 from gateway.archive import copy_profile_files, fsync_tree, integrity_check, safe_extract, sqlite_backup, write_tar
 from gateway.runlock import LOCK_NAME, AdminError, RunLock
-from gateway.tenants import scan_profiles, scrub_gateway_db, tenant_info
+from gateway.tenants import TenantInfo, scan_profiles, scrub_gateway_db, tenant_info
 from tenancy.identity import IdentityLinks
 from tenancy.profiles import profile_problem
 
@@ -160,7 +160,7 @@ def restore_data_dir(src: Path, data_dir: Path, master: bytes | None = None) -> 
             shutil.rmtree(info.path)
         fsync_tree(stage)
         for entry in stage.iterdir():
-            if entry.name in ("BACKUP.json", LOCK_NAME) or entry.name.startswith(".hermes-restore-"):
+            if entry.name in ("BACKUP.json", LOCK_NAME, KEYRING_DIR) or entry.name.startswith(".hermes-restore-"):
                 continue
             os.replace(entry, data_dir / entry.name)
         for info, _why in gone.values():
@@ -170,7 +170,7 @@ def restore_data_dir(src: Path, data_dir: Path, master: bytes | None = None) -> 
 
 def _keys_of(
     stage: Path, data_dir: Path, master: bytes | None, src: Path
-) -> tuple[dict[str, DataKey], dict[str, tuple[Any, str]]]:
+) -> tuple[dict[str, DataKey], dict[str, tuple[TenantInfo, str]]]:
     """Each encrypted profile's key from the live keyring, by directory name, and the
     profiles that cannot be restored (their slot is gone) with why."""
     infos = [tenant_info(p) for p in sorted((stage / "profiles").glob("*")) if (p / KEY_FILE).exists()]
@@ -190,15 +190,15 @@ def _keys_of(
     except VaultError as err:
         raise AdminError(str(err)) from None
     keys: dict[str, DataKey] = {}
-    gone: dict[str, tuple[Any, str]] = {}
+    gone: dict[str, tuple[TenantInfo, str]] = {}
     for info in infos:
         if not ring.has_slot(info.path):
-            gone[info.dir_name] = (info, "its key was destroyed (deleted after this backup); not restored")
+            gone[info.dir_name] = (info, "its key was destroyed (deleted after this backup)")
             continue
         try:
             keys[info.dir_name] = ring.key_for(info.tenant_id, info.path)
         except VaultError as err:
-            gone[info.dir_name] = (info, f"{err}; not restored")
+            gone[info.dir_name] = (info, str(err))
     return keys, gone
 
 

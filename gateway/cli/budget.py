@@ -20,6 +20,7 @@ from agent import ledger
 from agent.ledger import LIMIT_KEYS, NANOS
 from agent.metering import effective_limits, period_of
 from agent.reminders import ReminderStore
+from agent.vault import ProfileFiles, TenantKeys, VaultError, open_keyring
 from core.settings import Config
 from gateway.cli.common import CONFIG_HELP, admin_links, guard
 from gateway.runlock import AdminError
@@ -73,14 +74,25 @@ def _in_cluster(cfg: Config, info: TenantInfo, fn: Callable[[PgLedger], Awaitabl
         raise AdminError(f"cannot read or write the budget of {info.tenant_id} in PostgreSQL: {err}") from err
 
 
+def profile_files(cfg: Config, info: TenantInfo) -> ProfileFiles:
+    """The tenant's files as the gateway reads them (sealed under storage.encryption per_tenant)."""
+    storage = cfg.storage
+    try:
+        keyring = open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file)
+        return TenantKeys(keyring).files(info.tenant_id, info.path)
+    except VaultError as err:
+        raise AdminError(str(err)) from None
+
+
 def _status(cfg: Config, info: TenantInfo) -> dict[str, Any]:
-    zone = ReminderStore(info.path).zone_now()
+    files = profile_files(cfg, info)
+    zone = ReminderStore(files).zone_now()
     period = period_of(zone, time.time())
     if cfg.cluster.enabled:
         totals = _in_cluster(cfg, info, lambda pg: pg.totals(period.day, period.month))
     else:
         totals = _in_ledger(info, lambda db: ledger.totals(db, period.day, period.month)) or ledger.Totals()
-    override = ledger.read_override(info.path)
+    override = ledger.read_override(files)
     base = cfg.budgets.per_person if info.kind == "person" else cfg.budgets.per_chat
     return {
         "tenant": info.tenant_id,
@@ -144,9 +156,10 @@ def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
     if not given and not args.default:
         raise AdminError("name at least one of --tokens-per-day, --tokens-per-month, --cost-per-day, --cost-per-month")
 
-    override = {} if args.default else ledger.read_override(info.path)
+    files = profile_files(cfg, info)
+    override = {} if args.default else ledger.read_override(files)
     override.update(given)
-    ledger.write_override(info.path, override)
+    ledger.write_override(files, override)
     shown = ", ".join(f"{k}={'none' if v is None else v}" for k, v in override.items()) or "the config's limits"
     print(f"{info.tenant_id}: budget now {shown}")
     return 0

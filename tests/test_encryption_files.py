@@ -31,10 +31,12 @@ from agent.vault import Keyring, ProfileFiles, TenantKeys, VaultError
 from agent.visibility import GROUP_LANE
 from core.messages import InboundMessage
 from gateway.build import build_gateway
+from gateway.cli import main as cli_main
 from gateway.inbox import Inbox
 from gateway.outbox import Draft, Outbox
 from gateway.sealing import MessageSeal
 from tenancy.keys import tenant_dir
+from tests.conftest import RecordingAdapter, dm, say
 from tests.fakes.llm import image_urls, reply, tool_call
 from tests.fakes.telegram_api import FakeTelegram
 from tests.media_files import png
@@ -175,6 +177,32 @@ async def test_a_canary_a_person_sends_is_in_no_byte_of_the_data_dir_when_encryp
     leaks = holding(cfg.data_dir, CANARY)
     assert all(session_file(rel) for rel in leaks), leaks  # anything else fails this test for real
     assert leaks == []
+
+
+async def test_budget_set_seals_budget_json_and_the_running_gateway_obeys_it(
+    config_for, fake_llm, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(MASTER_ENV, base64.b64encode(os.urandom(32)).decode())
+    storage = {"fsync": "never", "encryption": "per_tenant", "master_key_env": MASTER_ENV}
+    caps = {"per_person": {"tokens_per_day": 100}}
+    cfg = config_for(budgets=caps, storage=storage, limits={"rate_limit_per_minute": 1000})
+    conf = tmp_path / "cfg.json"
+    llm = {"base_url": cfg.llm.base_url, "model": "fake-model"}
+    conf.write_text(json.dumps({"data_dir": str(cfg.data_dir), "llm": llm, "storage": storage, "budgets": caps}))
+    adapter = RecordingAdapter()
+    app = build_gateway(cfg, [adapter])
+    await app.start()
+    try:
+        await say(app, adapter, dm("alice", "hello"))
+        assert len(await say(app, adapter, dm("alice", "more"))) == 1  # over the cap: the refusal
+        assert cli_main(["-c", str(conf), "budget", "set", "testchat:alice", "--tokens-per-day", "1000000"]) == 0
+        budget = tenant_dir(cfg.data_dir, "testchat-alice") / "budget.json"
+        assert budget.read_bytes().startswith(b"HGS1") and b"tokens_per_day" not in budget.read_bytes()
+        calls = len(fake_llm.requests)
+        assert await say(app, adapter, dm("alice", "lifted?")) != []
+        assert len(fake_llm.requests) == calls + 1  # the gateway read the sealed caps
+    finally:
+        await app.stop()
 
 
 # ------------------------------------------------------------------ the stores, sealed

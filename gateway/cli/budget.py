@@ -20,11 +20,10 @@ from agent import ledger
 from agent.ledger import LIMIT_KEYS, NANOS
 from agent.metering import effective_limits, period_of
 from agent.reminders import ReminderStore
-from agent.vault import ProfileFiles, TenantKeys, VaultError, open_keyring
 from core.settings import Config
 from gateway.cli.common import CONFIG_HELP, admin_links, guard
 from gateway.runlock import AdminError
-from gateway.tenants import TenantInfo, find_tenant
+from gateway.tenants import TenantInfo, find_tenant, profile_files
 
 if TYPE_CHECKING:
     from gateway.cluster.budgets import PgLedger
@@ -72,16 +71,6 @@ def _in_cluster(cfg: Config, info: TenantInfo, fn: Callable[[PgLedger], Awaitabl
         return with_cluster_ledger(cfg, info.tenant_id, fn)
     except ClusterError as err:
         raise AdminError(f"cannot read or write the budget of {info.tenant_id} in PostgreSQL: {err}") from err
-
-
-def profile_files(cfg: Config, info: TenantInfo) -> ProfileFiles:
-    """The tenant's files as the gateway reads them (sealed under storage.encryption per_tenant)."""
-    storage = cfg.storage
-    try:
-        keyring = open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file)
-        return TenantKeys(keyring).files(info.tenant_id, info.path)
-    except VaultError as err:
-        raise AdminError(str(err)) from None
 
 
 def _status(cfg: Config, info: TenantInfo) -> dict[str, Any]:

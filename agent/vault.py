@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,10 @@ __all__ = [
     "KEY_FILE",
     "DataKey",
     "Keyring",
+    "ProfileFiles",
+    "TenantKeys",
     "VaultError",
+    "as_files",
     "is_sealed",
     "is_sealed_line",
     "key_of",
@@ -313,12 +317,64 @@ def new_master_key() -> str:
     return base64.b64encode(os.urandom(_KEY_BYTES)).decode("ascii")
 
 
+class TenantKeys:
+    """Every tenant's data key in this process: unwrapped once, or created exactly once for
+    a new tenant, whoever asks first (the ingress sealing a message, a profile's open).
+    Thread-safe; blocking on a first use (file I/O): call it off the event loop."""
+
+    def __init__(self, keyring: Keyring | None) -> None:
+        self.keyring = keyring
+        self._keys: dict[str, DataKey] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def on(self) -> bool:
+        return self.keyring is not None
+
+    def cached(self, tenant_id: str) -> DataKey | None:
+        """The key if it was unwrapped before (no I/O, safe on the event loop)."""
+        return self._keys.get(tenant_id)
+
+    def key_for(self, tenant_id: str, profile: Path) -> DataKey | None:
+        """The tenant's data key (None when encryption is off, which refuses an encrypted
+        profile in one sentence); a profile with nothing stored yet gets a new one."""
+        profile = Path(profile)
+        if self.keyring is None:
+            if (profile / KEY_FILE).exists():
+                raise VaultError(
+                    f"{tenant_id}'s profile is encrypted, but storage.encryption is off: "
+                    f"set it to per_tenant with its master key"
+                )
+            return None
+        key = self._keys.get(tenant_id)
+        if key is not None:
+            return key
+        with self._lock:  # two first uses at once must not make two keys
+            key = self._keys.get(tenant_id)
+            if key is None:
+                fresh = not (profile / "state.db").exists()  # nothing stored yet: a new tenant
+                key = self.keyring.key_for(tenant_id, profile, create=fresh)
+                self._keys[tenant_id] = key
+        return key
+
+    def files(self, tenant_id: str, profile: Path) -> ProfileFiles:
+        """The profile's files, sealed with the tenant's key when encryption is on."""
+        return ProfileFiles(Path(profile), self.key_for(tenant_id, profile))
+
+    def forget(self, tenant_id: str) -> None:
+        """Drop the cached key (a profile deleted or its key shredded)."""
+        with self._lock:
+            self._keys.pop(tenant_id, None)
+
+
 @dataclass(frozen=True)
 class ProfileFiles:
     """One profile's files, plain or sealed with the tenant's key: every store that keeps
     a file in a profile reads and writes it through this (docs/privacy.md#encryption-at-rest).
 
-    Blocking: call it off the event loop. `place` is the path relative to the profile."""
+    Blocking: call it off the event loop. `place` is the path relative to the profile. A
+    plain view refuses to write into a profile that holds a data key, so a store handed the
+    wrong view fails instead of leaving plaintext beside sealed files."""
 
     root: Path
     key: DataKey | None = None
@@ -330,10 +386,9 @@ class ProfileFiles:
     def path(self, place: str) -> Path:
         return self.root / place
 
-    def read_bytes(self, place: str) -> bytes:
-        """The file's plaintext (FileNotFoundError when missing); a sealed profile refuses a
-        plain file, and a plain profile a sealed one, in one sentence (VaultError)."""
-        blob = (self.root / place).read_bytes()
+    def unseal(self, blob: bytes, place: str) -> bytes:
+        """The plaintext of the bytes read from `place`; a sealed profile refuses a plain
+        file, and a plain profile a sealed one, in one sentence (VaultError)."""
         if self.key is None:
             if is_sealed(blob):
                 raise VaultError(
@@ -342,15 +397,52 @@ class ProfileFiles:
             return blob
         return self.key.open(blob, place)
 
+    def seal(self, data: bytes, place: str) -> bytes:
+        """The bytes to store at `place` (`data` itself when plain)."""
+        if self.key is None:
+            if (self.root / KEY_FILE).exists():
+                raise VaultError(
+                    f"{place} would be written in plain text into an encrypted profile; nothing was written"
+                )
+            return data
+        return self.key.seal(data, place)
+
+    def read_bytes(self, place: str) -> bytes:
+        """The file's plaintext (FileNotFoundError when missing); see `unseal`."""
+        return self.unseal((self.root / place).read_bytes(), place)
+
     def read_text(self, place: str) -> str:
         return self.read_bytes(place).decode("utf-8")
 
     def write_bytes(self, place: str, data: bytes) -> None:
         """Replace the file atomically (agent/fileio.py atomic_write), sealed when keyed."""
-        atomic_write(self.root / place, self.key.seal(data, place) if self.key is not None else data)
+        atomic_write(self.root / place, self.seal(data, place))
 
     def write_text(self, place: str, text: str) -> None:
         self.write_bytes(place, text.encode("utf-8"))
+
+    def seal_line(self, text: str, place: str) -> str:
+        """One line of an append-only file at `place`: itself when plain, else sealed (base64)."""
+        if self.key is None:
+            self.seal(b"", place)  # the same refusal as a write
+            return text
+        return self.key.seal_line(text, place)
+
+    def open_line(self, line: str, place: str) -> str:
+        return line if self.key is None else self.key.open_line(line, place)
+
+    def hidden_name(self, label: str) -> str:
+        """A file name for `label` that says nothing of it: an HMAC under the tenant's key
+        (stable, so a replay rewrites the same file), or `label` itself when plain."""
+        if self.key is None:
+            return label
+        return hmac.new(self.key.raw, f"file name\0{label}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def as_files(where: ProfileFiles | Path) -> ProfileFiles:
+    """`where` as a profile's files: a bare path is a plain profile (its writes refused when
+    the profile is encrypted, see ProfileFiles)."""
+    return where if isinstance(where, ProfileFiles) else ProfileFiles(Path(where))
 
 
 def shred_slot(data_dir: Path, profile: Path) -> bool:

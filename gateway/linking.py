@@ -64,7 +64,7 @@ from agent.fileio import atomic_write
 from agent.model_choice import read_model
 from agent.reminders import Reminder, ReminderStore
 from agent.sessions import SessionStore
-from agent.vault import DataKey, key_of
+from agent.vault import DataKey, ProfileFiles, key_of
 from core.errors import LaneMoved
 from core.lanes import Lane
 from core.messages import InboundMessage
@@ -621,13 +621,17 @@ class Linking:
                 f"conversations kept.{model} Send /unlink from an account to separate it again.",
             )
 
+    async def _files(self, tenant_id: str) -> ProfileFiles:
+        """A tenant's profile files, read with its key when encrypted (the profiles' cache)."""
+        return await asyncio.to_thread(self.profiles.keys.files, tenant_id, tenant_dir(self.cfg.data_dir, tenant_id))
+
     async def _reindex_reminders(self, target: str, sources: list[str]) -> None:
         """After a merge: the scheduler's index names the merged profile's next reminder,
         and no longer the profiles merged into it."""
         if not target or not self.cfg.reminders_on:
             return
         try:
-            store = ReminderStore(tenant_dir(self.cfg.data_dir, target))
+            store = ReminderStore(await self._files(target))
             await self.reminders.note(target, await store.next_due(), False)
             for source in sources:
                 await self.reminders.note(source, None, False)
@@ -637,7 +641,7 @@ class Linking:
     async def _stop_reminders_of(self, link_tenant: str, departed: str) -> list[Reminder]:
         """/unlink: the link's reminders set from the account that left stop (their chat is
         not the link's any more); the stopped ones."""
-        store = ReminderStore(tenant_dir(self.cfg.data_dir, link_tenant))
+        store = ReminderStore(await self._files(link_tenant))
         stopped = await store.remove_where(lambda r: r.chat.of_account(departed))
         if stopped and self.cfg.reminders_on:
             await self.reminders.note(link_tenant, await store.next_due(), False)

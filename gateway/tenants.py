@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import os
 import shutil
 import sqlite3
@@ -43,7 +44,7 @@ from agent.profile import write_manifest
 from agent.reminders import ReminderStore
 from agent.sessions import SessionStore
 from agent.sessions.db import open_reader
-from agent.vault import DataKey, Keyring, VaultError, key_of, shred_slot
+from agent.vault import DataKey, Keyring, ProfileFiles, TenantKeys, VaultError, key_of, open_keyring, shred_slot
 from core.settings import Config
 from gateway.archive import (
     STATE_FILES,
@@ -68,6 +69,8 @@ _PRINCIPAL_KEYS = ("paired:", "pairing-of:", "link-code-of:", "link-issued:", "l
 EraseShared = Callable[[str, set[str], set[tuple[str, str]]], int]
 """Cluster mode: remove a tenant's rows from what the nodes share, given its tenant id, its
 principals and its private chats; how many rows (gateway/cluster/erase.py)."""
+
+log = logging.getLogger("hermes.gateway")
 
 
 # ----- finding tenants ----------------------------------------------------------------------
@@ -631,7 +634,7 @@ def delete_tenant(
             for path in dirs:
                 shutil.rmtree(path)
             # the person owns the reminders they set, even in a shared chat's profile
-            dues = _drop_reminders_of(data_dir, principals)
+            dues = _drop_reminders_of(data_dir, principals, tenant_keys(cfg))
         finally:
             os.close(lock_fd)
         removed_links, pinned = [], []
@@ -659,15 +662,38 @@ def _readable_key(keyring: Keyring | None, info: TenantInfo) -> DataKey | None:
         return None
 
 
-def _drop_reminders_of(data_dir: Path, principals: set[str]) -> dict[str, float | None]:
+def _drop_reminders_of(data_dir: Path, principals: set[str], keys: TenantKeys) -> dict[str, float | None]:
     """Remove the reminders `principals` set in any other profile (a shared chat's); the
     next due time of each profile changed, for the scheduler's index."""
     dues: dict[str, float | None] = {}
     for other in scan_profiles(data_dir):
-        store = ReminderStore(other.path)
-        if store.remove_where_now(lambda r: any(r.chat.of_account(p) for p in principals)):
-            dues[other.tenant_id] = store.next_due_now()
+        try:
+            store = ReminderStore(keys.files(other.tenant_id, other.path))
+            if store.remove_where_now(lambda r: any(r.chat.of_account(p) for p in principals)):
+                dues[other.tenant_id] = store.next_due_now()
+        except VaultError as err:  # its key is gone or damaged: its reminders cannot be read, nor kept
+            log.warning("reminders of %s left as they are: %s", other.tenant_id, err)
     return dues
+
+
+def tenant_keys(cfg: Config) -> TenantKeys:
+    """Tenants' data keys as the gateway has them (none when storage.encryption is off);
+    AdminError, one sentence, when the master key is missing or wrong."""
+    storage = cfg.storage
+    try:
+        return TenantKeys(
+            open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file)
+        )
+    except VaultError as err:
+        raise AdminError(str(err)) from None
+
+
+def profile_files(cfg: Config, info: TenantInfo) -> ProfileFiles:
+    """A tenant's files as the gateway reads them (sealed under storage.encryption per_tenant)."""
+    try:
+        return tenant_keys(cfg).files(info.tenant_id, info.path)
+    except VaultError as err:
+        raise AdminError(str(err)) from None
 
 
 def _lock_profile(path: Path) -> int:

@@ -20,7 +20,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from agent.profile import write_manifest
 from agent.reminders import FILE as REMINDERS_FILE
 from agent.reminders import merge_files as merge_reminders
 from agent.sessions.journal import decode_line, encode_lines, place_of
-from agent.vault import KEY_FILE, DataKey, is_sealed, shred_slot
+from agent.vault import KEY_FILE, DataKey, ProfileFiles, is_sealed, shred_slot
 from agent.visibility import VISIBILITY_FILE, Marks, entry_key
 from tenancy.profiles import SCHEMA_VERSION
 
@@ -181,10 +181,13 @@ def merge_profiles(
                 _merge_journals(src, target, src_key, keys.target)
                 _merge_db(src, target, src_key, keys.target)
                 _merge_files(src, target, src_key, keys.target)
-        merge_memory(target, sources, limits)
-        merge_reminders(target, sources)
-        merge_personas(target, sources)
-        merge_models(target, sources)
+        # the stores' own files, opened with each profile's key and sealed again with the target's
+        into = ProfileFiles(target, keys.target)
+        froms = [ProfileFiles(src, keys.sources.get(src)) for src in sources]
+        merge_memory(into, froms, limits)
+        merge_reminders(into, froms)
+        merge_personas(into, froms)
+        merge_models(into, froms)
         manifest = json.loads((target / "tenant.json").read_text(encoding="utf-8"))
         have = manifest.setdefault("principals", [])
         for src in sources:
@@ -364,7 +367,7 @@ def _merge_sealed_file(
             write_private(target / alt, seal(data, str(alt)))
 
 
-def merge_personas(target: Path, sources: list[Path]) -> Path | None:
+def merge_personas(target: ProfileFiles | Path, sources: Sequence[ProfileFiles | Path]) -> ProfileFiles | Path | None:
     """One persona choice for the merged profile: the last source's that has one (the account
     that joins last, the one linking), else the target's own. Returns the source that won."""
     for src in reversed(sources):
@@ -375,7 +378,7 @@ def merge_personas(target: Path, sources: list[Path]) -> Path | None:
     return None
 
 
-def merge_models(target: Path, sources: list[Path]) -> Path | None:
+def merge_models(target: ProfileFiles | Path, sources: Sequence[ProfileFiles | Path]) -> ProfileFiles | Path | None:
     """One model for the merged profile: the last source's choice (the account that joins
     last, the one that entered the code), else the target's own. Returns the source that won."""
     for src in reversed(sources):
@@ -421,36 +424,40 @@ def combine_entries(lists: list[list[str]], limit: int, note_date: str) -> tuple
     return kept, dropped
 
 
-def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> None:
-    mem_dir = target / "memories"
+def merge_memory(target: ProfileFiles, sources: Sequence[ProfileFiles], limits: dict[str, int]) -> None:
+    """Memory and user-profile entries of every source into the target's, within its limits;
+    what does not fit is set aside in memories/merged-overflow.md (sealed like the rest)."""
+    mem_dir = target.path("memories")
     private_mkdir(mem_dir)
     today = time.strftime("%Y-%m-%d", time.gmtime())
     fd = os.open(mem_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        source_marks = [Marks(d / "memories").load() for d in (target, *sources)]
+        source_marks = [Marks(f.path("memories"), f).load() for f in (target, *sources)]
         marks = dict(source_marks[0])
         for target_name, fname in _MEMORY_FILES.items():
             lists = []
-            for d in (target, *sources):
+            for f in (target, *sources):
                 try:
-                    lists.append(parse_entries((d / "memories" / fname).read_text(encoding="utf-8")))
+                    lists.append(parse_entries(f.read_text(f"memories/{fname}")))
                 except FileNotFoundError:
                     lists.append([])
             if not any(lists[1:]):
                 continue
             kept, dropped = combine_entries(lists, limits[target_name], today)
             data = ENTRY_DELIMITER.join(kept).encode("utf-8")
-            atomic_write(mem_dir / fname, data)
-            Baselines(mem_dir).set(fname, digest(data))  # the merge is the store's own write, not drift
+            target.write_bytes(f"memories/{fname}", data)
+            Baselines(mem_dir, target).set(fname, digest(data))  # the merge is the store's own write, not drift
             marks[target_name] = combine_marks(target_name, kept, lists, source_marks)
             if dropped:
-                with open_private(mem_dir / OVERFLOW_FILE, "a") as fh:
-                    fh.write(f"## {fname}, set aside when accounts were linked on {today}\n\n")
-                    fh.write(ENTRY_DELIMITER.join(dropped) + "\n\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
-        Marks(mem_dir).save(marks)  # after the memory files: a crash in between leaves entries private
+                place = f"memories/{OVERFLOW_FILE}"
+                try:
+                    before = target.read_text(place)
+                except FileNotFoundError:
+                    before = ""
+                section = f"## {fname}, set aside when accounts were linked on {today}\n\n"
+                target.write_text(place, before + section + ENTRY_DELIMITER.join(dropped) + "\n\n")
+        Marks(mem_dir, target).save(marks)  # after the memory files: a crash in between leaves entries private
     finally:
         os.close(fd)
 

@@ -15,12 +15,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import tzinfo
 from pathlib import Path
 from typing import Protocol
 
 import apsw
 
-from agent.fileio import private_mkdir
+from agent.fileio import FileMemo, private_mkdir
 from agent.memory import MemoryStore
 from agent.model_choice import ModelChoice, read_model
 from agent.persona import PersonaChoice, read_choice
@@ -30,7 +31,7 @@ from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
 from agent.sessions.errors import damaged_sqlite
 from agent.sessions.journal import decode_line, place_of
-from agent.vault import KEY_FILE, DataKey, Keyring, ProfileFiles, VaultError
+from agent.vault import KEY_FILE, DataKey, ProfileFiles, TenantKeys, VaultError
 from core.settings import DEFAULT_MEMORY_BUDGET_MIB
 from tenancy.keys import tenant_dir, tenant_dir_name
 
@@ -278,17 +279,17 @@ class ProfileManager:
         pool: StoragePool | None = None,
         gate: ProfileGate | None = None,
         journal_mode: JournalMode = "wal",
-        keyring: Keyring | None = None,
+        keys: TenantKeys | None = None,
     ) -> None:
         """`max_open` caps the open profiles below what `memory_budget_mib` and the
         descriptor limit allow (`open_limit`). `gate` guards every open and write (cluster
         mode); `journal_mode` "delete" opens SQLite with a rollback journal, safe on a
-        network filesystem (one host at a time). `keyring` (storage.encryption per_tenant)
-        keys every profile with its tenant's data key (docs/privacy.md#encryption-at-rest)."""
+        network filesystem (one host at a time). `keys` (storage.encryption per_tenant) keys
+        every profile with its tenant's data key, the same cache the ingress seals messages
+        with (docs/privacy.md#encryption-at-rest)."""
         self.data_dir = data_dir
-        self.keyring = keyring
-        # tenant id -> its unwrapped data key, so a reopen does not unwrap again; evict() drops it
-        self._keys: dict[str, DataKey] = {}
+        self.keys = keys if keys is not None else TenantKeys(None)
+        self.keyring = self.keys.keyring
         self.gate = gate
         self.journal_mode: JournalMode = journal_mode
         self.pool = pool  # storage threads shared by every profile's SessionStore
@@ -440,21 +441,23 @@ class ProfileManager:
             persona: list[PersonaChoice] = []
             model: list[ModelChoice] = []
             checks = None if known is not None else self._checks(tenant_id, kind, path, found)
-            zone, budget = zone_memo(path), budget_memo(path)
-
-            key_found: list[DataKey | None] = []
+            opened: list[ProfileFiles] = []
 
             def before() -> DataKey | None:  # on the pool thread, in the open's own job (no hop of its own)
                 if checks is not None:
                     checks()
-                key_found.append(self._key_of(tenant_id, path))
-                persona.append(read_choice(path))
-                model.append(read_model(path))
-                budget.load()
+                # the key first: every file below is read through it (docs/privacy.md#encryption-at-rest)
+                files = self.keys.files(tenant_id, path)
+                opened.append(files)
+                persona.append(read_choice(files))
+                model.append(read_model(files))
+                memos.append((zone_memo(files), budget_memo(files)))
+                memos[0][1].load()
                 if kind == "person":  # a chat's budget days are UTC's
-                    zone.load()
-                return key_found[0]
+                    memos[0][0].load()
+                return files.key
 
+            memos: list[tuple[FileMemo[tzinfo], FileMemo[dict[str, float | None]]]] = []
             sessions = SessionStore(
                 path,
                 fsync=self._fsync,
@@ -480,8 +483,8 @@ class ProfileManager:
         if gate is None:
             self._known[tenant_id] = principals
         mem_limit, user_limit = self._memory_limits
-        key = key_found[0] if key_found else self._keys.get(tenant_id)
-        memory = MemoryStore(path, mem_limit, user_limit, guard=guard)
+        files = opened[0] if opened else ProfileFiles(path, self.keys.cached(tenant_id))
+        memory = MemoryStore(path, mem_limit, user_limit, guard=guard, files=files)
         provider = make_provider(self._provider_kind)
         on_close = (lambda: gate.closed(tenant_id)) if gate is not None else None
         profile = Profile(
@@ -494,13 +497,13 @@ class ProfileManager:
             on_close=on_close,
             persona_choice=persona[0] if persona else None,
             model_choice=model[0] if model else None,
-            zone_file=zone,
-            budget_file=budget,
-            files=ProfileFiles(path, key),
+            zone_file=memos[0][0] if memos else None,
+            budget_file=memos[0][1] if memos else None,
+            files=files,
         )
         if provider is not None:
             try:
-                await provider.initialize(tenant_id, path)
+                await provider.initialize(tenant_id, path, files=files)
             except BaseException:
                 await profile.close()
                 raise
@@ -513,23 +516,6 @@ class ProfileManager:
         profile.principals = principals  # the same set as in _known: add_principal updates both
         return profile
 
-    def _key_of(self, tenant_id: str, path: Path) -> DataKey | None:
-        """The tenant's data key, unwrapped once per process (on the pool thread); a new
-        profile gets one. None when encryption is off, which refuses an encrypted profile."""
-        if self.keyring is None:
-            if (path / KEY_FILE).exists():
-                raise VaultError(
-                    f"{tenant_id}'s profile is encrypted, but storage.encryption is off: "
-                    f"set it to per_tenant with its master key"
-                )
-            return None
-        key = self._keys.get(tenant_id)
-        if key is None:
-            fresh = not (path / "state.db").exists()  # nothing stored yet: a new tenant
-            key = self.keyring.key_for(tenant_id, path, create=fresh)
-            self._keys[tenant_id] = key
-        return key
-
     def _checks(self, tenant_id: str, kind: str, path: Path, found: list[set[str]]) -> Callable[[], None]:
         """The checks of a profile directory not yet known in this process, run on the pool
         thread right before its store opens (no hop of their own): the path stays in
@@ -540,7 +526,7 @@ class ProfileManager:
 
         def checks() -> None:
             tenant_dir(self.data_dir, tenant_id)  # raises if the directory leads out of profiles/
-            key = self._key_of(tenant_id, path) if deep else None  # an encrypted state.db's check needs it
+            key = self.keys.key_for(tenant_id, path) if deep else None  # an encrypted state.db's check needs it
             problem = profile_problem(path, deep=deep, key=key)
             if problem is not None:
                 raise _Found(problem)
@@ -558,7 +544,7 @@ class ProfileManager:
         """Close a profile now (e.g. before deleting it); False if it is in use. Its
         directory is checked again when it next opens."""
         self._known.pop(tenant_id, None)
-        self._keys.pop(tenant_id, None)
+        self.keys.forget(tenant_id)
         async with self._lock:
             profile = self._open.get(tenant_id)
             closing = self._closing.get(tenant_id)

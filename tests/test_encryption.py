@@ -15,7 +15,7 @@ import yaml
 from agent.messages import StoredMessage
 from agent.sessions import SessionStore
 from agent.sessions.journal import Journal
-from agent.vault import KEYRING_DIR, Keyring, VaultError, is_sealed_line, new_master_key, parse_master_key
+from agent.vault import KEYRING_DIR, Keyring, TenantKeys, VaultError, is_sealed_line, new_master_key, parse_master_key
 from gateway.build import build_gateway
 from tenancy.keys import link_tenant_id, tenant_dir
 from tenancy.profiles import ProfileDamaged, ProfileManager, journal_records
@@ -128,7 +128,7 @@ async def test_an_encrypted_profile_opened_without_its_key_fails_in_one_sentence
     ):
         if says == "was destroyed":
             keyring.shred("testchat-dave", profile)
-        manager = ProfileManager(tmp_path, fsync="never", keyring=manager_ring)
+        manager = ProfileManager(tmp_path, fsync="never", keys=TenantKeys(manager_ring))
         with pytest.raises(ProfileDamaged) as caught:
             async with manager.use("testchat-dave", kind="person"):
                 pass

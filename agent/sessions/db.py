@@ -195,7 +195,9 @@ def connect(
         mode = "WAL" if journal_mode == "wal" else "DELETE"
         # one call: the mode is read from the file (a no-op when it is already set)
         version = db.execute(
+            # secure_delete: an erased message's bytes are zeroed in the file, not left in free pages
             f"PRAGMA cache_size=-{PAGE_CACHE_KIB}; PRAGMA synchronous={'FULL' if fsync == 'always' else 'NORMAL'}; "
+            "PRAGMA secure_delete=ON; "
             f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}; PRAGMA journal_size_limit={WAL_SIZE_LIMIT}; "
             f"PRAGMA journal_mode={mode}; PRAGMA user_version",
             can_cache=False,  # one-shot statements would crowd the turn's out of the cache

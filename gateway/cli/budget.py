@@ -23,7 +23,7 @@ from agent.reminders import ReminderStore
 from core.settings import Config
 from gateway.cli.common import CONFIG_HELP, admin_keyring, admin_links, guard
 from gateway.runlock import AdminError
-from gateway.tenants import TenantInfo, find_tenant, profile_key
+from gateway.tenants import TenantInfo, find_tenant, profile_files, profile_key
 
 if TYPE_CHECKING:
     from gateway.cluster.budgets import PgLedger
@@ -78,13 +78,14 @@ def _in_cluster(cfg: Config, info: TenantInfo, fn: Callable[[PgLedger], Awaitabl
 
 
 def _status(cfg: Config, info: TenantInfo) -> dict[str, Any]:
-    zone = ReminderStore(info.path).zone_now()
+    files = profile_files(cfg, info)
+    zone = ReminderStore(files).zone_now()
     period = period_of(zone, time.time())
     if cfg.cluster.enabled:
         totals = _in_cluster(cfg, info, lambda pg: pg.totals(period.day, period.month))
     else:
         totals = _in_ledger(cfg, info, lambda db: ledger.totals(db, period.day, period.month)) or ledger.Totals()
-    override = ledger.read_override(info.path)
+    override = ledger.read_override(files)
     base = cfg.budgets.per_person if info.kind == "person" else cfg.budgets.per_chat
     return {
         "tenant": info.tenant_id,
@@ -148,9 +149,10 @@ def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
     if not given and not args.default:
         raise AdminError("name at least one of --tokens-per-day, --tokens-per-month, --cost-per-day, --cost-per-month")
 
-    override = {} if args.default else ledger.read_override(info.path)
+    files = profile_files(cfg, info)
+    override = {} if args.default else ledger.read_override(files)
     override.update(given)
-    ledger.write_override(info.path, override)
+    ledger.write_override(files, override)
     shown = ", ".join(f"{k}={'none' if v is None else v}" for k, v in override.items()) or "the config's limits"
     print(f"{info.tenant_id}: budget now {shown}")
     return 0

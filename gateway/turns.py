@@ -257,7 +257,7 @@ class Turns:
                         await self.media.prepare(
                             j.msg,
                             self.adapters.get(j.msg.platform),
-                            profile.path,
+                            profile.store_files,
                             input_uid(j.msg),
                             profile.guard,
                             charge,

@@ -117,9 +117,9 @@ async def test_a_profile_directory_is_checked_once_per_process_on_the_storage_th
     checked: list[tuple[str, str]] = []
     real = profiles_mod.profile_problem
 
-    def counting(path, *, deep=False):
+    def counting(path, *, deep=False, key=None):
         checked.append((path.name, threading.current_thread().name))
-        return real(path, deep=deep)
+        return real(path, deep=deep, key=key)
 
     monkeypatch.setattr(profiles_mod, "profile_problem", counting)
     hops: list[str] = []  # default-executor hops

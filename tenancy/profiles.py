@@ -44,6 +44,9 @@ SQLITE_HEADER = b"SQLite format 3\0"
 # 1,000 open profiles took 272 MiB (bench/gateway_bench.py, 1,000 x 5). And 5 descriptors
 # (state.db, -wal, -shm, the journal, the profile lock).
 PROFILE_COST_KIB = 272
+# what SQLite3 Multiple Ciphers adds to an open encrypted profile (its cipher context and
+# page buffers), measured: 302 vs 234 KiB per open store (docs/privacy.md#what-it-costs)
+ENCRYPTED_EXTRA_KIB = 72
 PROFILE_FDS = 5
 FD_RESERVE = 256  # descriptors kept for everything else (sockets, gateway.db, logs): at most half the limit
 
@@ -219,13 +222,15 @@ def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path,
     return path, set(manifest.get("principals", []))
 
 
-def open_limit(max_open: int | None, memory_budget_mib: int, nofile: int | None = None) -> int:
+def open_limit(
+    max_open: int | None, memory_budget_mib: int, nofile: int | None = None, *, cost_kib: int = PROFILE_COST_KIB
+) -> int:
     """How many profiles may stay open: as many as `memory_budget_mib` holds at
-    PROFILE_COST_KIB each, within the descriptor limit `nofile` (RLIMIT_NOFILE's soft limit
+    `cost_kib` each (PROFILE_COST_KIB), within the descriptor limit `nofile` (RLIMIT_NOFILE's soft limit
     when None) and never more than `max_open` (an optional hard cap); at least 1."""
     if nofile is None:
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    limits = [memory_budget_mib * 1024 // PROFILE_COST_KIB]
+    limits = [memory_budget_mib * 1024 // cost_kib]
     if nofile != resource.RLIM_INFINITY:
         limits.append((nofile - min(FD_RESERVE, nofile // 2)) // PROFILE_FDS)
     if max_open is not None:
@@ -293,8 +298,9 @@ class ProfileManager:
         self.gate = gate
         self.journal_mode: JournalMode = journal_mode
         self.pool = pool  # storage threads shared by every profile's SessionStore
-        self.max_open = open_limit(max_open, memory_budget_mib)
-        by_budget = open_limit(max_open, memory_budget_mib, resource.RLIM_INFINITY)
+        cost = PROFILE_COST_KIB + (ENCRYPTED_EXTRA_KIB if self.keys.on else 0)
+        self.max_open = open_limit(max_open, memory_budget_mib, cost_kib=cost)
+        by_budget = open_limit(max_open, memory_budget_mib, resource.RLIM_INFINITY, cost_kib=cost)
         if self.max_open < by_budget:
             log.warning(
                 "the descriptor limit (RLIMIT_NOFILE %d) keeps at most %d profiles open, not the %d "

@@ -506,6 +506,23 @@ async def test_a_message_with_nul_characters_is_recorded_without_them_and_answer
         assert texts(tg, 1212) == ["ok: ab typed \\u0000"]
 
 
+async def test_an_answered_message_keeps_no_text_in_the_shared_inbox(tg, fake_llm, node_config):
+    """As gateway.db on one node: once answered, what a person said leaves PostgreSQL; the
+    row keeps who sent it where, which a delete needs (docs/cluster.md#the-postgresql-layer)."""
+    async with started(node_config("n1")) as one:
+        assert await post(tg, tg.push_private(1313, "my canary 4242 text"), one) == 200
+        await settled([one])
+        assert texts(tg, 1313) == ["ok: my canary 4242 text"]
+        assert one.app.node is not None
+        async with one.app.node.pool.connection() as conn:
+            rows = await (await conn.execute("SELECT payload, done_at FROM inbox")).fetchall()
+            chunks = await (await conn.execute("SELECT body FROM outbox")).fetchall()
+    assert rows and all(r["done_at"] is not None for r in rows)
+    assert not [r for r in rows if "4242" in json.dumps(r["payload"])]
+    assert not [c for c in chunks if "4242" in json.dumps(c["body"])]
+    assert {(r["payload"]["platform"], r["payload"]["user_id"]) for r in rows} == {("telegram", "1313")}
+
+
 def refuse_the_first_collected_record(app: GatewayApp, before: Any = None) -> list[int]:
     """Make the node's outbox refuse, as if the node had died there, the first record that
     finishes several collected messages (`before(finish)` runs first). Returns the list the

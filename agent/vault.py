@@ -21,11 +21,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
 from agent.fileio import atomic_write, fsync_dir, private_mkdir
 
 __all__ = [
@@ -70,20 +65,37 @@ def is_sealed_line(line: bytes) -> bool:
     return line.startswith(_LINE_MAGIC)
 
 
+class InvalidTag(Exception):
+    """A record that is not sealed, or does not authenticate under this key and place."""
+
+
+# `cryptography` is imported on first use: a gateway with encryption off never loads it
+# (its OpenSSL bindings cost ~7 MiB of RSS, docs/privacy.md#what-it-costs)
 def _hkdf(secret: bytes, salt: bytes, info: str) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     return HKDF(algorithm=hashes.SHA256(), length=_KEY_BYTES, salt=salt, info=info.encode()).derive(secret)
 
 
 def _seal(key: bytes, data: bytes, aad: bytes) -> bytes:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     nonce = os.urandom(_NONCE)
     return _MAGIC + nonce + AESGCM(key).encrypt(nonce, data, aad)
 
 
 def _open(key: bytes, blob: bytes, aad: bytes) -> bytes:
+    from cryptography.exceptions import InvalidTag as Forged
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     if not is_sealed(blob) or len(blob) < len(_MAGIC) + _NONCE + 16:
         raise InvalidTag
     nonce = blob[len(_MAGIC) : len(_MAGIC) + _NONCE]
-    return AESGCM(key).decrypt(nonce, blob[len(_MAGIC) + _NONCE :], aad)
+    try:
+        return AESGCM(key).decrypt(nonce, blob[len(_MAGIC) + _NONCE :], aad)
+    except Forged:
+        raise InvalidTag from None
 
 
 def parse_master_key(text: str, where: str) -> bytes:

@@ -128,18 +128,19 @@ def tighten_tree(root: Path) -> None:
                 os.chmod(full, PRIVATE_FILE)
 
 
-def read_choice_file(path: Path, log: logging.Logger, otherwise: str) -> dict[str, Any]:
-    """A small JSON object a profile keeps (a persona or model choice): {} when the file is
-    absent, and {} with a warning naming what applies `otherwise` when it is damaged."""
+def read_choice_file(read: Callable[[], bytes], where: Path, log: logging.Logger, otherwise: str) -> dict[str, Any]:
+    """A small JSON object a profile keeps (a persona or model choice), its bytes from
+    `read` (a profile's files, plain or sealed): {} when the file is absent, and {} with a
+    warning naming what applies `otherwise` when it is damaged or does not open."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read().decode("utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as err:
-        log.warning("%s cannot be read (%s): %s", path, err, otherwise)
+    except Exception as err:  # damaged, unreadable, or sealed for another key (agent/vault.py)
+        log.warning("%s cannot be read (%s): %s", where, err, otherwise)
         return {}
     if not isinstance(data, dict):
-        log.warning("%s is not a JSON object: %s", path, otherwise)
+        log.warning("%s is not a JSON object: %s", where, otherwise)
         return {}
     return data
 

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 
 import apsw
 
-from agent.fileio import atomic_write
 from agent.sessions import SessionStore
 from agent.sessions.db import BUDGET_DDL
+from agent.vault import ProfileFiles, VaultError, as_files
 
 if TYPE_CHECKING:
     from agent.metering import Reservation
@@ -142,27 +142,28 @@ def mark_once(db: Conn, key: str) -> bool:
     return True
 
 
-def read_override(profile_dir: Path) -> dict[str, float | None]:
+def read_override(profile: ProfileFiles | Path) -> dict[str, float | None]:
     """The operator's per-tenant caps (`budget set`, budget.json): key -> value, None = no cap."""
+    files = as_files(profile)
     try:
-        data = json.loads((profile_dir / OVERRIDE_FILE).read_text(encoding="utf-8"))
+        data = json.loads(files.read_text(OVERRIDE_FILE))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError):
-        log.warning("%s is unreadable; the config's budget applies", profile_dir / OVERRIDE_FILE)
+    except (OSError, ValueError, VaultError):
+        log.warning("%s is unreadable; the config's budget applies", files.path(OVERRIDE_FILE))
         return {}
     if not isinstance(data, dict):
         return {}
     return {k: data[k] for k in LIMIT_KEYS if k in data and (data[k] is None or isinstance(data[k], (int, float)))}
 
 
-def write_override(profile_dir: Path, limits: dict[str, float | None]) -> None:
-    """Replace the per-tenant caps ({}: the config's caps apply again)."""
-    path = profile_dir / OVERRIDE_FILE
+def write_override(profile: ProfileFiles | Path, limits: dict[str, float | None]) -> None:
+    """Replace the per-tenant caps, sealed in an encrypted profile ({}: the config's caps apply again)."""
+    files = as_files(profile)
     if not limits:
-        path.unlink(missing_ok=True)
+        files.path(OVERRIDE_FILE).unlink(missing_ok=True)
         return
-    atomic_write(path, json.dumps({k: limits[k] for k in LIMIT_KEYS if k in limits}, indent=1))
+    files.write_text(OVERRIDE_FILE, json.dumps({k: limits[k] for k in LIMIT_KEYS if k in limits}, indent=1))
 
 
 def reset(db: Conn) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.attachments import sniff_image
-from agent.fileio import atomic_write
 from agent.messages import new_uid
+from agent.vault import ProfileFiles, VaultError, as_files
 
 MEDIA_DIR = "media"
 PLACEHOLDER_SCHEME = "hermes-media:"
@@ -38,7 +38,7 @@ def safe_name(name: str, fallback: str) -> str:
 
 
 def save_media(
-    profile_path: Path,
+    profile: ProfileFiles | Path,
     data: bytes,
     name: str,
     key: str | None = None,
@@ -47,13 +47,19 @@ def save_media(
 ) -> str:
     """Store `data` under the profile's media/ as `<key>-<name>` and return its
     profile-relative path; the same key and name rewrite the same file (blocking: run it
-    off the event loop). `guard` may raise to refuse the write (cluster mode: lease lost)."""
+    off the event loop). `guard` may raise to refuse the write (cluster mode: lease lost).
+    In an encrypted profile the file is sealed and named by an HMAC of `key` alone: its
+    name says nothing of its content or original name (docs/privacy.md#encryption-at-rest)."""
+    files = as_files(profile)
     if guard is not None:
         guard()
-    folder = Path(profile_path) / MEDIA_DIR
+    folder = files.path(MEDIA_DIR)
     folder.mkdir(mode=0o700, exist_ok=True)
-    rel = f"{MEDIA_DIR}/{safe_name(key or new_uid(), 'file')}-{safe_name(name, fallback)}"
-    atomic_write(Path(profile_path) / rel, data, mode=0o600)
+    if files.sealed:
+        rel = f"{MEDIA_DIR}/{files.hidden_name(f'media {key or new_uid()}')}"
+    else:
+        rel = f"{MEDIA_DIR}/{safe_name(key or new_uid(), 'file')}-{safe_name(name, fallback)}"
+    files.write_bytes(rel, data)
     return rel
 
 
@@ -85,13 +91,13 @@ def image_parts(text: str, refs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return parts
 
 
-def _read_data_url(profile_path: Path, rel: str) -> str | None:
-    full = resolve(profile_path, rel)
+def _read_data_url(files: ProfileFiles, rel: str) -> str | None:
+    full = resolve(files.root, rel)
     if full is None:
         return None
     try:
-        data = full.read_bytes()
-    except OSError:
+        data = files.unseal(full.read_bytes(), rel)
+    except (OSError, VaultError):
         return None
     mime = sniff_image(data)
     if mime is None:
@@ -99,7 +105,7 @@ def _read_data_url(profile_path: Path, rel: str) -> str | None:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
-def _inline_sync(wire: list[dict[str, Any]], profile_path: Path) -> list[dict[str, Any]]:
+def _inline_sync(wire: list[dict[str, Any]], files: ProfileFiles) -> list[dict[str, Any]]:
     out = []
     for msg in wire:
         content = msg.get("content")
@@ -110,7 +116,7 @@ def _inline_sync(wire: list[dict[str, Any]], profile_path: Path) -> list[dict[st
         for part in content:
             url = (part.get("image_url") or {}).get("url", "") if isinstance(part, dict) else ""
             if isinstance(url, str) and url.startswith(PLACEHOLDER_SCHEME):
-                data_url = _read_data_url(profile_path, url[len(PLACEHOLDER_SCHEME) :])
+                data_url = _read_data_url(files, url[len(PLACEHOLDER_SCHEME) :])
                 if data_url is None:
                     parts.append({"type": "text", "text": "[an image that is no longer available]"})
                 else:
@@ -121,9 +127,10 @@ def _inline_sync(wire: list[dict[str, Any]], profile_path: Path) -> list[dict[st
     return out
 
 
-async def inline_images(wire: list[dict[str, Any]], profile_path: Path) -> list[dict[str, Any]]:
+async def inline_images(wire: list[dict[str, Any]], profile: ProfileFiles | Path) -> list[dict[str, Any]]:
     """`wire` with every placeholder image part replaced by a data: URL of the stored file
-    (a missing file becomes a short text part). Messages without images are passed as is."""
+    (opened with the tenant's key when sealed; a missing file becomes a short text part).
+    Messages without images are passed as is."""
     if not any(isinstance(m.get("content"), list) for m in wire):
         return wire
-    return await asyncio.to_thread(_inline_sync, wire, profile_path)
+    return await asyncio.to_thread(_inline_sync, wire, as_files(profile))

@@ -19,9 +19,10 @@ from types import MappingProxyType
 from typing import Any
 
 from agent import visibility
-from agent.fileio import atomic_write
-from agent.memory_files import Baselines, UndecodableFile, backup, decode, digest, read_bytes
+from agent.memory_approval import PendingWrites
+from agent.memory_files import Baselines, UndecodableFile, backup, decode, digest, read_file
 from agent.threats import first_threat
+from agent.vault import ProfileFiles
 from agent.visibility import PRIVATE_CHAT, Scope
 
 log = logging.getLogger(__name__)
@@ -147,10 +148,13 @@ class MemoryStore:
         read_only: bool = False,
         scope: Scope = PRIVATE_CHAT,
         guard: Callable[[], None] | None = None,
+        files: ProfileFiles | None = None,
     ) -> None:
         """`guard` is called before a file is written and may raise to refuse it (cluster
-        mode: this node no longer holds the tenant's lease)."""
+        mode: this node no longer holds the tenant's lease). `files`: the profile's files,
+        sealed with the tenant's key when it is encrypted (docs/privacy.md#encryption-at-rest)."""
         self.profile_dir = Path(profile_dir)
+        self.files = files if files is not None else ProfileFiles(self.profile_dir)
         self.guard = guard
         self.memory_dir = self.profile_dir / "memories"
         self.memory_char_limit = memory_char_limit
@@ -163,6 +167,17 @@ class MemoryStore:
 
     def path_for(self, target: str) -> Path:
         return self.memory_dir / _FILES[self._check_target(target)]
+
+    def _place(self, target: str) -> str:
+        return f"{self.memory_dir.name}/{_FILES[self._check_target(target)]}"
+
+    def marks(self) -> visibility.Marks:
+        """The visibility marks of this profile's entries."""
+        return visibility.Marks(self.memory_dir, self.files)
+
+    def pending_writes(self) -> PendingWrites:
+        """The queue of writes waiting for the person's approval."""
+        return PendingWrites(self.memory_dir, self.files)
 
     @property
     def lock_path(self) -> Path:
@@ -205,7 +220,7 @@ class MemoryStore:
         self._check_target(target)
         async with self._lock:
             return await asyncio.to_thread(
-                visibility.set_mark, self.memory_dir, target, entry, value, self._read_entries
+                visibility.set_mark, self.memory_dir, target, entry, value, self._read_entries, self.files
             )
 
     async def forget_entry(self, target: str, entry: str) -> bool:
@@ -227,7 +242,7 @@ class MemoryStore:
         entries = self._read_entries(target)
         if self.scope.sees_private:
             return entries
-        return visibility.visible(self.scope, target, entries, visibility.Marks(self.memory_dir).load())
+        return visibility.visible(self.scope, target, entries, self.marks().load())
 
     def _dir_ok(self) -> bool:
         """False when the memories dir is a symlink (it could point outside the profile)."""
@@ -239,7 +254,7 @@ class MemoryStore:
     def _read_entries(self, target: str) -> list[str]:
         if not self._dir_ok():
             return []
-        return parse_entries(decode(read_bytes(self.path_for(target)), strict=False))
+        return parse_entries(decode(read_file(self.files, self._place(target)), strict=False))
 
     # -- writes ------------------------------------------------------------------
 
@@ -464,8 +479,8 @@ class MemoryStore:
             os.close(fd)  # closing releases the flock
 
     def _checked_write(self, target: str, mutate: _Mutation, force: bool, keep_edits: bool = False) -> Result:
-        path, name = self.path_for(target), _FILES[target]
-        raw = read_bytes(path)
+        path, name, place = self.path_for(target), _FILES[target], self._place(target)
+        raw = read_file(self.files, place)
         try:
             entries = parse_entries(decode(raw, strict=True))
         except UndecodableFile as exc:
@@ -476,11 +491,11 @@ class MemoryStore:
         # compared as parsed entries: cosmetic edits (line endings, blank lines around the
         # separator, a BOM) are not drift, any change of an entry is
         # a group lane sees (and may change) only the entries its audience may read
-        view = visibility.WriteView.open(self.memory_dir, target, entries, self.scope)
-        baselines, seen = Baselines(self.memory_dir), digest(ENTRY_DELIMITER.join(entries).encode("utf-8"))
+        view = visibility.WriteView.open(self.memory_dir, target, entries, self.scope, self.files)
+        baselines, seen = Baselines(self.memory_dir, self.files), digest(ENTRY_DELIMITER.join(entries).encode("utf-8"))
         base = baselines.get(name)
         if base is not None and base != seen:
-            kept = backup(path, raw)
+            kept = backup(path, raw, self.files)
             baselines.set(name, seen)  # what is really there is the base from now on
             log.warning("%s changed outside the memory tool; kept a backup at %s", path, kept)
             if not force and not (keep_edits and _only_lines_added(raw, base)):
@@ -498,7 +513,7 @@ class MemoryStore:
                 self.guard()
             new = view.merge(new)
             data = ENTRY_DELIMITER.join(new).encode("utf-8")
-            atomic_write(path, data)
+            self.files.write_bytes(place, data)
             baselines.set(name, digest(data))
             view.commit(new)
         elif base is None:

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.fileio import atomic_write
-from agent.memory_files import decode, read_bytes
+from agent.memory_files import decode, read_file
+from agent.vault import ProfileFiles
 
 PENDING_FILE = "pending.json"
 MAX_PENDING = 50
@@ -44,13 +44,16 @@ class PendingWrite:
 class PendingWrites:
     """The approval queue of one profile (a short JSON file; one writer at a time)."""
 
-    def __init__(self, memory_dir: Path) -> None:
+    def __init__(self, memory_dir: Path, files: ProfileFiles | None = None) -> None:
+        """`files`: the profile's files (the queue holds memory text: sealed when encrypted)."""
         self.path = Path(memory_dir) / PENDING_FILE
+        self.files = files if files is not None else ProfileFiles(Path(memory_dir).parent)
+        self.place = f"{Path(memory_dir).name}/{PENDING_FILE}"
         self._lock = asyncio.Lock()
 
     def _load(self) -> dict[str, Any]:
         try:
-            data = json.loads(decode(read_bytes(self.path), strict=False) or "{}")
+            data = json.loads(decode(read_file(self.files, self.place), strict=False) or "{}")
         except ValueError:
             data = {}
         if not isinstance(data, dict):
@@ -65,8 +68,8 @@ class PendingWrites:
 
     def _save(self, state: dict[str, Any]) -> None:
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        atomic_write(
-            self.path,
+        self.files.write_text(
+            self.place,
             json.dumps(
                 {"next_id": state["next_id"], "items": [asdict(i) for i in state["items"]]},
                 ensure_ascii=False,

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from agent.fileio import atomic_write
+from agent.vault import ProfileFiles
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,13 @@ def read_bytes(path: Path) -> bytes | None:
         return fh.read()
 
 
+def read_file(files: ProfileFiles, place: str) -> bytes | None:
+    """`read_bytes` of the profile's file at `place`, opened with the tenant's key when it
+    is sealed (VaultError when it does not open)."""
+    raw = read_bytes(files.path(place))
+    return None if raw is None else files.unseal(raw, place)
+
+
 def decode(raw: bytes | None, *, strict: bool) -> str:
     """UTF-8 text without a leading BOM; `strict` raises UndecodableFile on bad bytes,
     otherwise they become U+FFFD (for display only)."""
@@ -66,11 +74,14 @@ def digest(raw: bytes | None) -> str:
 class Baselines:
     """Digests of what the store last wrote, one per memory file (call under the file lock)."""
 
-    def __init__(self, memory_dir: Path) -> None:
+    def __init__(self, memory_dir: Path, files: ProfileFiles | None = None) -> None:
         self.path = memory_dir / BASELINE_FILE
+        # the digests say whether a guessed text is an entry: sealed like the entries
+        self.files = files if files is not None else ProfileFiles(memory_dir.parent)
+        self.place = f"{memory_dir.name}/{BASELINE_FILE}"
 
     def _load(self) -> dict[str, str]:
-        raw = read_bytes(self.path)
+        raw = read_file(self.files, self.place)
         try:
             data = json.loads(raw) if raw else {}
         except ValueError:
@@ -84,11 +95,12 @@ class Baselines:
         data = self._load()
         if data.get(name) != value:
             data[name] = value
-            atomic_write(self.path, json.dumps(data, sort_keys=True))
+            self.files.write_text(self.place, json.dumps(data, sort_keys=True))
 
 
-def backup(path: Path, raw: bytes | None) -> Path | None:
-    """Keep `raw` (the drifted file) as `<name>.<UTC time>.bak` beside it; prune old ones."""
+def backup(path: Path, raw: bytes | None, files: ProfileFiles | None = None) -> Path | None:
+    """Keep `raw` (the drifted file) as `<name>.<UTC time>.bak` beside it, sealed when the
+    profile is (`files`); prune old ones."""
     if raw is None:
         return None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -97,7 +109,10 @@ def backup(path: Path, raw: bytes | None) -> Path | None:
     while target.exists():
         n += 1
         target = path.with_name(f"{path.name}.{stamp}-{n}.bak")
-    atomic_write(target, raw)
+    if files is None:
+        atomic_write(target, raw)
+    else:
+        files.write_bytes(f"{path.parent.name}/{target.name}", raw)
     old = sorted(path.parent.glob(f"{path.name}.*.bak"))
     for stale in old[:-KEEP_BACKUPS]:
         try:
@@ -107,4 +122,4 @@ def backup(path: Path, raw: bytes | None) -> Path | None:
     return target
 
 
-__all__ = ["BASELINE_FILE", "Baselines", "UndecodableFile", "backup", "decode", "digest", "read_bytes"]
+__all__ = ["BASELINE_FILE", "Baselines", "UndecodableFile", "backup", "decode", "digest", "read_bytes", "read_file"]

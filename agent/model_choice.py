@@ -8,7 +8,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.fileio import atomic_write, read_choice_file
+from agent.fileio import read_choice_file
+from agent.vault import ProfileFiles, as_files
 
 FILE = "model.json"
 log = logging.getLogger("hermes.agent")
@@ -24,17 +25,20 @@ class ModelChoice:
 DEFAULT = ModelChoice()
 
 
-def read_model(profile_dir: Path) -> ModelChoice:
+def read_model(profile: ProfileFiles | Path) -> ModelChoice:
     """The profile's choice; the default when it has none, or when the file is damaged (logged)."""
-    data = read_choice_file(Path(profile_dir) / FILE, log, "the default model until one is chosen again")
+    files = as_files(profile)
+    data = read_choice_file(
+        lambda: files.read_bytes(FILE), files.path(FILE), log, "the default model until one is chosen again"
+    )
     name = data.get("name")
     return ModelChoice(name if isinstance(name, str) and name else None)
 
 
-def write_model(profile_dir: Path, choice: ModelChoice) -> None:
-    """Write the choice atomically (the default removes the file)."""
-    path = Path(profile_dir) / FILE
+def write_model(profile: ProfileFiles | Path, choice: ModelChoice) -> None:
+    """Write the choice atomically, sealed in an encrypted profile (the default removes the file)."""
+    files = as_files(profile)
     if choice.name is None:
-        path.unlink(missing_ok=True)
+        files.path(FILE).unlink(missing_ok=True)
         return
-    atomic_write(path, json.dumps({"name": choice.name}))
+    files.write_text(FILE, json.dumps({"name": choice.name}))

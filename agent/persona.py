@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.fileio import atomic_write, read_choice_file
+from agent.fileio import read_choice_file
 from agent.threats import first_threat
+from agent.vault import ProfileFiles, as_files
 
 FILE = "persona.json"
 #: the most a person's own instructions may hold (they ride in every prompt of their DMs)
@@ -42,9 +43,10 @@ class PersonaChoice:
 NONE = PersonaChoice()
 
 
-def read_choice(profile_dir: Path) -> PersonaChoice:
+def read_choice(profile: ProfileFiles | Path) -> PersonaChoice:
     """The profile's choice; none when it has none, or when the file is damaged (said in the log)."""
-    data = read_choice_file(Path(profile_dir) / FILE, log, "no persona until it is set again")
+    files = as_files(profile)
+    data = read_choice_file(lambda: files.read_bytes(FILE), files.path(FILE), log, "no persona until it is set again")
     name, custom = data.get("name"), data.get("custom")
     return PersonaChoice(
         name=name if isinstance(name, str) and name else None,
@@ -52,13 +54,13 @@ def read_choice(profile_dir: Path) -> PersonaChoice:
     )
 
 
-def write_choice(profile_dir: Path, choice: PersonaChoice) -> None:
-    """Write the choice atomically (an empty one removes the file)."""
-    path = Path(profile_dir) / FILE
+def write_choice(profile: ProfileFiles | Path, choice: PersonaChoice) -> None:
+    """Write the choice atomically, sealed in an encrypted profile (an empty one removes the file)."""
+    files = as_files(profile)
     if choice.empty:
-        path.unlink(missing_ok=True)
+        files.path(FILE).unlink(missing_ok=True)
         return
-    atomic_write(path, json.dumps({"name": choice.name, "custom": choice.custom}, ensure_ascii=False))
+    files.write_text(FILE, json.dumps({"name": choice.name, "custom": choice.custom}, ensure_ascii=False))
 
 
 def custom_problem(text: str) -> str | None:

@@ -22,16 +22,17 @@ from agent.model_choice import ModelChoice, read_model, write_model
 from agent.persona import PersonaChoice, read_choice, write_choice
 from agent.providers import MemoryProvider
 from agent.sessions import SessionStore
+from agent.vault import ProfileFiles
 
 
-def zone_memo(path: Path) -> FileMemo[tzinfo]:
+def zone_memo(files: ProfileFiles) -> FileMemo[tzinfo]:
     """The person's time zone as their reminders know it (budget days roll over at its midnight)."""
-    return FileMemo(path / reminders.FILE, lambda: reminders.ReminderStore(path).zone_now())
+    return FileMemo(files.path(reminders.FILE), lambda: reminders.ReminderStore(files).zone_now())
 
 
-def budget_memo(path: Path) -> FileMemo[dict[str, float | None]]:
+def budget_memo(files: ProfileFiles) -> FileMemo[dict[str, float | None]]:
     """The operator's per-tenant caps (`budget set`, agent/ledger.py)."""
-    return FileMemo(path / OVERRIDE_FILE, lambda: read_override(path))
+    return FileMemo(files.path(OVERRIDE_FILE), lambda: read_override(files))
 
 
 @dataclass
@@ -53,12 +54,22 @@ class Profile:
     budget_file: FileMemo[dict[str, float | None]] | None = None
     #: persona.json as the open read it (in its pool job); None: read on first use
     persona_choice: PersonaChoice | None = None
+    #: its files, sealed with the tenant's key when storage.encryption is per_tenant
+    files: ProfileFiles | None = None
 
     def __post_init__(self) -> None:
+        if self.files is None:
+            self.files = ProfileFiles(self.path)
         if self.zone_file is None:
-            self.zone_file = zone_memo(self.path)
+            self.zone_file = zone_memo(self.files)
         if self.budget_file is None:
-            self.budget_file = budget_memo(self.path)
+            self.budget_file = budget_memo(self.files)
+
+    @property
+    def store_files(self) -> ProfileFiles:
+        """Its files (set in __post_init__; typed without the None)."""
+        assert self.files is not None
+        return self.files
 
     async def time_zone(self) -> tzinfo:
         """The person's time zone (from their reminders; UTC when none says)."""
@@ -73,7 +84,7 @@ class Profile:
     async def persona(self) -> PersonaChoice:
         """The tenant's persona choice (its file is read once per open)."""
         if self.persona_choice is None:
-            self.persona_choice = await asyncio.to_thread(read_choice, self.path)
+            self.persona_choice = await asyncio.to_thread(read_choice, self.store_files)
         return self.persona_choice
 
     #: model.json as the open read it; None: read on first use
@@ -82,19 +93,19 @@ class Profile:
     async def model(self) -> ModelChoice:
         """The tenant's model choice (its file is read once per open)."""
         if self.model_choice is None:
-            self.model_choice = await asyncio.to_thread(read_model, self.path)
+            self.model_choice = await asyncio.to_thread(read_model, self.store_files)
         return self.model_choice
 
     async def set_model(self, choice: ModelChoice) -> None:
         if self.guard is not None:
             self.guard()
-        await asyncio.to_thread(write_model, self.path, choice)
+        await asyncio.to_thread(write_model, self.store_files, choice)
         self.model_choice = choice
 
     async def set_persona(self, choice: PersonaChoice) -> None:
         if self.guard is not None:
             self.guard()
-        await asyncio.to_thread(write_choice, self.path, choice)
+        await asyncio.to_thread(write_choice, self.store_files, choice)
         self.persona_choice = choice
 
     async def close(self) -> None:

@@ -25,7 +25,8 @@ from agent.memory import TARGETS, MemorySnapshot, MemoryStore
 from agent.messages import StoredMessage
 from agent.sessions import SessionStore
 from agent.skills import SkillStore
-from agent.visibility import GROUP_LANE, GROUP_TENANT, PRIVATE_CHAT, Marks, Scope, entry_key
+from agent.vault import ProfileFiles, as_files
+from agent.visibility import GROUP_LANE, GROUP_TENANT, PRIVATE_CHAT, Scope, entry_key
 
 VERSION = 1
 KEY_CHARS = 12  # of an entry key: unique among one profile's entries, a third of the bytes
@@ -207,13 +208,13 @@ def _entry_words(target: str, vis: str, asker: Asker) -> str:
     return f"your shared {what}" + (" (groups may see it)" if asker.place == "private" else "")
 
 
-async def _entries(profile_path: Path) -> dict[str, tuple[str, str, str]]:
+async def _entries(files: ProfileFiles) -> dict[str, tuple[str, str, str]]:
     """Every entry of the profile now, by key prefix: (target, text, visibility)."""
-    store = MemoryStore(profile_path, read_only=True, scope=PRIVATE_CHAT)  # all of them; the caller filters
+    store = MemoryStore(files.root, read_only=True, scope=PRIVATE_CHAT, files=files)  # all of them; the caller filters
     out: dict[str, tuple[str, str, str]] = {}
     for target in TARGETS:
         entries = await store.entries(target)
-        marks = await asyncio.to_thread(Marks(store.memory_dir).of, target, entries)
+        marks = await asyncio.to_thread(store.marks().of, target, entries)
         for text, vis in zip(entries, marks, strict=True):
             out[entry_key(target, text)[:KEY_CHARS]] = (target, text, vis)
     return out
@@ -247,12 +248,12 @@ def _lane_words(session_key: str | None, asker: Asker) -> str:
     return f"your conversation in a group on {platform} (chat {chat})"
 
 
-async def _memory(rec: dict[str, Any], asker: Asker, profile_path: Path, out: _Lines) -> None:
+async def _memory(rec: dict[str, Any], asker: Asker, files: ProfileFiles, out: _Lines) -> None:
     refs: list[tuple[str | None, Any]] = [(t, k) for t in ("user", "memory") for k in rec.get(t) or []]
     refs += [(None, k) for k in rec.get("entries") or []]
     if not refs:
         return
-    live = await _entries(profile_path)
+    live = await _entries(files)
     # a group lane's prompt only held shared entries; one private now is counted there
     audience_sees_private = asker.place != "member"
     for target, key in refs:
@@ -266,12 +267,12 @@ async def _memory(rec: dict[str, Any], asker: Asker, profile_path: Path, out: _L
             out.add(f"{_entry_words(found[0], found[2], asker)}: {_quote(found[1])}")
 
 
-async def _skills(rec: dict[str, Any], asker: Asker, profile_path: Path, out: _Lines) -> None:
+async def _skills(rec: dict[str, Any], asker: Asker, files: ProfileFiles, out: _Lines) -> None:
     names = [str(n) for n in rec.get("skills") or []]
     if not names:
         return
     group = asker.place == "member"
-    visible = {s.name for s in await SkillStore(profile_path, read_only=True).index(shared_only=group)}
+    visible = {s.name for s in await SkillStore(files.root, read_only=True, files=files).index(shared_only=group)}
     shown = [n for n in names if n in visible]
     if shown:
         out.add("the skill index, listing " + ", ".join(shown))
@@ -355,9 +356,11 @@ def _hidden(counts: Counter[str]) -> str:
 
 
 async def explain(
-    history: list[StoredMessage], n: int, asker: Asker, profile_path: Path, sessions: SessionStore
+    history: list[StoredMessage], n: int, asker: Asker, profile: ProfileFiles | Path, sessions: SessionStore
 ) -> str:
-    """`/why N`: what went into the lane's Nth-last reply, as far as `asker` may see it here."""
+    """`/why N`: what went into the lane's Nth-last reply, as far as `asker` may see it here
+    (`profile`: its files, read with the tenant's key when encrypted)."""
+    files = as_files(profile)
     found = replies(history)
     if not found:
         return "I haven't replied in this conversation yet, so there is nothing to explain."
@@ -378,8 +381,8 @@ async def explain(
             "nothing else went into it."
         )
     out = _Lines()
-    await _memory(rec, asker, profile_path, out)
-    await _skills(rec, asker, profile_path, out)
+    await _memory(rec, asker, files, out)
+    await _skills(rec, asker, files, out)
     _persona(rec, asker, out)
     if rec.get("recall"):
         out.add("what my memory service recalled for the message (never kept, so I can't list it)")

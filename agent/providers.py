@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.fileio import open_private, private_mkdir
+from agent.vault import ProfileFiles, VaultError
 from agent.visibility import Scope, Visibility
 from core.settings import MEMORY_PROVIDERS
 
@@ -37,6 +38,8 @@ class ProviderAccess:
 
 #: on_memory_write actions that change an entry's visibility (`/memory share|unshare`)
 VISIBILITY_ACTIONS = ("share", "unshare")
+
+NOTES = "provider/notes.jsonl"  # the local provider's records, in the profile
 
 NO_ACCESS = ProviderAccess(read=False, write=False, shared_only=True, mark="shared")
 
@@ -55,9 +58,12 @@ class MemoryProvider:
 
     name = "base"
 
-    async def initialize(self, namespace: str, profile_dir: Path) -> None:
+    async def initialize(self, namespace: str, profile_dir: Path, *, files: ProfileFiles | None = None) -> None:
+        """`files`: the profile's files, sealed when it is encrypted (a provider keeps its
+        records through them, docs/privacy.md#encryption-at-rest)."""
         self.namespace = namespace
         self.profile_dir = profile_dir
+        self.files = files if files is not None else ProfileFiles(profile_dir)
 
     async def prefetch(self, query: str, *, shared_only: bool = False) -> str:
         """Text to add to the turn's context for `query` ("" for nothing); with
@@ -86,13 +92,14 @@ class LocalNotesProvider(MemoryProvider):
     name = "local"
 
     def _file(self) -> Path:
-        return self.profile_dir / "provider" / "notes.jsonl"
+        return self.files.path(NOTES)
 
     def _append(self, record: dict[str, Any]) -> None:
         path = self._file()
+        line = self.files.seal_line(json.dumps(record, ensure_ascii=False), NOTES)  # one sealed record a line
         private_mkdir(path.parent)
         with open_private(path, "a") as fh:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
@@ -121,8 +128,8 @@ class LocalNotesProvider(MemoryProvider):
         records = []
         for line in path.read_text(encoding="utf-8").splitlines()[-500:]:
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+                rec = json.loads(self.files.open_line(line, NOTES))
+            except (json.JSONDecodeError, VaultError):  # a torn or foreign line is skipped
                 continue
             if isinstance(rec, dict):
                 records.append(rec)

@@ -17,14 +17,14 @@ import json
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from agent.fileio import atomic_write
+from agent.vault import ProfileFiles, VaultError, as_files
 
 FILE = "reminders.json"
 MAX_TEXT = 500
@@ -162,13 +162,18 @@ def next_occurrence(due: float, tz: str | None, repeat: str, after: float) -> fl
 class ReminderStore:
     """`reminders.json` of one profile; every change is a locked, atomic read-modify-write."""
 
-    def __init__(self, profile_dir: Path) -> None:
-        self.path = Path(profile_dir) / FILE
-        self._lock_path = Path(profile_dir) / f".{FILE}.lock"
+    def __init__(self, profile: ProfileFiles | Path, guard: Callable[[], None] | None = None) -> None:
+        """`profile`: the profile's files (sealed when encrypted); a bare path is a plain profile.
+        `guard` is called right before the file is replaced and raises to refuse it (cluster
+        mode: the tenant's lease)."""
+        self.files = as_files(profile)
+        self.path = self.files.path(FILE)
+        self._lock_path = self.files.path(f".{FILE}.lock")
+        self.guard = guard
 
     def _read(self) -> dict[str, Any]:
         try:
-            data = json.loads(self.path.read_text("utf-8"))
+            data = json.loads(self.files.read_text(FILE))
         except FileNotFoundError:
             return {"next_id": 1, "reminders": []}
         return data if isinstance(data, dict) else {"next_id": 1, "reminders": []}
@@ -184,7 +189,9 @@ class ReminderStore:
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = self._read()
             result = fn(data)
-            atomic_write(self.path, json.dumps(data, ensure_ascii=False, indent=1))
+            if self.guard is not None:
+                self.guard()
+            self.files.write_text(FILE, json.dumps(data, ensure_ascii=False, indent=1))
             return result
         finally:
             os.close(fd)
@@ -196,7 +203,7 @@ class ReminderStore:
             raws = [r for r in self._read().get("reminders", []) if isinstance(r, dict) and r.get("tz")]
             latest = max(raws, key=lambda r: float(r.get("created_at") or 0), default=None)
             return _tzinfo(str(latest["tz"])) if latest is not None else ZoneInfo("UTC")
-        except (OSError, ValueError, ReminderError):
+        except (OSError, ValueError, ReminderError, VaultError):
             return ZoneInfo("UTC")
 
     async def all(self) -> list[Reminder]:
@@ -388,7 +395,7 @@ def _instant(text: str) -> datetime | None:
     return parsed if parsed.tzinfo is not None else None
 
 
-def merge_files(target: Path, sources: list[Path]) -> None:
+def merge_files(target: ProfileFiles | Path, sources: Sequence[ProfileFiles | Path]) -> None:
     """Carry the reminders of closed profiles `sources` into the closed profile `target`
     (a /link merge): each keeps its lane and time under a new id; one already carried
     (same text, time, lane and creation) is not added twice."""

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.fileio import atomic_write
-from agent.memory_files import decode, read_bytes
+from agent.memory_files import decode, read_file
 from agent.threats import first_threat
+from agent.vault import ProfileFiles
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ def _render(info: SkillInfo, body: str) -> str:
 
 
 def _parse(name: str, text: str) -> tuple[SkillInfo, str]:
-    """Front matter and body; a file without front matter is a private skill."""
+    """Front matter and body; a file without front matter is a private skill. `name` ""
+    takes the front matter's (an encrypted profile's folders do not say it)."""
     meta: dict[str, str] = {}
     body = text
     if text.startswith("---\n"):
@@ -84,38 +85,70 @@ def _parse(name: str, text: str) -> tuple[SkillInfo, str]:
             body = rest
     visibility = meta.get("visibility", "private")
     return SkillInfo(
-        name, meta.get("description", ""), visibility if visibility in VISIBILITIES else "private"
+        name or meta.get("name", ""),
+        meta.get("description", ""),
+        visibility if visibility in VISIBILITIES else "private",
     ), body.strip()
 
 
 class SkillStore:
     """The skills directory of one profile."""
 
-    def __init__(self, profile_dir: Path, *, read_only: bool = False, guard: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        profile_dir: Path,
+        *,
+        read_only: bool = False,
+        guard: Callable[[], None] | None = None,
+        files: ProfileFiles | None = None,
+    ) -> None:
         """`guard` is called right before a file is written and may raise to refuse it
-        (cluster mode: the tenant lease is no longer held)."""
+        (cluster mode: the tenant lease is no longer held). `files`: the profile's files,
+        each SKILL.md sealed when it is encrypted (docs/privacy.md#encryption-at-rest)."""
         self.skills_dir = Path(profile_dir) / "skills"
+        self.files = files if files is not None else ProfileFiles(Path(profile_dir))
         self.read_only = read_only
         self.guard = guard
         self._lock = asyncio.Lock()
 
     # -- reads ---------------------------------------------------------------------------
+    def _place(self, folder: Path) -> str:
+        """The place of a skill folder's SKILL.md in the profile (what its seal is bound to)."""
+        return f"{self.skills_dir.name}/{folder.name}/{SKILL_FILE}"
+
+    def _folder(self, name: str, twin: bool = False) -> Path:
+        """The folder of skill `name` (or of its shared twin): named after it in a plain
+        profile, after an HMAC of it in an encrypted one (docs/privacy.md#encryption-at-rest)."""
+        return self.skills_dir / self.files.hidden_name(f"{name}{TWIN_SUFFIX}" if twin else name)
+
+    def _name_inside(self, folder: Path) -> str | None:
+        """An encrypted profile's skill name, from its sealed front matter."""
+        raw = read_file(self.files, self._place(folder))
+        if raw is None:
+            return None
+        info, _ = _parse("", decode(raw, strict=False))
+        return info.name or None
+
     def _dir_ok(self, path: Path) -> bool:
         return not path.is_symlink()
 
     def _load(self, name: str) -> tuple[SkillInfo, str] | None:
-        folder = self.skills_dir / name
-        if not _NAME_RE.fullmatch(name) or not self._dir_ok(self.skills_dir) or not self._dir_ok(folder):
+        if not _NAME_RE.fullmatch(name):
             return None
-        raw = read_bytes(folder / SKILL_FILE)
+        folder = self._folder(name)
+        if not self._dir_ok(self.skills_dir) or not self._dir_ok(folder):
+            return None
+        raw = read_file(self.files, self._place(folder))
         return None if raw is None else _parse(name, decode(raw, strict=False))
 
     def _load_twin(self, name: str) -> tuple[SkillInfo, str] | None:
         """The shared twin of `name` (only ever a shared skill)."""
-        folder = self.skills_dir / f"{name}{TWIN_SUFFIX}"
-        if not _NAME_RE.fullmatch(name) or not self._dir_ok(self.skills_dir) or not self._dir_ok(folder):
+        if not _NAME_RE.fullmatch(name):
             return None
-        raw = read_bytes(folder / SKILL_FILE)
+        folder = self._folder(name, twin=True)
+        if not self._dir_ok(self.skills_dir) or not self._dir_ok(folder):
+            return None
+        raw = read_file(self.files, self._place(folder))
         loaded = None if raw is None else _parse(name, decode(raw, strict=False))
         return loaded if loaded is not None and loaded[0].visibility == "shared" else None
 
@@ -126,7 +159,14 @@ class SkillStore:
         for folder in sorted(self.skills_dir.iterdir()):
             if not folder.is_dir():
                 continue
-            if folder.name.endswith(TWIN_SUFFIX):
+            if self.files.sealed:
+                name = self._name_inside(folder)
+                loaded = None
+                if name is not None and folder == self._folder(name, twin=True):
+                    loaded = self._load_twin(name)
+                elif name is not None and folder == self._folder(name):
+                    loaded = self._load(name)
+            elif folder.name.endswith(TWIN_SUFFIX):
                 loaded = self._load_twin(folder.name[: -len(TWIN_SUFFIX)])
             else:
                 loaded = self._load(folder.name)
@@ -152,9 +192,9 @@ class SkillStore:
         may see it, else its shared twin (a group lane); None when the lane sees neither."""
         loaded = self._load(name)
         if loaded is not None and (not shared_only or loaded[0].visibility == "shared"):
-            return self.skills_dir / name, *loaded
+            return self._folder(name), *loaded
         twin = self._load_twin(name)
-        return (self.skills_dir / f"{name}{TWIN_SUFFIX}", *twin) if twin is not None else None
+        return (self._folder(name, twin=True), *twin) if twin is not None else None
 
     def _visible(self, name: str, shared_only: bool) -> tuple[SkillInfo, str] | None:
         found = self._find(name, shared_only)
@@ -204,11 +244,11 @@ class SkillStore:
         shared_only = visibility == "shared"
 
         def write() -> Result:
-            folder = self.skills_dir / name
+            folder = self._folder(name)
             if self._find(name, shared_only) is not None:
                 return _fail(f"A skill named {name!r} already exists; use 'update' to refine it.")
             if folder.exists():  # a private skill (unseen here) or a stray folder: use the twin
-                folder = self.skills_dir / f"{name}{TWIN_SUFFIX}"
+                folder = self._folder(name, twin=True)
                 if not shared_only or folder.exists():
                     return _fail(f"A skill named {name!r} already exists; use 'update' to refine it.")
             if self._count(shared_only) >= MAX_SKILLS:
@@ -217,7 +257,7 @@ class SkillStore:
                 return _fail("The skills directory is not usable (symlink); nothing was saved.")
             self._allow_write()
             folder.mkdir(mode=0o700, parents=True)
-            atomic_write(folder / SKILL_FILE, _render(info, content))
+            self.files.write_text(self._place(folder), _render(info, content))
             return {"success": True, "message": f"Skill {name!r} created."}
 
         async with self._lock:
@@ -239,10 +279,10 @@ class SkillStore:
             visibility = "shared" if shared_only else "private"
             new = SkillInfo(name, description.strip() if description else info.description, visibility)
             self._allow_write()
-            if not shared_only and folder.name != name:  # a twin turning private takes the name's folder
-                os.replace(folder, self.skills_dir / name)
-                folder = self.skills_dir / name
-            atomic_write(folder / SKILL_FILE, _render(new, content if content else body))
+            if not shared_only and folder != self._folder(name):  # a twin turning private takes the name's folder
+                os.replace(folder, self._folder(name))
+                folder = self._folder(name)
+            self.files.write_text(self._place(folder), _render(new, content if content else body))
             return {"success": True, "message": f"Skill {name!r} updated."}
 
         async with self._lock:

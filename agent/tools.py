@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agent.memory import MemoryStore
-from agent.memory_approval import PendingWrites
 from agent.reminders import REMINDERS_TOOL, ReminderTool
 from agent.sessions import SessionStore
 from agent.skills import SKILL_ACTIONS, SkillStore
@@ -235,7 +234,7 @@ class ToolBox:
 
     async def _stage(self, action: str, target: str, content: str | None, old_text: str | None) -> dict[str, Any]:
         assert self.memory is not None
-        return await PendingWrites(self.memory.memory_dir).stage(
+        return await self.memory.pending_writes().stage(
             action, target, content, old_text, origin="shared" if self.shared else "private"
         )
 

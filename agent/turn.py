@@ -131,6 +131,7 @@ class Agent:
                 read_only=lane.personal_memory == "read",
                 scope=scope,
                 guard=profile.memory.guard,
+                files=profile.memory.files,
             )
         return profile.memory
 
@@ -138,7 +139,9 @@ class Agent:
         """Skills follow the lane's memory mode: written in `full`, only read in `read`, none in `off`."""
         if lane.personal_memory == "off" or not self.settings.skills.enabled:
             return None
-        return SkillStore(profile.path, read_only=lane.personal_memory != "full", guard=profile.guard)
+        return SkillStore(
+            profile.path, read_only=lane.personal_memory != "full", guard=profile.guard, files=profile.files
+        )
 
     def toolbox(
         self,
@@ -178,7 +181,13 @@ class Agent:
         async def index(due: float | None, lower_only: bool) -> None:
             await hook(tenant, due, lower_only)
 
-        return ReminderTool(ReminderStore(profile.path), chat, self.settings.reminders.max_per_tenant, index, group)
+        return ReminderTool(
+            ReminderStore(profile.store_files, profile.guard),
+            chat,
+            self.settings.reminders.max_per_tenant,
+            index,
+            group,
+        )
 
     def _review_toolbox(self, profile: Profile, lane: Lane, place: ChatPlace, only: frozenset[str]) -> ToolBox:
         box = self.toolbox(profile, lane, place, self.lane_memory(profile, lane))
@@ -712,7 +721,7 @@ class Agent:
                     wire = self._wire(ctx, history)
             try:
                 # stored images become data: URLs only now, read from this profile's media/
-                request = await inline_images(wire, ctx.profile.path)
+                request = await inline_images(wire, ctx.profile.store_files)
                 result = await self._model_call(ctx, request, tools)
             except ContextLengthExceeded as err:
                 if comp.enabled and ctx.compressions < max_attempts:

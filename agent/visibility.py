@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agent.fileio import atomic_write
+from agent.vault import ProfileFiles, VaultError
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,11 @@ class Marks:
     """The visibility marks of one memories directory (read without the lock: files are
     replaced atomically; write only under the memory lock)."""
 
-    def __init__(self, memory_dir: Path) -> None:
+    def __init__(self, memory_dir: Path, files: ProfileFiles | None = None) -> None:
+        """`files`: the profile's files (the marks are sealed when it is encrypted)."""
         self.path = Path(memory_dir) / VISIBILITY_FILE
+        self.files = files if files is not None else ProfileFiles(Path(memory_dir).parent)
+        self.place = f"{Path(memory_dir).name}/{VISIBILITY_FILE}"
 
     def load(self) -> dict[str, dict[str, str]]:
         try:
@@ -83,8 +86,8 @@ class Marks:
             return {}
         try:
             with os.fdopen(fd, "rb") as fh:
-                data = json.loads(fh.read().decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
+                data = json.loads(self.files.unseal(fh.read(), self.place).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError, VaultError):
             log.warning("visibility marks %s corrupt; every entry counts as private", self.path)
             return {}
         if not isinstance(data, dict):
@@ -97,7 +100,7 @@ class Marks:
 
     def save(self, marks: dict[str, dict[str, str]]) -> None:
         body = {"version": 1, "entries": {t: dict(sorted(m.items())) for t, m in sorted(marks.items()) if m}}
-        atomic_write(self.path, json.dumps(body, indent=1))
+        self.files.write_text(self.place, json.dumps(body, indent=1))
 
     def of(self, target: str, entries: Iterable[str]) -> list[Visibility]:
         """The visibility of each entry, in order (unmarked = private)."""
@@ -123,10 +126,13 @@ class WriteView:
     scope: Scope
     full: list[str]
     marks: dict[str, dict[str, str]]
+    files: ProfileFiles | None = None
 
     @classmethod
-    def open(cls, memory_dir: Path, target: str, full: list[str], scope: Scope) -> WriteView:
-        return cls(Path(memory_dir), target, scope, list(full), Marks(memory_dir).load())
+    def open(
+        cls, memory_dir: Path, target: str, full: list[str], scope: Scope, files: ProfileFiles | None = None
+    ) -> WriteView:
+        return cls(Path(memory_dir), target, scope, list(full), Marks(memory_dir, files).load(), files)
 
     @property
     def visible(self) -> list[str]:
@@ -161,7 +167,7 @@ class WriteView:
                 marks[key] = "shared"
         if marks != {k: v for k, v in old.items() if v == "shared"}:
             self.marks[self.target] = marks
-            Marks(self.memory_dir).save(self.marks)
+            Marks(self.memory_dir, self.files).save(self.marks)
 
 
 @contextmanager
@@ -177,13 +183,18 @@ def memory_lock(memory_dir: Path) -> Iterator[None]:
 
 
 def set_mark(
-    memory_dir: Path, target: str, entry: str, value: Visibility, read_entries: Callable[[str], list[str]]
+    memory_dir: Path,
+    target: str,
+    entry: str,
+    value: Visibility,
+    read_entries: Callable[[str], list[str]],
+    files: ProfileFiles | None = None,
 ) -> bool:
     """Mark one entry (`/memory share|unshare`); False when the entry is gone meanwhile."""
     with memory_lock(memory_dir):
         if entry not in read_entries(target):
             return False
-        store = Marks(memory_dir)
+        store = Marks(memory_dir, files)
         marks = store.load()
         target_marks = marks.setdefault(target, {})
         key = entry_key(target, entry)

@@ -41,6 +41,16 @@ the drafts left stale above a final answer (`stale_drafts`: the send window of a
 first message) and the streams a SIGKILLed node started that another node finished
 (`streams_taken_over`: the final text is an edit by another process life of the draft the
 killed one sent, or a new message under its stale draft).
+`--reminders N`: N of the messages ask the model to set a reminder ("remind in <s>s as rm<k>",
+due `--reminder-due` s later), and one reminder 10 minutes overdue is in a person's
+reminders.json before the nodes start (found when that person's profile opens). Audited:
+every reminder whose setting message was answered is delivered (`reminders_lost`), each
+occurrence once (a copy beyond the occurrences PostgreSQL recorded is a duplicate, classified
+like answers; a turn re-run after a kill may set a reminder twice, counted apart as
+`reminders_set_again`), and a delivery says it is late exactly when it is (more than 2
+minutes). `--reminder-takeover`: mid-run, the node that ran a reminder-setting turn is
+SIGKILLed right after answering, the reminder due half a lease later; another node must
+deliver it once, and its lateness is reported (`takeover_late_s`).
 
 Discord (`--discord-share`, default 0.2 of the messages; `--shards`, default 3): the nodes
 also run the fake Discord with `platforms.discord.shard_count` shards, which the ingress
@@ -85,7 +95,16 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.storm_audit import TOKEN_RE, order_violations, profile_problems, responder, spread  # noqa: E402
+from agent.reminders import ReminderChat, ReminderStore  # noqa: E402
+from bench.storm_audit import (  # noqa: E402
+    REMINDER_TOKEN_RE,
+    TOKEN_RE,
+    order_violations,
+    profile_problems,
+    responder,
+    spread,
+)
+from tenancy.keys import tenant_dir  # noqa: E402
 from tests.fakes.discord_api import FakeDiscord  # noqa: E402
 from tests.fakes.llm import FakeLLM  # noqa: E402
 from tests.fakes.telegram_api import FakeTelegram, Pushed  # noqa: E402
@@ -97,6 +116,9 @@ BOT = "hermes_cluster_bot"
 BIN = Path(sys.executable).parent / "hermes-gateway"
 BASE_DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 SLOW_WORD = "slowpoke"  # the model holds turns with this word (the --pause scenario)
+TAKEOVER_REMINDER = "rm9000"  # the reminder of the takeover scenario (--reminder-takeover)
+OVERDUE_REMINDER = "rm8999"  # in a profile's file, 10 minutes overdue, before the nodes start
+LATE_AFTER_S = 120.0  # gateway/reminders.py: later than this, a delivery says it is late
 FENCED_HINTS = ("fenced", "lease_lost")  # in a log record: a write refused, a profile closed for a lost lease
 
 
@@ -424,6 +446,20 @@ class ClusterResult:
     stale_drafts_by_killed: int = 0  # ... sent by a process life that was then SIGKILLed
     streams_taken_over: int = 0  # answers whose draft a killed life sent and another life finished
     restart_s: list[float] = field(default_factory=list)  # spawn -> webhook answering
+    # reminders (zero when the storm runs without them)
+    reminders_set: int = 0  # reminder-setting messages answered (the tool ran)
+    reminders_delivered: int = 0  # reminders (rm tokens) delivered at least once
+    reminders_lost: int = 0
+    reminder_occurrences: int = 0  # recorded in the PostgreSQL inbox
+    reminders_set_again: int = 0  # ... beyond one per rm token: a turn run again after a kill set it again
+    reminders_dup_window_kill: int = 0
+    reminders_dup_other: int = 0
+    reminders_late_wrong: int = 0  # said late when it was not, or not when it was
+    reminder_lateness_s: list[float] = field(default_factory=list)
+    overdue_said_late: bool = False
+    takeover_killed: str = ""  # the process life killed while its reminder was due
+    takeover_fired_by: list[str] = field(default_factory=list)
+    takeover_late_s: float = -1.0  # delivered minus due
     nodes_crashed: list[str] = field(default_factory=list)  # exits the harness did not cause
     seconds: float = 0.0
     details: list[str] = field(default_factory=list)
@@ -447,6 +483,9 @@ class ClusterResult:
             and self.shard_preempted == 0
             and self.takeovers_unproven == 0
             and (not self.streaming or (self.finals_lost == 0 and self.finals_doubled == 0))
+            and self.reminders_lost == 0
+            and self.reminders_dup_other == 0
+            and self.reminders_late_wrong == 0
         )
 
 
@@ -491,6 +530,7 @@ def node_config(
     dc: FakeDiscord | None = None,
     shards: int = 1,
     streaming: bool = False,
+    reminders: bool = False,
 ) -> None:
     """One node's config: everything shared but its id, its ports and its label at the fake
     Telegram and the fake Discord (`label`, default the node id: whom the fakes record as
@@ -527,6 +567,7 @@ def node_config(
                 "logging": {"level": "INFO", "format": "json"},
                 "observability": {"listen": f"127.0.0.1:{obs_port}"},
                 "cluster": {"postgres_dsn_env": "HERMES_STORM_PG", "node_id": name, "lease_ttl_s": lease_ttl_s},
+                "reminders": {"enabled": reminders},
                 "platforms": {
                     "telegram": {
                         "enabled": True,
@@ -571,6 +612,9 @@ class ClusterStorm:
         shards: int = 3,
         streaming: bool = False,
         stream_s: float = 2.5,
+        reminders: int = 0,
+        reminder_due_s: float = 4.0,
+        reminder_takeover: bool = False,
         say: Callable[[str], None] = print,
     ) -> None:
         self.workdir, self.dsn, self.n_nodes = workdir, dsn, nodes
@@ -581,6 +625,10 @@ class ClusterStorm:
         self.lb_workers, self.settle_s, self.say = lb_workers, settle_s, say
         self.model_latency_s, self.group_share = model_latency_s, group_share
         self.discord_share, self.shards = discord_share, shards
+        self.reminders, self.reminder_due_s, self.reminder_takeover = reminders, reminder_due_s, reminder_takeover
+        self.rm_pushed: dict[str, str] = {}  # rm token -> the token of the message that set it
+        self.takeover_task: asyncio.Task | None = None
+        self.wall_minus_mono = time.time() - time.monotonic()  # the fake's send times are monotonic
         self.dc: FakeDiscord | None = None
         # Discord token -> (message id or None when no session took it, shard, monotonic push time)
         self.dc_pushed: dict[str, tuple[str | None, int, float]] = {}
@@ -645,6 +693,7 @@ class ClusterStorm:
             dc=self.dc if self.discord_share else None,
             shards=self.shards,
             streaming=self.streaming,
+            reminders=bool(self.reminders or self.reminder_takeover),
         )
 
     async def _spawn(self, node: Node) -> None:
@@ -801,8 +850,13 @@ class ClusterStorm:
         self.dc_pushed[token] = (msg["id"] if msg else None, shard, time.monotonic())
         self.pushed[token] = ("dc", key, user, idx)
 
-    def _next_message(self, n: int, counters: dict[tuple[str, str], int], *, word: str = "hello"):
-        if self.rng.random() >= self.group_share:
+    def _next_message(
+        self, n: int, counters: dict[tuple[str, str], int], *, word: str = "hello", dm_from: int | None = None
+    ):
+        if dm_from is not None:
+            user = dm_from
+            chat, key = user, f"tg:{user}"
+        elif self.rng.random() >= self.group_share:
             user = self.rng.choice(self.users)
             chat, key = user, f"tg:{user}"
         else:
@@ -825,8 +879,21 @@ class ClusterStorm:
 
     async def _traffic(self) -> None:
         counters: dict[tuple[str, str], int] = defaultdict(int)
+        step = self.messages // (self.reminders + 1) if self.reminders else 0
         for n in range(1, self.messages + 1):
             await asyncio.sleep(self.interval)
+            if self.reminder_takeover and n == self.messages // 2 and self.takeover_task is None:
+                self.takeover_task = self._spawn_task(self._reminder_takeover(counters))
+            if n == 1 and self.reminders:  # its profile opens: the overdue reminder is found
+                token, pushed, key = self._next_message(n, counters, dm_from=self.users[0])
+                self.send(token, pushed, key)
+                continue
+            if step and n % step == 0 and n // step <= self.reminders:
+                rm = f"rm{n // step}"
+                token, pushed, key = self._next_message(n, counters, word=f"remind in {self.reminder_due_s:g}s as {rm}")
+                self.rm_pushed[rm] = token
+                self.send(token, pushed, key)
+                continue
             if self.discord_share and self.rng.random() < self.discord_share:
                 self._next_discord(n, counters)
                 continue
@@ -859,6 +926,54 @@ class ClusterStorm:
         await asyncio.sleep(delay)
         await self._spawn(node)
         node.restarting = False
+
+    async def _reminder_takeover(self, counters: dict[tuple[str, str], int]) -> None:
+        """Set a reminder due half a lease later; once its turn's answer is recorded (so the
+        turn is not run again) and before the reminder fires, SIGKILL the node holding its
+        tenant's lease (the node that would fire it) and keep it down past the due time."""
+        import psycopg
+
+        due_s = self.lease_ttl_s / 2
+        user = self.users[1]
+        token, pushed, key = self._next_message(
+            self.messages + 2, counters, word=f"remind in {due_s:g}s as {TAKEOVER_REMINDER}", dm_from=user
+        )
+        self.rm_pushed[TAKEOVER_REMINDER] = token
+        self.send(token, pushed, key)
+
+        def holder() -> str | None:
+            """The tenant's live lease holder once the answer is recorded and the reminder not fired."""
+            with psycopg.connect(self.dsn, connect_timeout=5) as conn:
+                ready = conn.execute(
+                    """SELECT 1 FROM inbox WHERE payload->>'text' LIKE %s AND answered_at IS NOT NULL
+                       AND EXISTS (SELECT 1 FROM reminder_due WHERE tenant = %s AND fired_at IS NULL)""",
+                    (f"%{TAKEOVER_REMINDER}%", f"telegram-{user}"),
+                ).fetchone()
+                if ready is None:
+                    return None
+                row = conn.execute(
+                    "SELECT holder FROM tenant_leases WHERE tenant = %s AND expires_at > now()", (f"telegram-{user}",)
+                ).fetchone()
+                return row[0] if row else None
+
+        deadline = time.monotonic() + 30
+        name = None
+        while time.monotonic() < deadline and name is None:
+            with contextlib.suppress(psycopg.Error):
+                name = await asyncio.to_thread(holder)
+            await asyncio.sleep(0.01)
+        node = next((x for x in self.nodes if x.name == name), None)
+        if node is None or not node.alive or node.restarting or node is self.paused_node or node.life is None:
+            self.result.details.append(
+                f"reminder takeover: no running holder of the tenant was found ({name}); skipped"
+            )
+            return
+        node.restarting = True  # the chaos loop leaves it alone
+        label = f"{node.name}-{node.life.index}"
+        self._kill(node)
+        self.result.takeover_killed = label
+        self.say(f"  killed {label}, which holds the tenant of {TAKEOVER_REMINDER} (due in {due_s:g} s)")
+        self._spawn_task(self._restart_later(node, due_s + 2 * self.lease_ttl_s + 2))
 
     async def _pause_scenario(self, counters: dict[tuple[str, str], int]) -> None:
         """Hold one turn at the model, freeze the node running it past its lease, resume it."""
@@ -968,6 +1083,8 @@ class ClusterStorm:
                 self._write_config(node, f"{name}-0")
                 self.nodes.append(node)
             await self._migrate(self.nodes[0])
+            if self.reminders:
+                await self._overdue_reminder()
             for node in self.nodes:
                 await self._spawn(node)
             for node in self.nodes:
@@ -988,6 +1105,19 @@ class ClusterStorm:
                         t.cancel()
                     await self._stop_all()
 
+    async def _overdue_reminder(self) -> None:
+        """A reminder 10 minutes overdue in the first person's reminders.json, as a cluster that
+        was down when it was due leaves it (its index row is rebuilt when the profile opens)."""
+        user = 7000  # `_people()`'s first person, who writes first
+        self.tg.add_chat(user, "private")
+        chat = ReminderChat(
+            "telegram", str(user), "dm", None, str(user), f"User{user}", lane=f"agent:main:telegram:dm:{user}"
+        )
+        store = ReminderStore(tenant_dir(self.workdir / "data", f"telegram-{user}"))
+        now = time.time()
+        await store.add(f"ping {OVERDUE_REMINDER}", now - 600, chat, tz=None, repeat=None, cap=50, now=now - 900)
+        self.rm_pushed[OVERDUE_REMINDER] = ""
+
     def send(self, token: str, pushed: Pushed, key: str) -> None:
         """Hand an update to the load balancer (one worker per chat: per chat, in order)."""
         self.tg.updates.clear()  # delivered by webhook, never polled
@@ -1007,6 +1137,8 @@ class ClusterStorm:
                 await self._traffic()
                 if self._pause_task is not None:
                     await self._pause_task
+                if self.takeover_task is not None:
+                    await self.takeover_task
                 self.sending = False
                 if chaos is not None:
                     await chaos
@@ -1054,6 +1186,16 @@ class ClusterStorm:
                 out.append((token, Copy(m.get("_via"), m.get("_at", 0.0))))
         return out
 
+    def _reminder_deliveries(self) -> list[tuple[str, Copy, str]]:
+        """Reminders delivered on Telegram, in send order: (rm token, the copy, its text)."""
+        out = []
+        for m in self.tg.sent:
+            text = m.get("text") or ""
+            if text.startswith("⏰ Reminder"):
+                for rm in REMINDER_TOKEN_RE.findall(text):
+                    out.append((rm, Copy(m.get("_via"), m.get("_at", 0.0)), text))
+        return out
+
     def _dc_answers(self) -> list[tuple[str, Copy]]:
         """Discord answers in send order, each with the process life whose REST call made it."""
         out = []
@@ -1082,11 +1224,13 @@ class ClusterStorm:
         while time.monotonic() - since < self.settle_s:
             await asyncio.sleep(0.5)
             answered = {t for t, _ in self._answers()} | {t for t, _ in self._dc_answers()}
-            if (self.acked | self._dc_took()) <= answered:
+            delivered = {rm for rm, _, _ in self._reminder_deliveries()}
+            expecting = {rm for rm, t in self.rm_pushed.items() if not t or t in answered}
+            if (self.acked | self._dc_took()) <= answered and expecting <= delivered:
                 await asyncio.sleep(1.0)  # a late duplicate would show up now
                 return
-            if len(answered) != last:
-                last, since = len(answered), time.monotonic()
+            if len(answered) + len(delivered) != last:
+                last, since = len(answered) + len(delivered), time.monotonic()
 
     async def _stop_all(self) -> None:
         self.stopping = True
@@ -1158,6 +1302,8 @@ class ClusterStorm:
             self._audit_discord()
         if self.streaming:
             self._audit_streams()
+        if self.rm_pushed:
+            self._audit_reminders({t for t, _ in answers})
         # the audit log
         audit = [
             rec
@@ -1189,6 +1335,54 @@ class ClusterStorm:
                 r.details += [
                     f"after SIGCONT {life.node}#{life.index} logged: {json.dumps(rec)[:300]}" for rec in fenced[:3]
                 ]
+
+    def _audit_reminders(self, answered: set[str]) -> None:
+        """Reminders: every one set is delivered, each occurrence once, late exactly when late."""
+        import psycopg
+
+        r = self.result
+        expecting = {rm for rm, t in self.rm_pushed.items() if not t or t in answered}
+        r.reminders_set = len(expecting)
+        deliveries = self._reminder_deliveries()
+        copies: dict[str, list[Copy]] = defaultdict(list)
+        first_text: dict[str, str] = {}
+        for rm, copy, text in deliveries:
+            copies[rm].append(copy)
+            first_text.setdefault(rm, text)
+        r.reminders_delivered = len(expecting & set(copies))
+        lost = expecting - set(copies)
+        r.reminders_lost = len(lost)
+        r.details += [f"reminder lost: {rm} (set by {self.rm_pushed[rm] or 'the file'})" for rm in sorted(lost)]
+        occurrences: dict[str, list[float]] = defaultdict(list)  # rm -> due times recorded in the inbox
+        with psycopg.connect(self.dsn, connect_timeout=5) as conn:
+            for text, due in conn.execute(
+                "SELECT payload->>'text', (payload->>'timestamp')::float8 FROM inbox WHERE message_id LIKE 'reminder:%'"
+            ).fetchall():
+                for rm in REMINDER_TOKEN_RE.findall(text or ""):
+                    occurrences[rm].append(float(due))
+        r.reminder_occurrences = sum(len(v) for v in occurrences.values())
+        r.reminders_set_again = sum(len(v) - 1 for v in occurrences.values() if len(v) > 1)
+        extra = {rm: seen for rm, seen in copies.items() if len(seen) > max(1, len(occurrences.get(rm, [])))}
+        dups = classify_duplicates(extra, self.kills_mono, self.stops_mono, self.pg_outages_mono)
+        r.reminders_dup_window_kill = dups.window_kill
+        r.reminders_dup_other = dups.window_pause + dups.window_pg + dups.other
+        r.details += [f"reminder {d}" for d in dups.details[:10]]
+        for rm, seen in copies.items():
+            dues = sorted(occurrences.get(rm, []))
+            if not dues:
+                r.details.append(f"reminder {rm} delivered but not in the inbox")
+                continue
+            late = seen[0].at + self.wall_minus_mono - dues[0]
+            r.reminder_lateness_s.append(round(late, 2))
+            said = "This is late" in first_text[rm]
+            if said != (late > LATE_AFTER_S) and abs(late - LATE_AFTER_S) > 5:
+                r.reminders_late_wrong += 1
+                r.details.append(f"reminder {rm} {late:.1f} s after its time said late: {said}")
+            if rm == OVERDUE_REMINDER:
+                r.overdue_said_late = said
+            if rm == TAKEOVER_REMINDER:
+                r.takeover_fired_by = [c.via or "?" for c in seen]
+                r.takeover_late_s = round(late, 2)
 
     def _audit_discord(self) -> None:
         """Discord: lost/missed, duplicates, order, and the shards from the fake's view."""
@@ -1392,6 +1586,12 @@ def summary(r: ClusterResult) -> list[str]:
         f"{r.finals_doubled}; finals that replaced a draft {r.streamed_finals}; streams a SIGKILLed node "
         f"started and another finished {r.streams_taken_over}; stale drafts left above an answer "
         f"{r.stale_drafts} (sent by a killed node {r.stale_drafts_by_killed})",
+        f"reminders: set {r.reminders_set}, delivered {r.reminders_delivered}, lost {r.reminders_lost}; "
+        f"occurrences {r.reminder_occurrences} (set again by a re-run turn {r.reminders_set_again}); duplicated: "
+        f"window kill {r.reminders_dup_window_kill}, other {r.reminders_dup_other}; late said wrongly "
+        f"{r.reminders_late_wrong} (the 10-minute overdue one said late: {r.overdue_said_late}); lateness s "
+        f"{spread(r.reminder_lateness_s)}; takeover: killed {r.takeover_killed or '-'}, delivered by "
+        f"{r.takeover_fired_by or '-'}, {r.takeover_late_s} s after its time",
         f"send window (accepted -> SIGKILL) ms: {spread(r.window_ms)}; restart (spawn -> webhook up) s: "
         f"{spread(r.restart_s)}; nodes that exited on their own: {r.nodes_crashed or 'none'}",
     ]
@@ -1427,6 +1627,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-ttl", type=float, default=3.0)
     ap.add_argument("--discord-share", type=float, default=0.2, help="share of the messages sent on Discord (0: none)")
     ap.add_argument("--shards", type=int, default=3, help="platforms.discord.shard_count")
+    ap.add_argument("--reminders", type=int, default=0, help="messages that set a reminder (0: reminders off)")
+    ap.add_argument("--reminder-due", type=float, default=4.0, help="seconds from setting a reminder to its time")
+    ap.add_argument(
+        "--reminder-takeover", action="store_true", help="SIGKILL the node holding a reminder's tenant before it is due"
+    )
     ap.add_argument("--keep", type=Path, help="run in this directory and keep it (logs, data)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--write", type=Path, help="record the result in this markdown file (BENCHMARKS.md)")
@@ -1452,6 +1657,9 @@ def main(argv: list[str] | None = None) -> int:
         "shards": args.shards,
         "streaming": args.streaming,
         "stream_s": args.stream_s,
+        "reminders": args.reminders,
+        "reminder_due_s": args.reminder_due,
+        "reminder_takeover": args.reminder_takeover,
     }
     t0, load0 = time.time(), os.getloadavg()[0]
     if args.keep:

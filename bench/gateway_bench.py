@@ -281,6 +281,16 @@ class WarnCounter(logging.Handler):
 # --------------------------------------------------------------------------- gateway phase
 
 
+def encryption(args: argparse.Namespace) -> dict[str, str]:
+    """storage.encryption per_tenant with a fresh master key in this process's environment."""
+    if not args.encryption:
+        return {}
+    from agent.vault import new_master_key
+
+    os.environ.setdefault("HERMES_BENCH_MASTER_KEY", new_master_key())
+    return {"encryption": "per_tenant", "master_key_env": "HERMES_BENCH_MASTER_KEY"}
+
+
 async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -> dict[str, Any]:
     from core.settings import parse_config
     from gateway.build import build_gateway
@@ -290,7 +300,7 @@ async def run_gateway(args: argparse.Namespace, data_dir: Path, base_url: str) -
         {
             "data_dir": str(data_dir),
             "llm": {"base_url": base_url, "model": "bench-model", "max_retries": 0, "timeout_s": 60},
-            "storage": {"fsync": args.fsync, "io_threads": args.io_threads},
+            "storage": {"fsync": args.fsync, "io_threads": args.io_threads, **encryption(args)},
             "tenancy": {} if args.max_open is None else {"max_open_profiles": args.max_open},
             "limits": {"rate_limit_per_minute": 1_000_000},
         }
@@ -729,6 +739,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--io-threads", type=int, default=4, help="storage.io_threads (default: shipped 4)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw storage ceiling")
+    p.add_argument(
+        "--encryption", action="store_true", help="storage.encryption: per_tenant (docs/privacy.md#encryption-at-rest)"
+    )
     p.add_argument(
         "--data-dir",
         type=Path,

@@ -25,6 +25,9 @@ from tests.fakes.llm import last_user_text, reply, tool_call
 TOKEN_RE = re.compile(r"\b([td]k\d+x\d+)\b")
 STREAM_TAIL = "and that is all there is to say about it for now, written slowly."  # streamed after the tokens
 CHUNK = 6  # characters per streamed chunk
+# "remind in 4s as rm3": the fake model sets a reminder "ping rm3" due in 4 s (the storms' --reminders)
+REMIND_RE = re.compile(r"remind in (\d+(?:\.\d+)?)s as (rm\d+)")
+REMINDER_TOKEN_RE = re.compile(r"\b(rm\d+)\b")
 
 
 def responder(
@@ -36,7 +39,8 @@ def responder(
     stream_s: float = 0.0,
 ):
     """A fake model with random latency (up to `max_latency_s`) that answers
-    "ok: <tokens>" and sometimes writes memory (when asked to "remember"). `slow` maps a
+    "ok: <tokens>", sometimes writes memory (when asked to "remember") and sets a reminder
+    when asked to "remind in <s>s as rm<n>". `slow` maps a
     word to an extra delay for requests whose last user text contains it; `on_answer` is
     told the tokens of every final answer as it is sent (a storm aims kills with it).
     `stream_s`: a streamed answer is written over about that many seconds (it goes on after
@@ -54,6 +58,11 @@ def responder(
         offered = {t.get("function", {}).get("name") for t in request.get("tools") or []}
         if messages and messages[-1].get("role") == "tool":
             answer = f"ok: {token} (noted)"
+        elif (remind := REMIND_RE.search(text)) and "reminders" in offered:
+            minutes = float(remind.group(1)) / 60
+            return tool_call(
+                "reminders", {"action": "create", "text": f"ping {remind.group(2)}", "in_minutes": minutes}
+            )
         elif "remember" in text and "memory" in offered:
             return tool_call("memory", {"action": "add", "target": "memory", "content": f"note {token}"})
         else:

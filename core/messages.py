@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 ChatType = Literal["dm", "group", "thread", "channel"]
 OutboundKind = Literal["reply", "notice", "error"]
@@ -51,6 +51,32 @@ class DownloadError(Exception):
         self.too_big = too_big
 
 
+class ReplyHandle(BaseModel):
+    """A way to answer one inbound message other than posting into its chat: a Discord slash
+    command's follow-up webhook (application id and interaction token, usable 15 minutes).
+    The token is a credential: it stays out of reprs, logs and the stored payload; cluster
+    mode carries it to the node that runs the turn in its own inbox column, erased once the
+    message is done (docs/cluster.md#slash-commands-answered-from-any-node)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    application_id: str
+    token: SecretStr
+    #: only the asker sees the answer; it must never be posted in the channel instead
+    ephemeral: bool = False
+    #: wall-clock time the platform created it (its life is counted from there)
+    created_at: float
+
+    def stored(self) -> dict[str, Any]:
+        """The handle as the cluster's inbox column keeps it (token included)."""
+        return {
+            "application_id": self.application_id,
+            "token": self.token.get_secret_value(),
+            "ephemeral": self.ephemeral,
+            "created_at": self.created_at,
+        }
+
+
 class InboundMessage(BaseModel):
     """One message from a person, normalized across platforms. All ids are strings."""
 
@@ -80,6 +106,8 @@ class InboundMessage(BaseModel):
     timestamp: float = Field(default_factory=time.time)
     # The platform's own payload: kept out of logs, reprs and prompts.
     raw: Any = Field(default=None, repr=False, exclude=True)
+    # how the answer may go out besides the chat (a Discord interaction): never dumped
+    reply_handle: ReplyHandle | None = Field(default=None, repr=False, exclude=True)
 
     @property
     def principal(self) -> str:

@@ -7,12 +7,14 @@ attributes, so what an adapter can do is written in one place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from core.messages import (
     Attachment,
     ConfirmAnswerer,
     ConfirmRequest,
+    InboundMessage,
     InboundSink,
     OutboundMessage,
     OverheardHook,
@@ -137,6 +139,21 @@ class Closable(Protocol):
     async def aclose(self) -> None: ...
 
 
+class SendPacer(Protocol):
+    """Spaces a bot's sends under the platform's flood limits (per chat, per group, per bot).
+    One node paces in its own process (adapters/telegram/flood.py `FloodGate`); a cluster
+    shares the pacing through PostgreSQL (docs/cluster.md#flood-pacing-across-nodes)."""
+
+    async def wait_turn(self, chat_id: str) -> None:
+        """Return when a message to `chat_id` may go out now, and count it as sent; raises
+        `DeliveryDeferred` when that cannot be known now (the shared pacing is unreachable)."""
+        ...
+
+    def hold(self, chat_id: str, seconds: float) -> None:
+        """The platform answered 429 for this chat: nothing goes there for `seconds`."""
+        ...
+
+
 @runtime_checkable
 class ElectedReceiver(Protocol):
     """Cluster mode: receives only while this node holds the platform's ingress role
@@ -148,6 +165,24 @@ class ElectedReceiver(Protocol):
     async def start_receiving(self) -> None: ...
 
     async def stop_receiving(self) -> None: ...
+
+
+@runtime_checkable
+class AdoptsReplies(Protocol):
+    """Cluster mode: a message another node received may carry a `ReplyHandle` (a Discord
+    slash command that node deferred); the node that runs its turn hands it to its own
+    adapter first, so the answer completes that interaction
+    (docs/cluster.md#slash-commands-answered-from-any-node)."""
+
+    def adopt(self, msg: InboundMessage) -> None:
+        """Answer `msg` through its handle from now on (an expired one still keeps a private
+        answer out of the channel)."""
+        ...
+
+    async def release(self, message_ids: Sequence[str], done: bool) -> None:
+        """The lane's claim ended: forget these messages' handles. With `done` nothing will
+        answer them any more, so the placeholder of one still unanswered is removed."""
+        ...
 
 
 @runtime_checkable

@@ -224,6 +224,23 @@ class StorageConfig(_Section):
     io_threads: int = Field(default=4, ge=1, le=8)
     # memory the open profiles may take; it sizes the open-profile cache (docs/concepts.md#open-profiles)
     memory_budget_mib: int = Field(default=DEFAULT_MEMORY_BUDGET_MIB, ge=1)
+    # per-person encryption at rest (docs/privacy.md#encryption-at-rest): each tenant's own key,
+    # wrapped by the master key that one of these two names
+    encryption: Literal["off", "per_tenant"] = "off"
+    master_key_env: str | None = None
+    master_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_master_key(self) -> StorageConfig:
+        named = [k for k in ("master_key_env", "master_key_file") if getattr(self, k) is not None]
+        if self.encryption == "off" and named:
+            raise ValueError(f"storage.{named[0]} does nothing while storage.encryption is off; remove it")
+        if self.encryption == "per_tenant" and len(named) != 1:
+            raise ValueError(
+                "storage.encryption: per_tenant needs the master key: set exactly one of "
+                "storage.master_key_env (a variable's name) or storage.master_key_file"
+            )
+        return self
 
 
 class TenancyConfig(_Section):
@@ -622,23 +639,20 @@ class Config(_Section):
         return personas
 
     @model_validator(mode="after")
-    def _cluster_refuses_node_local_features(self) -> Config:
-        """Reminders keep state on one node; in cluster mode they are off, and turning them on
-        explicitly is an error rather than a silent no-op. (Streamed drafts and progress
-        notices go through the PostgreSQL outbox: docs/cluster.md#streaming-and-progress-notices.)"""
-        if not self.cluster.enabled:
-            return self
-        if "enabled" in self.reminders.model_fields_set and self.reminders.enabled:
+    def _cluster_refuses_encryption(self) -> Config:
+        """PostgreSQL holds message text and drafts in cluster mode; encrypting only the
+        profiles would promise what the cluster does not keep (docs/privacy.md#what-is-not-encrypted)."""
+        if self.cluster.enabled and self.storage.encryption != "off":
             raise ValueError(
-                "reminders.enabled: reminders are not available in cluster mode yet "
-                "(cluster.postgres_dsn_env is set); remove the key or set it to false"
+                "storage.encryption: per_tenant is not available in cluster mode yet "
+                "(PostgreSQL would hold message text unencrypted); set it to off"
             )
         return self
 
     @property
     def reminders_on(self) -> bool:
-        """Reminders run on a single node only (cluster mode turns them off)."""
-        return self.reminders.enabled and not self.cluster.enabled
+        """Reminders are delivered (on one node, and in cluster mode: docs/cluster.md#reminders)."""
+        return self.reminders.enabled
 
     @property
     def streaming_mode(self) -> Literal["dm", "all", "off"]:

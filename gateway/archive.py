@@ -4,7 +4,9 @@
 SQLite files are copied with SQLite's online backup API (a consistent snapshot, writers
 not blocked), the database first and the journals after, so a copy's journals are never
 older than its database; opening the copy reconciles the two (a torn last journal line is
-cut). Archives are .tar.gz with owner-only members, written to a temporary name, fsynced
+cut). An encrypted profile's state.db is copied keyed alike and its other files as they
+are (sealed); a plain copy for its owner opens every sealed record instead
+(docs/privacy.md#exports-and-the-hermes-cli). Archives are .tar.gz with owner-only members, written to a temporary name, fsynced
 and renamed; unpacking refuses anything but plain files and directories inside the target.
 """
 
@@ -18,8 +20,13 @@ import zlib
 from contextlib import closing
 from pathlib import Path
 
-from agent.fileio import private_file, private_mkdir, tighten_tree
-from agent.sessions.db import backup_file, open_reader
+import apsw
+
+from agent.fileio import private_file, private_mkdir, tighten_tree, write_private
+from agent.sessions.codec import journal_line
+from agent.sessions.db import backup_file, open_reader, plain_copy
+from agent.sessions.journal import decode_line
+from agent.vault import KEY_FILE, DataKey, is_sealed
 from gateway.runlock import AdminError
 
 STATE_FILES = {"state.db", "state.db-wal", "state.db-shm", "state.db-journal"}
@@ -56,19 +63,61 @@ def copy_profile_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def sqlite_backup(src: Path, dst: Path) -> None:
+def plain_profile_files(src: Path, dst: Path, key: DataKey) -> list[str]:
+    """Copy a profile's files like `copy_profile_files`, every sealed record opened with
+    `key` (`place` = its path in the profile) and journal lines written as plain JSON;
+    key.json stays behind. Returns the relative paths written."""
+    written = []
+    for rel in copy_profile_files(src, dst):
+        target = dst / rel
+        if rel == KEY_FILE:
+            target.unlink()
+            continue
+        data = target.read_bytes()
+        if Path(rel).parts[0] == "sessions" and rel.endswith(".jsonl"):
+            data = plain_journal(data, key, rel)
+        elif is_sealed(data):
+            data = key.open(data, rel)
+        write_private(target, data)
+        written.append(rel)
+    return written
+
+
+def plain_journal(data: bytes, key: DataKey, place: str) -> bytes:
+    """A sealed journal's lines as plain JSONL (a torn or damaged line is left out, as
+    reconciliation would cut it)."""
+    out = []
+    for raw in data.split(b"\n")[:-1]:
+        if not raw.strip():
+            continue
+        try:
+            obj = decode_line(raw, key, place)
+        except ValueError:
+            continue
+        out.append(journal_line(obj))
+    return "".join(out).encode("utf-8")
+
+
+def sqlite_backup(src: Path, dst: Path, key: DataKey | None = None, *, plain: bool = False) -> None:
     """Online backup of `src` to `dst` (a consistent snapshot; writers are not blocked).
 
-    A profile's state.db through APSW, as its store opens it; gateway.db and the other
-    files of the data directory through the stdlib, as the gateway does: one SQLite library
-    per file in a process (docs/concepts.md#one-sqlite-library-per-file)."""
+    A profile's state.db through APSW, as its store opens it, keyed with `key` when
+    encrypted: the copy is encrypted alike, or plain with `plain` (VACUUM INTO, then the
+    key removed); gateway.db and the other files of the data directory through the stdlib,
+    as the gateway does: one SQLite library per file in a process
+    (docs/concepts.md#one-sqlite-library-per-file)."""
     private_mkdir(dst.parent)
     if dst.exists():
         dst.unlink()
     private_file(dst)
     if src.name == "state.db":
-        with closing(open_reader(src)) as source:
-            backup_file(source, dst)
+        with closing(open_reader(src, key)) as source:
+            if plain and key is not None:
+                dst.unlink()  # VACUUM INTO wants to make the file itself
+                plain_copy(source, dst, key)
+                private_file(dst)
+            else:
+                backup_file(source, dst, key)
     else:
         with (
             closing(sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)) as ro,
@@ -80,8 +129,16 @@ def sqlite_backup(src: Path, dst: Path) -> None:
         Path(f"{dst}{suffix}").unlink(missing_ok=True)
 
 
-def integrity_check(db: Path) -> str:
-    """PRAGMA integrity_check of a copy (staged by a backup or restore: no other connection has it open)."""
+def integrity_check(db: Path, key: DataKey | None = None) -> str:
+    """PRAGMA integrity_check of a copy (staged by a backup or restore: no other connection
+    has it open); an encrypted copy through APSW with its `key`, SQLite's answer or why it
+    does not open."""
+    if key is not None:
+        try:
+            with closing(open_reader(db, key)) as enc:
+                return str(enc.execute("PRAGMA integrity_check").fetchall()[0][0])
+        except apsw.Error as err:
+            return f"it does not open with its key ({err})"
     with closing(sqlite3.connect(db)) as conn:
         return str(conn.execute("PRAGMA integrity_check").fetchone()[0])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 from agent.agents import Agents
@@ -20,6 +21,7 @@ from agent.profile import Profile
 from agent.sessions import StoragePool
 from agent.tokens import TokenCounter
 from agent.turn import Agent
+from agent.vault import TenantKeys, open_keyring
 from core.messages import InboundMessage
 from core.protocols import Adapter
 from core.settings import AgentSettings, Config
@@ -33,15 +35,17 @@ from gateway.kv import KeyValue, SqliteKV
 from gateway.linking import Linking, MergeGuard
 from gateway.media import MediaIntake
 from gateway.metrics import ClusterMetrics, InstrumentedLLM, Metrics
-from gateway.modes import Fencing, OpenQuestions, SharedInbox, StopSignals, StreamedDrafts
+from gateway.modes import Fencing, OpenQuestions, Reminders, SharedInbox, StopSignals, StreamedDrafts
 from gateway.outbox import Deliverer, Outbox
 from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
 from gateway.reviews import Reviews
 from gateway.runtime import GatewayApp, Parts
+from gateway.sealing import MessageSeal
 from gateway.tooling import build_tools
 from gateway.turns import Turns
 from tenancy.identity import IdentityLinks
+from tenancy.keys import resolve_lane
 from tenancy.profiles import ProfileGate, ProfileManager
 
 log = logging.getLogger("hermes.gateway")
@@ -71,8 +75,12 @@ class ModeParts:
     cluster_metrics: ClusterMetrics | None = None
     #: where a tenant's budget counts live (None: its profile's state.db)
     ledger_for: Callable[[Profile], Ledger] | None = None
+    #: the reminders' due index and what fires them (None: gateway.db and this process)
+    reminders: Reminders | None = None
     #: identity state shared with other nodes: a /link merge needs `merge_guard`
     cluster: bool = False
+    #: tenants' data keys (storage.encryption per_tenant), shared by the profiles and gateway.db
+    keys: TenantKeys = field(default_factory=lambda: TenantKeys(None))
     running: RunningTurns = field(default_factory=RunningTurns)
     background: Background = field(default_factory=Background)
 
@@ -83,11 +91,21 @@ def build_gateway(
     """A single-node gateway for `cfg` serving `adapters`; `llm` and `tokens` for tests."""
     if cfg.cluster.enabled:
         raise ValueError("cluster.enabled is set: build this gateway with gateway.cluster.build.build_cluster_gateway")
-    inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync)
-    mode = ModeParts(
-        inbox=inbox, outbox=Outbox(inbox), links=IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
-    )
+    storage = cfg.storage
+    keys = TenantKeys(open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file))
+    links = IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
+    seal = MessageSeal(keys, cfg.data_dir, partial(_tenant_of, cfg, links)) if keys.on else None
+    inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync, seal=seal)
+    mode = ModeParts(inbox=inbox, outbox=Outbox(inbox), links=links, keys=keys)
     return GatewayApp(build_parts(cfg, adapters, mode, llm=llm, tokens=tokens))
+
+
+def _tenant_of(cfg: Config, links: IdentityLinks, msg: InboundMessage) -> str | None:
+    """The tenant whose lane `msg` is on (its text in gateway.db is sealed with its key)."""
+    try:
+        return resolve_lane(msg, cfg.tenancy, links).tenant_id
+    except ValueError:  # refused as "bad_ids" at once
+        return None
 
 
 def build_parts(
@@ -114,6 +132,7 @@ def build_parts(
         gate=mode.gate,
         # WAL's shared-memory index is for one host; a shared data_dir needs a rollback journal
         journal_mode="delete" if cfg.cluster.enabled else "wal",
+        keys=mode.keys,
     )
     own_llm = llm is None
     client = llm or LLMClient.from_config(cfg.llm)
@@ -158,8 +177,12 @@ def build_parts(
         assert ingress is not None
         return await ingress.submit_reminder(msg)
 
-    reminders = ReminderScheduler(lambda: inbox.db, cfg.data_dir, submit_reminder)
-    # the tool keeps the due-time index current; no reminders in cluster mode
+    reminders: Reminders = (
+        mode.reminders
+        if mode.reminders is not None
+        else ReminderScheduler(lambda: inbox.db, cfg.data_dir, submit_reminder, keys=mode.keys)
+    )
+    # the tool keeps the due-time index current
     for each in agents.all():
         each.reminder_index = reminders.note if cfg.reminders_on else None
     kv = mode.kv if mode.kv is not None else SqliteKV(inbox)

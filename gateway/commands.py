@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING
 from agent.compression import CompressionState, Compressor
 from agent.fileio import private_mkdir, write_private
 from agent.memory import MemoryStore
-from agent.memory_approval import PendingWrites
 from agent.model_choice import ModelChoice
 from agent.persona import NONE, PersonaChoice, custom_problem
 from agent.prompt import ChatPlace
 from agent.provenance import Asker, explain
 from agent.provenance import Place as WhyPlace
 from agent.toolkit import Speaker
-from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Marks, Visibility
+from agent.visibility import GROUP_LANE, PRIVATE_CHAT, Visibility
 from core.commands import COMMAND_SPECS, CommandSpec, find_command
 from core.lanes import Lane
 from core.messages import InboundMessage
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
     from gateway.access import Access
     from gateway.inbox import Inbox
     from gateway.linking import Linking
-    from gateway.reminders import ReminderScheduler
+    from gateway.modes import Reminders
     from tenancy.identity import IdentityLinks
 
 
@@ -62,7 +61,7 @@ class CommandParts:
     inbox: Inbox
     links: IdentityLinks
     linking: Linking
-    reminders: ReminderScheduler
+    reminders: Reminders
 
 
 @dataclass
@@ -256,7 +255,7 @@ async def _numbered(memory: MemoryStore) -> list[tuple[str, str, Visibility]]:
     out = []
     for target in ("user", "memory"):
         entries = await memory.entries(target)
-        marks = await asyncio.to_thread(Marks(memory.memory_dir).of, target, entries)
+        marks = await asyncio.to_thread(memory.marks().of, target, entries)
         out += [(target, e, v) for e, v in zip(entries, marks, strict=False)]
     return out
 
@@ -307,7 +306,7 @@ async def _memory_list(ctx: CommandContext, memory: MemoryStore) -> str:
             "Private entries never reach a group chat; shared ones may. "
             "Change one with /memory share N or /memory unshare N; erase one with /forget N."
         )
-    pending = await PendingWrites(memory.memory_dir).list()
+    pending = await memory.pending_writes().list()
     if pending:
         parts.append(f"{len(pending)} change(s) wait for your approval: see /memory pending.")
     return "\n\n".join(parts) if parts else f"I don't remember anything about {whose} yet."
@@ -351,7 +350,7 @@ def _approver_refusal(ctx: CommandContext, memory: MemoryStore) -> str | None:
 
 
 async def _memory_pending(ctx: CommandContext, memory: MemoryStore, args: str) -> str:
-    pending = await PendingWrites(memory.memory_dir).list()
+    pending = await memory.pending_writes().list()
     if not pending:
         return "No memory changes are waiting for approval."
     lines = ["Memory changes waiting for your approval (/memory approve N or /memory reject N):"]
@@ -370,7 +369,7 @@ async def _memory_approve(ctx: CommandContext, memory: MemoryStore, args: str) -
     number = _pending_number(args)
     if number is None:
         return "Usage: /memory approve N (the number shown by /memory pending)"
-    item = await PendingWrites(memory.memory_dir).take(number)
+    item = await memory.pending_writes().take(number)
     if item is None:
         return f"There is no pending change #{number}; see /memory pending."
     if item.origin == "shared" and memory.scope is PRIVATE_CHAT:
@@ -381,6 +380,7 @@ async def _memory_approve(ctx: CommandContext, memory: MemoryStore, args: str) -
             memory.user_char_limit,
             scope=GROUP_LANE,
             guard=memory.guard,
+            files=memory.files,
         )
     if item.action == "add":
         result = await memory.add(item.target, item.content or "")
@@ -399,7 +399,7 @@ async def _memory_reject(ctx: CommandContext, memory: MemoryStore, args: str) ->
     number = _pending_number(args)
     if number is None:
         return "Usage: /memory reject N (the number shown by /memory pending)"
-    item = await PendingWrites(memory.memory_dir).take(number)
+    item = await memory.pending_writes().take(number)
     return (
         f"Rejected #{number}; nothing was saved."
         if item
@@ -489,7 +489,7 @@ async def cmd_why(ctx: CommandContext) -> str:
     else:
         place = "private" if ctx.lane.private else "member"
     asker = Asker(principal=ctx.msg.principal, place=place, session_key=ctx.lane.session_key)
-    return await explain(history, int(arg or 1), asker, ctx.profile.path, ctx.profile.sessions)
+    return await explain(history, int(arg or 1), asker, ctx.profile.store_files, ctx.profile.sessions)
 
 
 async def cmd_undo(ctx: CommandContext) -> str:
@@ -540,7 +540,12 @@ async def cmd_export(ctx: CommandContext) -> str:
     out_dir = ctx.profile.path / "exports"
     private_mkdir(out_dir)
     path = out_dir / f"export-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    write_private(path, json.dumps(data, ensure_ascii=False, indent=1, default=str))
+    text = json.dumps(data, ensure_ascii=False, indent=1, default=str)
+    files = ctx.profile.files
+    if files is not None and files.sealed:  # sealed like the rest; `profiles export` opens it (docs/privacy.md)
+        files.write_text(f"exports/{path.name}", text)
+    else:
+        write_private(path, text)
     sessions = data.get("sessions", [])
     messages = sum(len(s.get("messages", [])) for s in sessions)
     return (
@@ -598,7 +603,7 @@ async def cmd_reminders(ctx: CommandContext) -> str:
     /reminders cancel N cancels one."""
     from agent.reminders import Reminder, ReminderStore
 
-    store = ReminderStore(ctx.profile.path)
+    store = ReminderStore(ctx.profile.store_files, ctx.profile.guard)
     msg = ctx.msg
 
     def here(reminder: Reminder) -> bool:  # any other lane sees only what was set in it

@@ -9,6 +9,7 @@ import tempfile
 import httpx
 
 from agent.fileio import private_mkdir
+from agent.vault import KEY_FILE, Keyring, open_keyring
 from core.settings import Config
 
 
@@ -90,15 +91,41 @@ def check_tokens() -> tuple[bool, str]:
     return False, "no tokenizer encoding; token counts fall back to chars/4"
 
 
+def check_encryption(cfg: Config, keyring: Keyring | None) -> tuple[bool, str]:
+    """What storage.encryption does here: off, or how many profiles are encrypted and where the keyring is."""
+    from gateway.tenants import scan_profiles
+
+    profiles = scan_profiles(cfg.data_dir)
+    sealed = sum(1 for info in profiles if (info.path / KEY_FILE).exists())
+    if keyring is None:
+        if sealed:
+            return False, (
+                f"storage.encryption is off, but {sealed} profile(s) are encrypted and will not open: "
+                "set it to per_tenant with their master key"
+            )
+        return True, "off: profiles are plain files on disk (docs/privacy.md)"
+    plain = len(profiles) - sealed
+    detail = f"per_tenant: {sealed} of {len(profiles)} profile(s) encrypted, keyring {keyring.directory} opens with the master key"
+    if plain:
+        return False, f"{detail}; {plain} plain profile(s) made before encryption was on will not open"
+    return True, detail
+
+
 async def run_doctor(cfg: Config, *, deep: bool = False) -> int:
     """Print one line per check ([ok], [warn] or [FAIL]); exit status 1 if any failed.
-    `deep` runs SQLite's integrity_check on every profile's state.db."""
+    `deep` runs SQLite's integrity_check on every profile's state.db. A missing or wrong
+    master key refuses at once in one sentence (VaultError), as `run` does."""
     from gateway.tenants import check_profiles
 
     results: list[tuple[bool | None, str, str]] = [(True, "config", "valid")]
     ok, detail = check_data_dir(cfg)
     results.append((ok, "data directory", detail))
-    ok, detail = await asyncio.to_thread(check_profiles, cfg, deep=deep)
+    keyring = open_keyring(
+        cfg.data_dir, cfg.storage.encryption, cfg.storage.master_key_env, cfg.storage.master_key_file
+    )
+    ok, detail = check_encryption(cfg, keyring)
+    results.append((ok, "encryption", detail))
+    ok, detail = await asyncio.to_thread(check_profiles, cfg, deep=deep, keyring=keyring)
     results.append((ok, "profiles", detail))
     ok, detail = check_tokens()
     results.append((ok, "tokenizer", detail))

@@ -2,7 +2,8 @@
 recorded before it is acknowledged, answered at most once, and replayed after a crash.
 
 The message text is kept only while the message is pending and erased once it has been
-answered, so this shared database holds no tenant's conversation. Erased for real: the
+answered, so this shared database holds no tenant's conversation; with encryption on, it is
+sealed with its tenant's key meanwhile (gateway/sealing.py, docs/privacy.md#encryption-at-rest). Erased for real: the
 connections run with `secure_delete` (freed bytes are zeroed), and within
 `ERASE_CHECKPOINT_S` of an erase a `wal_checkpoint(TRUNCATE)` empties the `-wal` file, which
 would otherwise keep the old page images (and so the text) until SQLite reused them.
@@ -26,7 +27,9 @@ from typing import Generic, TypeVar, cast
 import aiosqlite
 
 from agent.fileio import private_file, private_mkdir
+from agent.vault import VaultError
 from core.messages import InboundMessage
+from gateway.sealing import MessageSeal, sealed
 
 T = TypeVar("T")
 log = logging.getLogger("hermes.inbox")
@@ -88,14 +91,26 @@ class WriteCombiner(Generic[Item, Result]):
             self._task = None
 
 
+def _place(platform: str, chat_id: str, message_id: str) -> str:
+    return f"gateway.db/inbox/{platform}\0{chat_id}\0{message_id}"
+
+
+def row_place(msg: InboundMessage) -> str:
+    """What a pending payload's seal is bound to: its row (so it opens in no other)."""
+    return _place(msg.platform, msg.chat_id, msg.message_id)
+
+
 class Inbox:
     """Dedupe and replay log of inbound platform messages."""
 
-    def __init__(self, path: Path, *, fsync: str = "batch") -> None:
+    def __init__(self, path: Path, *, fsync: str = "batch", seal: MessageSeal | None = None) -> None:
+        """`seal` (storage.encryption per_tenant): pending payloads and unsent chunks are
+        kept sealed with their tenant's data key."""
         self.path = path
         self.fsync = fsync
+        self.seal = seal
         self._db: aiosqlite.Connection | None = None
-        self._records: WriteCombiner[InboundMessage, bool] = WriteCombiner(self._record_batch)
+        self._records: WriteCombiner[tuple[InboundMessage, str], bool] = WriteCombiner(self._record_batch)
         self._finishes: WriteCombiner[tuple[InboundMessage, str], None] = WriteCombiner(self._finish_batch)
         self.erase_checkpoint_s = ERASE_CHECKPOINT_S  # tests shorten it
         self._erased = False  # text was erased since the last checkpoint
@@ -165,14 +180,27 @@ class Inbox:
     async def record(self, msg: InboundMessage) -> bool:
         """Durably record `msg` as pending; False if this platform message was seen before."""
         _ = self.db  # fail now, not inside a batch, when the inbox is closed
-        return await self._records.submit(msg)
+        return await self._records.submit((msg, await self._payload(msg)))
 
-    async def _record_batch(self, msgs: list[InboundMessage]) -> list[bool]:
+    async def _payload(self, msg: InboundMessage) -> str:
+        """The JSON kept while `msg` is pending: sealed with its tenant's key when encryption
+        is on; a message with no tenant (refused at once) keeps none of its text."""
+        payload = msg.model_dump_json()
+        if self.seal is None:
+            return payload
+        kept = await self.seal.seal(msg, payload, row_place(msg))
+        if kept is not None:
+            return kept
+        blank = {"text": "", "attachments": (), "user_name": "", "reply_to_text": None, "reply_to_author": ""}
+        return msg.model_copy(update=blank).model_dump_json()
+
+    async def _record_batch(self, items: list[tuple[InboundMessage, str]]) -> list[bool]:
         """One INSERT for the batch; RETURNING names the rows that were new."""
         now = time.time()
         params: list[object] = []
-        for m in msgs:
-            params += [m.platform, m.chat_id, m.message_id, now, m.model_dump_json()]
+        msgs = [m for m, _ in items]
+        for m, payload in items:
+            params += [m.platform, m.chat_id, m.message_id, now, payload]
         rows = await self.db.execute_fetchall(
             "INSERT OR IGNORE INTO inbound(platform, chat_id, message_id, received_at, status, payload) VALUES "
             + ",".join(["(?, ?, ?, ?, 'pending', ?)"] * len(msgs))
@@ -243,8 +271,23 @@ class Inbox:
         out = []
         # every read is one hop (execute_fetchall): a cursor left open across awaits would
         # hold a stale snapshot for the statements other tasks run in between
-        rows = await self.db.execute_fetchall("SELECT payload FROM inbound WHERE status='pending' ORDER BY received_at")
-        for (payload,) in rows:
+        rows = await self.db.execute_fetchall(
+            "SELECT platform, chat_id, message_id, payload FROM inbound WHERE status='pending' ORDER BY received_at"
+        )
+        for platform, chat_id, message_id, payload in rows:
+            if sealed(payload):
+                place = _place(platform, chat_id, message_id)
+                try:
+                    payload = await self.seal.open(payload, place) if self.seal is not None else None
+                except VaultError as err:  # its tenant was deleted (key destroyed): nothing to answer
+                    log.warning("a pending %s message cannot be replayed: %s", platform, err)
+                    await self.db.execute(
+                        "UPDATE inbound SET status='done', outcome='unreadable', payload=NULL "
+                        "WHERE platform=? AND chat_id=? AND message_id=?",
+                        (platform, chat_id, message_id),
+                    )
+                    self._erased = True
+                    continue
             try:
                 out.append(InboundMessage.model_validate(json.loads(payload)))
             except (ValueError, TypeError):

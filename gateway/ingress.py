@@ -275,7 +275,7 @@ class Ingress:
         if not msg.text.strip() and not msg.attachments:
             await self.inbox.finish(msg, "empty")
             return None
-        if not replay:
+        if not replay and not is_reminder(msg):  # a due reminder is no message of the person's
             allowed, wait = self.limiter.allow(msg.principal)
             if not allowed:
                 await self.refusals.refuse(

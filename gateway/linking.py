@@ -57,19 +57,21 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.fileio import atomic_write
 from agent.model_choice import read_model
 from agent.reminders import Reminder, ReminderStore
 from agent.sessions import SessionStore
+from agent.vault import DataKey, ProfileFiles, key_of
 from core.errors import LaneMoved
 from core.lanes import Lane
 from core.messages import InboundMessage
 from gateway.kv import KeyValue, SqliteKV
 from gateway.tenants import dm_chats
 from tenancy.keys import link_tenant_id, person_tenant_id, resolve_lane, tenant_dir
-from tenancy.merge import PENDING_MARKER, merge_profiles
+from tenancy.merge import PENDING_MARKER, MergeKeys, merge_profiles
 from tenancy.merge import Swap as _Swap
 from tenancy.merge import clean_staging as _clean_staging
 from tenancy.merge import init_profile as _init_profile
@@ -80,7 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from core.settings import Config
     from gateway.inbox import Inbox
     from gateway.metrics import Metrics
-    from gateway.reminders import ReminderScheduler
+    from gateway.modes import Reminders
     from tenancy.identity import IdentityLinks
     from tenancy.profiles import ProfileManager
 
@@ -163,7 +165,7 @@ class Linking:
         profiles: ProfileManager,
         inbox: Inbox,
         metrics: Metrics,
-        reminders: ReminderScheduler,
+        reminders: Reminders,
         send: Send,
         *,
         store: KeyValue | None = None,
@@ -619,13 +621,17 @@ class Linking:
                 f"conversations kept.{model} Send /unlink from an account to separate it again.",
             )
 
+    async def _files(self, tenant_id: str) -> ProfileFiles:
+        """A tenant's profile files, read with its key when encrypted (the profiles' cache)."""
+        return await asyncio.to_thread(self.profiles.keys.files, tenant_id, tenant_dir(self.cfg.data_dir, tenant_id))
+
     async def _reindex_reminders(self, target: str, sources: list[str]) -> None:
         """After a merge: the scheduler's index names the merged profile's next reminder,
         and no longer the profiles merged into it."""
         if not target or not self.cfg.reminders_on:
             return
         try:
-            store = ReminderStore(tenant_dir(self.cfg.data_dir, target))
+            store = ReminderStore(await self._files(target))
             await self.reminders.note(target, await store.next_due(), False)
             for source in sources:
                 await self.reminders.note(source, None, False)
@@ -635,7 +641,7 @@ class Linking:
     async def _stop_reminders_of(self, link_tenant: str, departed: str) -> list[Reminder]:
         """/unlink: the link's reminders set from the account that left stop (their chat is
         not the link's any more); the stopped ones."""
-        store = ReminderStore(tenant_dir(self.cfg.data_dir, link_tenant))
+        store = ReminderStore(await self._files(link_tenant))
         stopped = await store.remove_where(lambda r: r.chat.of_account(departed))
         if stopped and self.cfg.reminders_on:
             await self.reminders.note(link_tenant, await store.next_due(), False)
@@ -683,11 +689,14 @@ class Linking:
         data_dir = cfg.data_dir
         fsync = cfg.storage.fsync
         limits = {"memory": cfg.memory.memory_char_limit, "user": cfg.memory.user_char_limit}
+        ring = self.profiles.keyring  # encrypted profiles: each opened with its own key
         sources = []
+        source_keys: dict[Path, DataKey | None] = {}
         for tid in plan.sources:
             path = tenant_dir(data_dir, tid)
             if path.is_dir():
-                async with SessionStore(path, fsync=fsync):  # reconcile journal and state.db first
+                source_keys[path] = key = await asyncio.to_thread(key_of, ring, tid, path)
+                async with SessionStore(path, fsync=fsync, key=key):  # reconcile journal and state.db first
                     pass
                 sources.append(path)
         target = tenant_dir(data_dir, plan.target)
@@ -696,15 +705,22 @@ class Linking:
         staging = data_dir / "profiles" / f".link-{secrets.token_hex(6)}"
         try:
             if target.exists():
-                async with SessionStore(target, fsync=fsync):  # reconcile before copying
+                key = await asyncio.to_thread(key_of, ring, plan.target, target)
+                async with SessionStore(target, fsync=fsync, key=key):  # reconcile before copying
                     pass
                 await asyncio.to_thread(shutil.copytree, target, staging)
             else:
                 await asyncio.to_thread(_init_profile, staging, plan.target)
-            async with SessionStore(staging, fsync=fsync):  # schema (new) or reconcile (copy)
+                key = None  # a new link tenant's own key, its slot named for the target's directory
+                if ring is not None:
+                    key = await asyncio.to_thread(
+                        ring.key_for, plan.target, staging, create=True, slot_name=target.name
+                    )
+            async with SessionStore(staging, fsync=fsync, key=key):  # schema (new) or reconcile (copy)
                 pass
-            await asyncio.to_thread(merge_profiles, staging, sources, limits, plan.principals)
-            async with SessionStore(staging, fsync=fsync):  # the merged profile opens cleanly
+            keys = MergeKeys(key, source_keys)
+            await asyncio.to_thread(merge_profiles, staging, sources, limits, plan.principals, keys)
+            async with SessionStore(staging, fsync=fsync, key=key):  # the merged profile opens cleanly
                 pass
             pending = {
                 "name": plan.name,
@@ -760,8 +776,8 @@ class Linking:
             self._ungate([personal])
         self.metrics.links.inc(kind="unlink", outcome="ok")
         log.info("unlink: one account left %s", link_tenant)
-        try:  # cluster mode has no reminders (and writes a profile only under its lease)
-            stopped = [] if self.cluster else await self._stop_reminders_of(link_tenant, target)
+        try:  # in cluster mode this lane's claim holds the link tenant's lease
+            stopped = await self._stop_reminders_of(link_tenant, target)
         except Exception:
             log.exception("unlink: could not stop the reminders set from the account that left")
             stopped = []

@@ -25,6 +25,7 @@ from agent.attachments import Kind, extract_text, kind_of, sniff_image
 from agent.media import MEDIA_DIR, save_media
 from agent.metering import AudioCharge
 from agent.transcription import Transcriber, TranscriptionError
+from agent.vault import ProfileFiles, as_files
 from core.messages import Attachment, DownloadError, InboundMessage
 from core.protocols import Downloads
 from core.settings import Config
@@ -113,7 +114,7 @@ class MediaIntake:
         self,
         msg: InboundMessage,
         adapter: Any,
-        profile_path: Path,
+        profile: ProfileFiles | Path,
         uid: str,
         guard: Callable[[], None] | None = None,
         charge: AudioCharge | None = None,
@@ -121,13 +122,15 @@ class MediaIntake:
     ) -> Prepared:
         """`uid` (the stored message's) names the files, so a message replayed after a
         crash rewrites its files instead of storing them twice. `vision`: whether the model
-        the tenant chose reads images (None: `llm.vision`)."""
+        the tenant chose reads images (None: `llm.vision`). `profile`: the profile's files,
+        where the stored files are sealed when it is encrypted (a bare path: a plain one)."""
+        files = as_files(profile)
         quote = reply_context(msg)
         body = msg.text.strip()
         if not msg.attachments:
             return Prepared("\n".join(p for p in (quote, msg.text) if p))
         work = _Work(
-            profile_path,
+            files,
             uid,
             Prepared(""),
             said=[body] if body else [],
@@ -150,7 +153,7 @@ class MediaIntake:
         label = att.name or att.type
         if kind == "image" and not work.vision:
             work.notes.append(f"[The person sent an image ({label}); image reading is off, so you cannot see it.]")
-            if await asyncio.to_thread(_first_time, work.profile_path, work.guard):
+            if await asyncio.to_thread(_first_time, work.files.root, work.guard):
                 work.out.notices.append(VISION_OFF_NOTICE)
             return True
         if kind == "other":
@@ -166,7 +169,7 @@ class MediaIntake:
         if kind == "image":
             return await self._image(att, label, data, key, work)
         name = file_name(att, kind)
-        rel = await asyncio.to_thread(save_media, work.profile_path, data, name, key, att.type, work.guard)
+        rel = await asyncio.to_thread(save_media, work.files, data, name, key, att.type, work.guard)
         work.out.meta.setdefault("files", []).append({"path": rel, "name": label, "kind": kind, "bytes": len(data)})
         if kind == "audio":
             return await self._audio(att, name, label, data, work)
@@ -207,7 +210,7 @@ class MediaIntake:
             return True
         fallback = "photo." + mime.split("/", 1)[1].replace("jpeg", "jpg")
         name = att.name if att.name and "." in att.name else fallback
-        rel = await asyncio.to_thread(save_media, work.profile_path, data, name, key, "image", work.guard)
+        rel = await asyncio.to_thread(save_media, work.files, data, name, key, "image", work.guard)
         work.out.meta.setdefault("images", []).append({"path": rel, "name": label, "mime": mime})
         work.notes.append(f"[image: {label}]")
         return True
@@ -269,7 +272,7 @@ class MediaIntake:
 class _Work:
     """One message being prepared: where its files go and the text collected so far."""
 
-    profile_path: Path
+    files: ProfileFiles  # the profile's (sealed when it is encrypted)
     uid: str
     out: Prepared
     said: list[str] = field(default_factory=list)  # what the person said (text, transcripts)

@@ -6,6 +6,8 @@ imports gateway.cluster or psycopg (docs/development.md#layers).
 - `StopSignals`: a `/stop` whose lane's turn runs on another node reaches that node.
 - `OpenQuestions`: where tool-call confirmations wait for a press (this process on one
   node, gateway/confirmations.py; PostgreSQL in a cluster, so a press on any node counts).
+- `Reminders`: the due-time index of reminders and what fires them (gateway.db and this
+  process on one node, gateway/reminders.py; PostgreSQL under tenant leases in a cluster).
 - `Fencing`: the lane worker tells a turn fenced out by a lost lease, and a database that
   went away, from other failures.
 - `StreamedDrafts`: the draft messages a turn's earlier run (on a node that died) left in
@@ -16,7 +18,7 @@ imports gateway.cluster or psycopg (docs/development.md#layers).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from core.lanes import Lane
@@ -57,6 +59,35 @@ class OpenQuestions(Protocol):
 
     async def close(self, token: str) -> None:
         """Forget the question (a press from now on says "expired")."""
+        ...
+
+
+class Reminders(Protocol):
+    """Finds due reminders and hands each occurrence to its lane once
+    (docs/concepts.md#reminders, docs/cluster.md#reminders)."""
+
+    #: the time due and late are measured against (tests move it forward)
+    clock: Callable[[], float]
+
+    async def open(self) -> None:
+        """Make the index ready (a single node's gateway.db table)."""
+        ...
+
+    def start(self) -> None:
+        """Start firing due occurrences."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop firing; what is due stays due for the next start (or another node)."""
+        ...
+
+    async def note(self, tenant_id: str, due: float | None, lower_only: bool) -> None:
+        """The tenant's reminders.json changed (`due`: its next due time, None: none left);
+        `lower_only`: called before the write, so it may only make the index look earlier."""
+        ...
+
+    async def tick(self) -> int:
+        """Hand over every due occurrence now; how many were newly recorded."""
         ...
 
 

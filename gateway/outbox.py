@@ -27,12 +27,14 @@ from typing import Literal, Protocol, TypeVar, cast
 
 import aiosqlite
 
+from agent.vault import VaultError
 from core.backoff import backoff_delay
 from core.messages import DeliveryDeferred, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from core.protocols import Adapter
 from core.settings import DeliveryConfig
 from gateway.inbox import Inbox
 from gateway.metrics import Metrics
+from gateway.sealing import sealed
 
 log = logging.getLogger("hermes.outbox")
 T = TypeVar("T")
@@ -108,6 +110,11 @@ class Ledger(Protocol):
     async def pending_chats(self) -> list[tuple[str, str]]: ...
 
 
+def chunk_place(nonce: str) -> str:
+    """What a chunk's seal is bound to: its row's idempotency key (unique, known before the insert)."""
+    return f"gateway.db/outbox/{nonce}"
+
+
 class Outbox:
     """The ledger. Shares the inbox's connection, so a turn's completion and its chunks
     commit in one transaction."""
@@ -144,13 +151,15 @@ class Outbox:
         source: InboundMessage | None = None,
     ) -> list[int]:
         """Record `drafts` as pending chunks and mark `finish` answered, atomically.
-        Returns the chunk ids in order. (`source`, the message they answer, matters only
-        to cluster mode's outbox, which files chunks under their lane.)"""
+        Returns the chunk ids in order. (`source`, the message they answer, names the tenant
+        whose key seals their text; cluster mode's outbox files chunks under its lane.)"""
         now = time.time()
+        nonces = [str(secrets.randbits(63)) for _ in drafts]
+        texts = [await self._kept(d.text, nonce, source) for d, nonce in zip(drafts, nonces, strict=True)]
 
         def write(con: sqlite3.Connection) -> list[int]:
             ids = []
-            for d in drafts:
+            for d, nonce, text in zip(drafts, nonces, texts, strict=True):
                 cur = con.execute(
                     "INSERT INTO outbox(platform, chat_id, thread_id, kind, reply_to, edit_of, text, nonce,"
                     " created_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
@@ -161,8 +170,8 @@ class Outbox:
                         d.kind,
                         d.reply_to,
                         d.edit_of,
-                        d.text,
-                        str(secrets.randbits(63)),
+                        text,
+                        nonce,
                         now,
                     ),
                 )
@@ -172,6 +181,15 @@ class Outbox:
             return ids
 
         return await self.inbox.atomically(write)
+
+    async def _kept(self, text: str, nonce: str, source: InboundMessage | None) -> str:
+        """A chunk's text as gateway.db keeps it until sent: sealed with the key of the
+        tenant whose message it answers when encryption is on (gateway/sealing.py)."""
+        seal = self.inbox.seal
+        if seal is None or source is None:
+            return text
+        kept = await seal.seal(source, text, chunk_place(nonce))
+        return text if kept is None else kept  # no tenant: a refusal of an unroutable chat, no one's text
 
     def may_send(self, chunk: Chunk) -> bool:
         return True  # one node: nobody else could send it
@@ -203,7 +221,15 @@ class Outbox:
         row = rows[0] if rows else None
         if not row:
             return None
-        return Chunk(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or "", row[8], row[9])
+        text = row[7] or ""
+        if sealed(text) and self.inbox.seal is not None:
+            try:
+                text = await self.inbox.seal.open(text, chunk_place(row[8]))
+            except VaultError as err:  # its tenant was deleted (key destroyed): nothing to send
+                log.warning("an unsent %s chunk cannot be read: %s", platform, err)
+                await self.give_up(row[0], "expired")
+                return await self.next_for(platform, chat_id)
+        return Chunk(row[0], row[1], row[2], row[3], row[4], row[5], row[6], text, row[8], row[9])
 
     async def sent_message(self, chunk_id: int) -> SentMessage | None:
         """Where chunk `chunk_id` landed, if it was sent."""

@@ -24,6 +24,7 @@ import aiosqlite
 from agent.messages import StoredMessage
 from agent.provenance import reminder_record
 from agent.reminders import Reminder, ReminderStore
+from agent.vault import TenantKeys
 from core.messages import InboundMessage
 from tenancy.keys import chat_tenant_id, tenant_dir
 
@@ -112,9 +113,12 @@ class ReminderScheduler:
         db: Callable[[], aiosqlite.Connection],
         data_dir: Path,
         submit: Callable[[InboundMessage], Awaitable[bool]],
+        keys: TenantKeys | None = None,
     ) -> None:
+        """`keys`: tenants' data keys (reminders.json is sealed in an encrypted profile)."""
         self._db = db
         self._data_dir = data_dir
+        self._keys = keys if keys is not None else TenantKeys(None)
         self._submit = submit
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -186,7 +190,8 @@ class ReminderScheduler:
         )
         handed = 0
         for (tenant_id,) in rows:
-            store = ReminderStore(tenant_dir(self._data_dir, tenant_id))
+            path = tenant_dir(self._data_dir, tenant_id)
+            store = ReminderStore(await asyncio.to_thread(self._keys.files, tenant_id, path))
             for reminder in await store.all():
                 if reminder.due > now:
                     break

@@ -38,9 +38,8 @@ from gateway.linking import Linking
 from gateway.logs import secrets_from_config
 from gateway.media import MediaIntake
 from gateway.metrics import InstrumentedLLM, Metrics
-from gateway.modes import ClusterNode
+from gateway.modes import ClusterNode, Reminders
 from gateway.outbox import Deliverer, Outbox
-from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
 from gateway.reviews import Reviews
 from gateway.tooling import ToolClients
@@ -96,7 +95,7 @@ class Parts:
     media: MediaIntake
     deliverer: Deliverer
     replies: Replies
-    reminders: ReminderScheduler
+    reminders: Reminders
     reviews: Reviews
     turns: Turns
     refusals: Refusals

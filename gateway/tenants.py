@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import os
 import shutil
 import sqlite3
@@ -43,12 +44,14 @@ from agent.profile import write_manifest
 from agent.reminders import ReminderStore
 from agent.sessions import SessionStore
 from agent.sessions.db import open_reader
+from agent.vault import DataKey, Keyring, ProfileFiles, TenantKeys, VaultError, key_of, open_keyring, shred_slot
 from core.settings import Config
 from gateway.archive import (
     STATE_FILES,
     copy_profile_files,
     fsync_tree,
     integrity_check,
+    plain_profile_files,
     safe_extract,
     sqlite_backup,
     write_tar,
@@ -66,6 +69,8 @@ _PRINCIPAL_KEYS = ("paired:", "pairing-of:", "link-code-of:", "link-issued:", "l
 EraseShared = Callable[[str, set[str], set[tuple[str, str]]], int]
 """Cluster mode: remove a tenant's rows from what the nodes share, given its tenant id, its
 principals and its private chats; how many rows (gateway/cluster/erase.py)."""
+
+log = logging.getLogger("hermes.gateway")
 
 
 # ----- finding tenants ----------------------------------------------------------------------
@@ -207,15 +212,22 @@ def disk_usage(path: Path) -> int:
     return total
 
 
-def profile_stats(path: Path) -> dict[str, Any]:
+def profile_key(keyring: Keyring | None, info: TenantInfo) -> DataKey | None:
+    """The tenant's data key for reading its profile here (None: a plain profile);
+    VaultError, one sentence, when it is encrypted and cannot be opened."""
+    return key_of(keyring, info.tenant_id, info.path)
+
+
+def profile_stats(path: Path, key: DataKey | None = None) -> dict[str, Any]:
     """Sessions, messages, last activity and disk use; a damaged profile (`damaged` says
-    what) is counted from its journals, which hold every message."""
+    what) is counted from its journals, which hold every message. `key` opens an
+    encrypted one (docs/privacy.md#encryption-at-rest)."""
     stats: dict[str, Any] = {"sessions": 0, "messages": 0, "last_activity": None, "disk_bytes": disk_usage(path)}
     problem = profile_problem(path)
     db = path / "state.db"
     if problem is None and db.exists():
         try:
-            with closing(open_reader(db)) as conn:
+            with closing(open_reader(db, key)) as conn:
                 row = conn.execute(
                     "SELECT (SELECT count(*) FROM sessions), (SELECT count(*) FROM messages), "
                     "max(COALESCE((SELECT max(timestamp) FROM messages), 0), "
@@ -228,7 +240,7 @@ def profile_stats(path: Path) -> dict[str, Any]:
         except apsw.Error as err:
             problem = f"state.db cannot be read ({err})"
     if problem is not None:
-        records = journal_records(path)
+        records = journal_records(path, key)
         stamps = [r["ts"] for r in records if isinstance(r.get("ts"), (int, float))]
         stamps += [r["timestamp"] for r in records if isinstance(r.get("timestamp"), (int, float))]
         stats.update(
@@ -240,7 +252,7 @@ def profile_stats(path: Path) -> dict[str, Any]:
     return stats
 
 
-def session_rows(path: Path) -> list[dict[str, Any]]:
+def session_rows(path: Path, key: DataKey | None = None) -> list[dict[str, Any]]:
     db = path / "state.db"
     if not db.exists():
         return []
@@ -250,7 +262,7 @@ def session_rows(path: Path) -> list[dict[str, Any]]:
     )
     names = [c.strip() for c in cols.split(",")]
     try:
-        with closing(open_reader(db)) as conn:
+        with closing(open_reader(db, key)) as conn:
             rows = conn.execute(f"SELECT {cols} FROM sessions ORDER BY started_at, id").fetchall()
     except apsw.Error:  # damaged: profile_stats says so
         return []
@@ -286,10 +298,10 @@ def _kv_principal(key: str, value: str) -> str | None:
     return None
 
 
-def dm_chats(path: Path) -> set[tuple[str, str]]:
+def dm_chats(path: Path, key: DataKey | None = None) -> set[tuple[str, str]]:
     """(platform, chat_id) of every DM lane in a profile, from its sessions' keys."""
     out = set()
-    for row in session_rows(path):
+    for row in session_rows(path, key):
         parts = (row.get("session_key") or "").split(":")
         if len(parts) == 5 and parts[:2] == ["agent", "main"] and parts[3] == "dm":
             out.add((unquote(parts[2]), unquote(parts[4])))
@@ -387,10 +399,17 @@ def _kv_put(data_dir: Path, items: dict[str, str]) -> None:
 # ----- export / restore of one profile --------------------------------------------------------
 
 
-def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None, links: IdentityLinks | None = None) -> Path:
+def export_profile(
+    cfg: Config,
+    info: TenantInfo,
+    out: Path | None = None,
+    links: IdentityLinks | None = None,
+    key: DataKey | None = None,
+) -> Path:
     """One .tar.gz with everything the tenant owns: EXPORT.json, profile/tenant.json,
     profile/memories/, profile/sessions/*.jsonl, profile/provider/, profile/state.db (online
-    backup) and profile/state.sql (a text dump of it). Mode 0600."""
+    backup) and profile/state.sql (a text dump of it). Mode 0600. An encrypted profile
+    (`key`) is exported plain, as the Hermes CLI reads it (docs/privacy.md#exports-and-the-hermes-cli)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = Path(out) if out else Path.cwd() / f"hermes-export-{info.dir_name}-{stamp}.tar.gz"
     if out.is_dir():
@@ -401,8 +420,8 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None, links
     principals = live_principals(links, info)
     with tempfile.TemporaryDirectory(prefix=".hermes-export-", dir=out.parent) as tmp:
         stage = private_mkdir(Path(tmp) / "profile")
-        if (info.path / "state.db").exists():
-            sqlite_backup(info.path / "state.db", stage / "state.db")  # database first, journals after
+        files = write_plain_profile(info.path, stage, key)
+        if (stage / "state.db").exists():
             conn = sqlite3.connect(stage / "state.db")  # the staged copy: nothing else has it open
             try:
                 with open_private(stage / "state.sql", "w") as fh:
@@ -410,7 +429,6 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None, links
                         fh.write(line + "\n")
             finally:
                 conn.close()
-        files = copy_profile_files(info.path, stage)
         manifest = {
             "format": EXPORT_FORMAT,
             "version": 1,
@@ -421,11 +439,32 @@ def export_profile(cfg: Config, info: TenantInfo, out: Path | None = None, links
             "principals": principals,
             "link": {"name": link_name, "principals": links.principals_of(link_name)} if link_name else None,
             "paired": paired_principals(cfg.data_dir, principals),
-            "files": sorted(files + (["state.db", "state.sql"] if (stage / "state.db").exists() else [])),
+            "files": sorted(files + (["state.sql"] if (stage / "state.db").exists() else [])),
         }
         write_private(Path(tmp) / "EXPORT.json", json.dumps(manifest, indent=1, ensure_ascii=False))
         write_tar(Path(tmp), out)
     return out
+
+
+def write_plain_profile(src: Path, dst: Path, key: DataKey | None) -> list[str]:
+    """A profile's copy in `dst` as Hermes reads it: state.db first (plain: the key
+    removed), then every other file, sealed records opened; its relative paths
+    (`profiles export`, `profiles decrypt`)."""
+    files = []
+    if (src / "state.db").exists():
+        sqlite_backup(src / "state.db", dst / "state.db", key, plain=True)  # database first, journals after
+        files.append("state.db")
+    files += copy_profile_files(src, dst) if key is None else plain_profile_files(src, dst, key)
+    return files
+
+
+def decrypt_profile(info: TenantInfo, key: DataKey | None, out: Path) -> list[str]:
+    """`profiles decrypt`: the profile, plain, into the new or empty directory `out`."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise AdminError(f"{out} is not an empty directory; decrypt writes a whole profile into a new one")
+    private_mkdir(out)
+    return write_plain_profile(info.path, out, key)
 
 
 def archive_problems(
@@ -494,6 +533,11 @@ def restore_profile(
                     f"{archive}: tenant {tid!r} belongs in {target.name}, the archive says {manifest.get('dir_name')}"
                 )
             stage = Path(tmp) / "profile"
+            if cfg.storage.encryption != "off":
+                raise AdminError(
+                    f"{archive}: this gateway encrypts profiles (storage.encryption: per_tenant), and an export "
+                    "is plain; restoring one into an encrypted data directory is not supported yet"
+                )
             problems = archive_problems(cfg, manifest, read_manifest(stage), target)
             if problems and not force:
                 raise AdminError(
@@ -543,13 +587,20 @@ class DeleteReport:
 
 
 def delete_tenant(
-    cfg: Config, info: TenantInfo, *, erase_shared: EraseShared | None = None, links: IdentityLinks | None = None
+    cfg: Config,
+    info: TenantInfo,
+    *,
+    erase_shared: EraseShared | None = None,
+    links: IdentityLinks | None = None,
+    keyring: Keyring | None = None,
 ) -> DeleteReport:
     """Remove everything a tenant owns (the gateway must be stopped): its profile directory
     (memory, journals, state.db, provider namespace, exports), profiles merged into it and
     left behind, its identity link, and its rows in gateway.db; then, through
     `erase_shared`, its rows in what cluster nodes share (required in cluster mode: a
-    delete that left them would not be one)."""
+    delete that left them would not be one). The keyring slot of every directory goes
+    first, before any file: every copy of an encrypted profile, backups included, is
+    unreadable from then on (docs/privacy.md#delete-is-crypto-shredding)."""
     if cfg.cluster.enabled and erase_shared is None:
         raise ValueError("cluster mode: delete_tenant needs erase_shared (gateway.cluster.erase)")
     data_dir = cfg.data_dir
@@ -559,7 +610,7 @@ def delete_tenant(
             links = links if links is not None else load_links(cfg)
             principals = set(live_principals(links, info))  # never an account that left the link
             link_names = set(link_names_of(links, info.tenant_id))
-            chats = dm_chats(info.path)
+            chats = dm_chats(info.path, _readable_key(keyring, info))
             dirs = [info.path]
             for other in scan_profiles(data_dir):
                 if other.path != info.path and other.merged_into == info.tenant_id:
@@ -574,14 +625,16 @@ def delete_tenant(
                     if stale.is_dir() and stale != info.path and stale not in dirs:
                         dirs.append(stale)
             for extra in dirs[1:]:
-                chats |= dm_chats(extra)
+                chats |= dm_chats(extra, _readable_key(keyring, tenant_info(extra)))
             for other in scan_profiles(data_dir):  # a DM chat that lives on elsewhere keeps its rows
                 if other.path not in dirs:
-                    chats -= dm_chats(other.path)
+                    chats -= dm_chats(other.path, _readable_key(keyring, other))
+            for path in dirs:  # the keys first: a crash right after leaves files nobody can read
+                shred_slot(data_dir, path)
             for path in dirs:
                 shutil.rmtree(path)
             # the person owns the reminders they set, even in a shared chat's profile
-            dues = _drop_reminders_of(data_dir, principals)
+            dues = _drop_reminders_of(data_dir, principals, tenant_keys(cfg))
         finally:
             os.close(lock_fd)
         removed_links, pinned = [], []
@@ -600,15 +653,47 @@ def delete_tenant(
     return DeleteReport(info.tenant_id, [str(d) for d in dirs], sorted(principals), removed_links, rows, pinned, shared)
 
 
-def _drop_reminders_of(data_dir: Path, principals: set[str]) -> dict[str, float | None]:
+def _readable_key(keyring: Keyring | None, info: TenantInfo) -> DataKey | None:
+    """The key to read a profile a delete looks into; None when it cannot be had (its DM
+    chats are then not known from it: a delete never stops for a key)."""
+    try:
+        return profile_key(keyring, info)
+    except VaultError:
+        return None
+
+
+def _drop_reminders_of(data_dir: Path, principals: set[str], keys: TenantKeys) -> dict[str, float | None]:
     """Remove the reminders `principals` set in any other profile (a shared chat's); the
     next due time of each profile changed, for the scheduler's index."""
     dues: dict[str, float | None] = {}
     for other in scan_profiles(data_dir):
-        store = ReminderStore(other.path)
-        if store.remove_where_now(lambda r: any(r.chat.of_account(p) for p in principals)):
-            dues[other.tenant_id] = store.next_due_now()
+        try:
+            store = ReminderStore(keys.files(other.tenant_id, other.path))
+            if store.remove_where_now(lambda r: any(r.chat.of_account(p) for p in principals)):
+                dues[other.tenant_id] = store.next_due_now()
+        except VaultError as err:  # its key is gone or damaged: its reminders cannot be read, nor kept
+            log.warning("reminders of %s left as they are: %s", other.tenant_id, err)
     return dues
+
+
+def tenant_keys(cfg: Config) -> TenantKeys:
+    """Tenants' data keys as the gateway has them (none when storage.encryption is off);
+    AdminError, one sentence, when the master key is missing or wrong."""
+    storage = cfg.storage
+    try:
+        return TenantKeys(
+            open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file)
+        )
+    except VaultError as err:
+        raise AdminError(str(err)) from None
+
+
+def profile_files(cfg: Config, info: TenantInfo) -> ProfileFiles:
+    """A tenant's files as the gateway reads them (sealed under storage.encryption per_tenant)."""
+    try:
+        return tenant_keys(cfg).files(info.tenant_id, info.path)
+    except VaultError as err:
+        raise AdminError(str(err)) from None
 
 
 def _lock_profile(path: Path) -> int:
@@ -643,10 +728,10 @@ def _set_aside(path: Path, stamp: str) -> str:
     return target.name
 
 
-def _known_manifest(path: Path, tenant_id: str) -> dict[str, Any]:
+def _known_manifest(path: Path, tenant_id: str, key: DataKey | None) -> dict[str, Any]:
     """tenant.json as far as the profile tells: its id, kind, and the principals and
     earliest time its journals name."""
-    records = journal_records(path)
+    records = journal_records(path, key)
     kind = "chat" if "-chat-" in tenant_id else "person"
     principals: list[str] = []
     if kind == "person":
@@ -677,12 +762,14 @@ def _repair_tenant_id(info: TenantInfo, ref: str) -> str:
     )
 
 
-def repair_profile(cfg: Config, info: TenantInfo, ref: str) -> RepairReport:
+def repair_profile(cfg: Config, info: TenantInfo, ref: str, keyring: Keyring | None = None) -> RepairReport:
     """Set a damaged profile's unusable files aside and rebuild them: the layout's
     directories, tenant.json from what the profile tells, state.db from the journals (the
-    same reconciliation by uid that every open runs). Safe while the gateway runs."""
+    same reconciliation by uid that every open runs). Safe while the gateway runs. An
+    encrypted profile is repaired with its key, and refused in one sentence without it."""
     path = info.path
     tenant_id = _repair_tenant_id(info, ref)
+    key = key_of(keyring, tenant_id, path)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     report = RepairReport(tenant_id, path)
     sessions = path / "sessions"
@@ -704,37 +791,38 @@ def repair_profile(cfg: Config, info: TenantInfo, ref: str) -> RepairReport:
                 shutil.copyfile(manifest, aside)
             private_file(aside)
             report.set_aside.append(aside.name)
-            write_manifest(path, _known_manifest(path, tenant_id))
+            write_manifest(path, _known_manifest(path, tenant_id, key))
             report.rebuilt.append(f"tenant.json ({problem})")
         db = path / "state.db"
-        problem = profile_problem(path, deep=True)
+        problem = profile_problem(path, deep=True, key=key)
         if problem is not None and problem.startswith("state.db"):
             for name in sorted(STATE_FILES):
                 if (path / name).exists():
                     report.set_aside.append(_set_aside(path / name, stamp))
             report.rebuilt.append(f"state.db from the journals ({problem})")
-        store = SessionStore(path, fsync="always", profile_lock=False)  # the lock is held here
+        store = SessionStore(path, fsync="always", profile_lock=False, key=key)  # the lock is held here
 
         async def reopen() -> None:
             await store.open()
             await store.close()
 
         asyncio.run(reopen())
-        with closing(open_reader(db)) as conn:
+        with closing(open_reader(db, key)) as conn:
             report.messages = int(conn.execute("SELECT count(*) FROM messages").fetchall()[0][0] or 0)
     finally:
         os.close(lock_fd)
-    left = profile_problem(path, deep=True)
+    left = profile_problem(path, deep=True, key=key)
     if left is not None:
         raise AdminError(f"{tenant_id} is still damaged after the repair: {left}")
     return report
 
 
-def check_profiles(cfg: Config, *, deep: bool = False) -> tuple[bool, str]:
+def check_profiles(cfg: Config, *, deep: bool = False, keyring: Keyring | None = None) -> tuple[bool, str]:
     """Doctor's check of every profile's files (cheap by default; `deep` adds
-    integrity_check): ok, or which are damaged and how to repair them."""
+    integrity_check, with each encrypted profile's key): ok, or which are damaged and how
+    to repair them."""
     profiles = scan_profiles(cfg.data_dir)
-    damaged = [(i.tenant_id, p) for i in profiles if (p := profile_problem(i.path, deep=deep)) is not None]
+    damaged = [(i.tenant_id, p) for i in profiles if (p := _problem(i, deep, keyring)) is not None]
     how = "integrity_check included" if deep else "cheap checks; --deep runs integrity_check"
     if not damaged:
         return True, f"{count(len(profiles), 'profile', 'profiles')}, none damaged ({how})"
@@ -743,6 +831,14 @@ def check_profiles(cfg: Config, *, deep: bool = False) -> tuple[bool, str]:
         f"{len(damaged)} of {count(len(profiles), 'profile', 'profiles')} damaged: {shown}; their messages wait. "
         f"Repair each with `hermes-gateway profiles repair TENANT` (works while the gateway runs)"
     )
+
+
+def _problem(info: TenantInfo, deep: bool, keyring: Keyring | None) -> str | None:
+    try:
+        key = profile_key(keyring, info) if deep else None
+    except VaultError as err:
+        return str(err)
+    return profile_problem(info.path, deep=deep, key=key)
 
 
 def scan_damaged(cfg: Config) -> list[str]:

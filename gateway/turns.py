@@ -40,9 +40,9 @@ from gateway.linking import Linking
 from gateway.logs import log_text, turn_logger
 from gateway.media import MediaIntake
 from gateway.metrics import Metrics
-from gateway.modes import Fencing
+from gateway.modes import Fencing, Reminders
 from gateway.outbox import Deliverer, Draft, Outbox
-from gateway.reminders import ReminderScheduler, delivered_message, delivery_text, is_reminder
+from gateway.reminders import delivered_message, delivery_text, is_reminder
 from gateway.replies import Notifier, Replies
 from gateway.reviews import Reviews
 from gateway.streaming import StreamingReply
@@ -102,7 +102,7 @@ class Turns:
         deliverer: Deliverer,
         replies: Replies,
         reviews: Reviews,
-        reminders: ReminderScheduler,
+        reminders: Reminders,
         commands: CommandParts,
         running: RunningTurns,
         background: Background,
@@ -257,7 +257,7 @@ class Turns:
                         await self.media.prepare(
                             j.msg,
                             self.adapters.get(j.msg.platform),
-                            profile.path,
+                            profile.store_files,
                             input_uid(j.msg),
                             profile.guard,
                             charge,

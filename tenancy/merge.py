@@ -6,6 +6,10 @@ in. Journals are copied byte for byte, state.db rows (sessions, messages with FT
 journal offsets) with SQLite ATTACH, MEMORY.md and USER.md entry by entry (deduplicated; what
 does not fit is set aside in `merged-overflow.md`), visibility marks on the safe side, and
 every other file copied (`*.jsonl` appended). Nothing here knows about chats or the gateway.
+
+Encrypted profiles (docs/privacy.md#encryption-at-rest): every record of a source is opened
+with the source's key and sealed again with the target's (a record is bound to its tenant),
+and the source's state.db is attached with its own key.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Set
+from collections.abc import Callable, Sequence, Set
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import apsw
@@ -31,6 +36,8 @@ from agent.persona import read_choice, write_choice
 from agent.profile import write_manifest
 from agent.reminders import FILE as REMINDERS_FILE
 from agent.reminders import merge_files as merge_reminders
+from agent.sessions.journal import decode_line, encode_lines, place_of
+from agent.vault import KEY_FILE, DataKey, ProfileFiles, is_sealed, shred_slot
 from agent.visibility import VISIBILITY_FILE, Marks, entry_key
 from tenancy.profiles import SCHEMA_VERSION
 
@@ -113,11 +120,13 @@ def clean_staging(profiles: Path, older_than_s: float = 3600.0, keep: Set[str] =
 
 def retire(path: Path, into: str) -> None:
     """Remove a personal profile merged into `into` (marker first, so a crash midway leaves
-    a profile `profiles list` shows as merged and `profiles delete` of the link removes)."""
+    a profile `profiles list` shows as merged and `profiles delete` of the link removes);
+    its keyring slot goes before its files, as in a delete."""
     if not path.exists():
         return
     marker = {"tenant": into, "at": time.time()}
     write_private(path / RETIRED_MARKER, json.dumps(marker))
+    shred_slot(path.parent.parent, path)
     shutil.rmtree(path)
 
 
@@ -147,18 +156,38 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def merge_profiles(target: Path, sources: list[Path], limits: dict[str, int], principals: list[str]) -> None:
+@dataclass(frozen=True)
+class MergeKeys:
+    """The data keys of a merge: the target's (its records are sealed again with it) and
+    each source's by path; None for a plain profile."""
+
+    target: DataKey | None = None
+    sources: dict[Path, DataKey | None] = field(default_factory=dict)
+
+
+def merge_profiles(
+    target: Path,
+    sources: list[Path],
+    limits: dict[str, int],
+    principals: list[str],
+    keys: MergeKeys | None = None,
+) -> None:
     """Merge closed profiles `sources` into the closed profile `target` (idempotent)."""
+    keys = keys or MergeKeys()
     with _Flock(target / "sessions" / ".lock"):
         for src in sources:
+            src_key = keys.sources.get(src)
             with _Flock(src / "sessions" / ".lock"):
-                _merge_journals(src, target)
-                _merge_db(src, target)
-                _merge_files(src, target)
-        merge_memory(target, sources, limits)
-        merge_reminders(target, sources)
-        merge_personas(target, sources)
-        merge_models(target, sources)
+                _merge_journals(src, target, src_key, keys.target)
+                _merge_db(src, target, src_key, keys.target)
+                _merge_files(src, target, src_key, keys.target)
+        # the stores' own files, opened with each profile's key and sealed again with the target's
+        into = ProfileFiles(target, keys.target)
+        froms = [ProfileFiles(src, keys.sources.get(src)) for src in sources]
+        merge_memory(into, froms, limits)
+        merge_reminders(into, froms)
+        merge_personas(into, froms)
+        merge_models(into, froms)
         manifest = json.loads((target / "tenant.json").read_text(encoding="utf-8"))
         have = manifest.setdefault("principals", [])
         for src in sources:
@@ -172,10 +201,27 @@ def merge_profiles(target: Path, sources: list[Path], limits: dict[str, int], pr
         write_manifest(target, manifest)
 
 
-def _merge_journals(src: Path, target: Path) -> None:
+def _lines(data: bytes, key: DataKey | None, place: str) -> list[dict]:
+    """A journal's whole lines (a torn or damaged one left out, as reconciliation cuts it)."""
+    out = []
+    for raw in data.split(b"\n")[:-1]:
+        if raw.strip():
+            try:
+                obj = decode_line(raw, key, place)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+    return out
+
+
+def _merge_journals(src: Path, target: Path, src_key: DataKey | None = None, key: DataKey | None = None) -> None:
     out_dir = target / "sessions"
     for journal in sorted((src / "sessions").glob("*.jsonl")):
         dest = out_dir / journal.name
+        if src_key is not None or key is not None:  # compared line by line, sealed again for the target
+            _merge_sealed_journal(journal, dest, src_key, key)
+            continue
         data = journal.read_bytes()
         if dest.exists():
             have = dest.read_bytes()
@@ -186,19 +232,35 @@ def _merge_journals(src: Path, target: Path) -> None:
         atomic_write(dest, data)
 
 
+def _merge_sealed_journal(journal: Path, dest: Path, src_key: DataKey | None, key: DataKey | None) -> None:
+    place = place_of(journal)
+    lines = _lines(journal.read_bytes(), src_key, place)
+    if dest.exists():
+        have = _lines(dest.read_bytes(), key, place)
+        if have == lines or lines[: len(have)] != have:
+            if have != lines:
+                log.warning("link: journal %s differs in both profiles; keeping the target's", journal.name)
+            return
+    atomic_write(dest, encode_lines(lines, key, place))
+
+
 def _columns(conn: apsw.Connection, schema: str, table: str) -> list[str]:
     return [str(r[1]) for r in conn.execute(f"PRAGMA {schema}.table_info({table})")]
 
 
-def _merge_db(src: Path, target: Path) -> None:
+def _merge_db(src: Path, target: Path, src_key: DataKey | None = None, key: DataKey | None = None) -> None:
     if not (src / "state.db").exists():
         return
     # APSW, as the store: the merge runs inside the gateway, which keeps to one SQLite
     # library per state.db (docs/concepts.md#session-storage)
     conn = apsw.Connection(str(target / "state.db"))
     try:
+        if key is not None:
+            conn.execute(key.db_pragma()).fetchall()
         conn.set_busy_timeout(30000)
-        conn.execute("ATTACH DATABASE ? AS src", (str(src / "state.db"),))
+        # an attached file without KEY would take the main file's key: a plain one says ''
+        attach_key = src_key.db_key() if src_key is not None else ""
+        conn.execute("ATTACH DATABASE ? AS src KEY ?", (str(src / "state.db"), attach_key)).fetchall()
         conn.execute("BEGIN IMMEDIATE")
         try:
             for table, conflict in (("sessions", "REPLACE"), ("routes", "IGNORE"), ("journal_offsets", "REPLACE")):
@@ -227,11 +289,20 @@ def _merge_db(src: Path, target: Path) -> None:
         conn.close()
 
 
-def _merge_files(src: Path, target: Path) -> None:
+def _merge_files(src: Path, target: Path, src_key: DataKey | None = None, key: DataKey | None = None) -> None:
     """Provider files, exports and anything else: copy what's missing, append *.jsonl, keep
-    both when two different files have one name."""
+    both when two different files have one name. Sealed files are compared and written as
+    their plaintext, sealed again with the target's key."""
+
+    def plain(data: bytes, k: DataKey | None, place: str) -> bytes:
+        return k.open(data, place) if k is not None and is_sealed(data) else data
+
+    def sealed(data: bytes, place: str) -> bytes:
+        return key.seal(data, place) if key is not None else data
+
     skip_top = {
         "tenant.json",
+        KEY_FILE,  # the target keeps its own key
         "state.db",
         "state.db-wal",
         "state.db-shm",
@@ -259,9 +330,14 @@ def _merge_files(src: Path, target: Path) -> None:
                 continue
             dest = target / rel
             private_mkdir(dest.parent)
+            place = str(rel)
             data = full.read_bytes()
+            if src_key is not None or key is not None:
+                data = plain(data, src_key, place)
             if not dest.exists():
-                write_private(dest, data)
+                write_private(dest, sealed(data, place) if src_key is not None or key is not None else data)
+            elif src_key is not None or key is not None:
+                _merge_sealed_file(target, rel, data, plain(dest.read_bytes(), key, place), sealed, f".from-{src.name}")
             elif name.endswith(".jsonl"):
                 have = dest.read_bytes()
                 if data and data not in have:
@@ -276,7 +352,22 @@ def _merge_files(src: Path, target: Path) -> None:
             _fsync_file(dest)
 
 
-def merge_personas(target: Path, sources: list[Path]) -> Path | None:
+def _merge_sealed_file(
+    target: Path, rel: Path, data: bytes, have: bytes, seal: Callable[[bytes, str], bytes], tag: str
+) -> None:
+    """`_merge_files` on plaintexts: *.jsonl appended, another file kept beside (`tag`)."""
+    dest = target / rel
+    if dest.name.endswith(".jsonl"):
+        if data and data not in have:
+            joined = have + (b"\n" if have and not have.endswith(b"\n") else b"") + data
+            atomic_write(dest, seal(joined, str(rel)))
+    elif have != data:
+        alt = rel.with_name(f"{rel.stem}{tag}{rel.suffix}")
+        if not (target / alt).exists():
+            write_private(target / alt, seal(data, str(alt)))
+
+
+def merge_personas(target: ProfileFiles | Path, sources: Sequence[ProfileFiles | Path]) -> ProfileFiles | Path | None:
     """One persona choice for the merged profile: the last source's that has one (the account
     that joins last, the one linking), else the target's own. Returns the source that won."""
     for src in reversed(sources):
@@ -287,7 +378,7 @@ def merge_personas(target: Path, sources: list[Path]) -> Path | None:
     return None
 
 
-def merge_models(target: Path, sources: list[Path]) -> Path | None:
+def merge_models(target: ProfileFiles | Path, sources: Sequence[ProfileFiles | Path]) -> ProfileFiles | Path | None:
     """One model for the merged profile: the last source's choice (the account that joins
     last, the one that entered the code), else the target's own. Returns the source that won."""
     for src in reversed(sources):
@@ -333,36 +424,40 @@ def combine_entries(lists: list[list[str]], limit: int, note_date: str) -> tuple
     return kept, dropped
 
 
-def merge_memory(target: Path, sources: list[Path], limits: dict[str, int]) -> None:
-    mem_dir = target / "memories"
+def merge_memory(target: ProfileFiles, sources: Sequence[ProfileFiles], limits: dict[str, int]) -> None:
+    """Memory and user-profile entries of every source into the target's, within its limits;
+    what does not fit is set aside in memories/merged-overflow.md (sealed like the rest)."""
+    mem_dir = target.path("memories")
     private_mkdir(mem_dir)
     today = time.strftime("%Y-%m-%d", time.gmtime())
     fd = os.open(mem_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        source_marks = [Marks(d / "memories").load() for d in (target, *sources)]
+        source_marks = [Marks(f.path("memories"), f).load() for f in (target, *sources)]
         marks = dict(source_marks[0])
         for target_name, fname in _MEMORY_FILES.items():
             lists = []
-            for d in (target, *sources):
+            for f in (target, *sources):
                 try:
-                    lists.append(parse_entries((d / "memories" / fname).read_text(encoding="utf-8")))
+                    lists.append(parse_entries(f.read_text(f"memories/{fname}")))
                 except FileNotFoundError:
                     lists.append([])
             if not any(lists[1:]):
                 continue
             kept, dropped = combine_entries(lists, limits[target_name], today)
             data = ENTRY_DELIMITER.join(kept).encode("utf-8")
-            atomic_write(mem_dir / fname, data)
-            Baselines(mem_dir).set(fname, digest(data))  # the merge is the store's own write, not drift
+            target.write_bytes(f"memories/{fname}", data)
+            Baselines(mem_dir, target).set(fname, digest(data))  # the merge is the store's own write, not drift
             marks[target_name] = combine_marks(target_name, kept, lists, source_marks)
             if dropped:
-                with open_private(mem_dir / OVERFLOW_FILE, "a") as fh:
-                    fh.write(f"## {fname}, set aside when accounts were linked on {today}\n\n")
-                    fh.write(ENTRY_DELIMITER.join(dropped) + "\n\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
-        Marks(mem_dir).save(marks)  # after the memory files: a crash in between leaves entries private
+                place = f"memories/{OVERFLOW_FILE}"
+                try:
+                    before = target.read_text(place)
+                except FileNotFoundError:
+                    before = ""
+                section = f"## {fname}, set aside when accounts were linked on {today}\n\n"
+                target.write_text(place, before + section + ENTRY_DELIMITER.join(dropped) + "\n\n")
+        Marks(mem_dir, target).save(marks)  # after the memory files: a crash in between leaves entries private
     finally:
         os.close(fd)
 

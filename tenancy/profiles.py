@@ -15,12 +15,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import tzinfo
 from pathlib import Path
 from typing import Protocol
 
 import apsw
 
-from agent.fileio import private_mkdir
+from agent.fileio import FileMemo, private_mkdir
 from agent.memory import MemoryStore
 from agent.model_choice import ModelChoice, read_model
 from agent.persona import PersonaChoice, read_choice
@@ -29,6 +30,8 @@ from agent.providers import make_provider
 from agent.sessions import FsyncPolicy, SessionStore, StoragePool
 from agent.sessions.db import JournalMode
 from agent.sessions.errors import damaged_sqlite
+from agent.sessions.journal import decode_line, place_of
+from agent.vault import KEY_FILE, DataKey, ProfileFiles, TenantKeys, VaultError
 from core.settings import DEFAULT_MEMORY_BUDGET_MIB
 from tenancy.keys import tenant_dir, tenant_dir_name
 
@@ -41,6 +44,9 @@ SQLITE_HEADER = b"SQLite format 3\0"
 # 1,000 open profiles took 272 MiB (bench/gateway_bench.py, 1,000 x 5). And 5 descriptors
 # (state.db, -wal, -shm, the journal, the profile lock).
 PROFILE_COST_KIB = 272
+# what SQLite3 Multiple Ciphers adds to an open encrypted profile (its cipher context and
+# page buffers), measured: 302 vs 234 KiB per open store (docs/privacy.md#what-it-costs)
+ENCRYPTED_EXTRA_KIB = 72
 PROFILE_FDS = 5
 FD_RESERVE = 256  # descriptors kept for everything else (sockets, gateway.db, logs): at most half the limit
 
@@ -78,10 +84,11 @@ def manifest_problem(path: Path) -> str | None:
     return None
 
 
-def profile_problem(path: Path, *, deep: bool = False) -> str | None:
+def profile_problem(path: Path, *, deep: bool = False, key: DataKey | None = None) -> str | None:
     """What is wrong with the profile directory `path`, or None. Cheap checks of the
     layout, tenant.json and state.db's header; `deep` adds SQLite's integrity_check
-    (blocking: run it off the event loop)."""
+    (blocking: run it off the event loop). An encrypted profile's header is ciphertext:
+    only `deep` with its `key` checks its state.db (docs/privacy.md#encryption-at-rest)."""
     if not path.exists():
         return None
     if not path.is_dir():
@@ -97,16 +104,19 @@ def profile_problem(path: Path, *, deep: bool = False) -> str | None:
         return None
     if not db.is_file():
         return "state.db is not a regular file"
+    encrypted = (path / KEY_FILE).exists()
     with db.open("rb") as fh:
         header = fh.read(len(SQLITE_HEADER))
-    if header and header != SQLITE_HEADER:
+    if header and header != SQLITE_HEADER and not encrypted:
         return "state.db is not a SQLite database (damaged header)"
-    if deep and header:
+    if deep and header and (key is not None or not encrypted):
         try:
             # APSW, as the store: in the gateway this runs right before the store opens the
             # file, and one process keeps to one SQLite library per file (docs/concepts.md#session-storage)
             conn = apsw.Connection(str(db), flags=apsw.SQLITE_OPEN_READONLY)
             try:
+                if key is not None:
+                    conn.execute(key.db_pragma(), can_cache=False).fetchall()
                 conn.set_busy_timeout(10000)
                 verdict = str(conn.execute("PRAGMA integrity_check").fetchone()[0])  # type: ignore[index]
             finally:
@@ -143,18 +153,22 @@ def tenant_id_of_dir(name: str) -> str | None:
         return None
 
 
-def journal_records(path: Path) -> list[dict]:
-    """Every whole JSON object line of the profile's journals (blocking; for repairs and
-    reports of a profile whose state.db cannot be read)."""
+def journal_records(path: Path, key: DataKey | None = None) -> list[dict]:
+    """Every whole JSON object line of the profile's journals, opened with `key` when
+    sealed (blocking; for repairs and reports of a profile whose state.db cannot be read).
+    VaultError, one sentence, for sealed lines without the key."""
     out: list[dict] = []
     sessions = path / "sessions"
     if not sessions.is_dir():
         return out
     for journal in sorted(sessions.glob("*.jsonl")):
+        place = place_of(journal)
         with journal.open("rb") as fh:
             for line in fh:
+                if not line.strip():
+                    continue
                 try:
-                    data = json.loads(line)
+                    data = decode_line(line.rstrip(b"\r\n"), key, place)
                 except ValueError:
                     continue  # a torn or damaged line; reconciliation cuts it
                 if isinstance(data, dict):
@@ -165,6 +179,8 @@ def journal_records(path: Path) -> list[dict]:
 def _damage_of(exc: BaseException) -> str | None:
     """The damage an open failure shows (SQLite finding a file that is not a sound
     database, a layout entry of the wrong type), or None for anything that may pass."""
+    if isinstance(exc, VaultError):  # a destroyed, missing or wrong key: one sentence already
+        return str(exc)
     if damaged_sqlite(exc):  # "file is not a database", "disk image is malformed"
         return f"state.db cannot be read ({exc})"
     if isinstance(exc, (NotADirectoryError, FileExistsError, IsADirectoryError)):
@@ -206,13 +222,15 @@ def ensure_profile_dir(data_dir: Path, tenant_id: str, kind: str) -> tuple[Path,
     return path, set(manifest.get("principals", []))
 
 
-def open_limit(max_open: int | None, memory_budget_mib: int, nofile: int | None = None) -> int:
+def open_limit(
+    max_open: int | None, memory_budget_mib: int, nofile: int | None = None, *, cost_kib: int = PROFILE_COST_KIB
+) -> int:
     """How many profiles may stay open: as many as `memory_budget_mib` holds at
-    PROFILE_COST_KIB each, within the descriptor limit `nofile` (RLIMIT_NOFILE's soft limit
+    `cost_kib` each (PROFILE_COST_KIB), within the descriptor limit `nofile` (RLIMIT_NOFILE's soft limit
     when None) and never more than `max_open` (an optional hard cap); at least 1."""
     if nofile is None:
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    limits = [memory_budget_mib * 1024 // PROFILE_COST_KIB]
+    limits = [memory_budget_mib * 1024 // cost_kib]
     if nofile != resource.RLIM_INFINITY:
         limits.append((nofile - min(FD_RESERVE, nofile // 2)) // PROFILE_FDS)
     if max_open is not None:
@@ -266,17 +284,23 @@ class ProfileManager:
         pool: StoragePool | None = None,
         gate: ProfileGate | None = None,
         journal_mode: JournalMode = "wal",
+        keys: TenantKeys | None = None,
     ) -> None:
         """`max_open` caps the open profiles below what `memory_budget_mib` and the
         descriptor limit allow (`open_limit`). `gate` guards every open and write (cluster
         mode); `journal_mode` "delete" opens SQLite with a rollback journal, safe on a
-        network filesystem (one host at a time)."""
+        network filesystem (one host at a time). `keys` (storage.encryption per_tenant) keys
+        every profile with its tenant's data key, the same cache the ingress seals messages
+        with (docs/privacy.md#encryption-at-rest)."""
         self.data_dir = data_dir
+        self.keys = keys if keys is not None else TenantKeys(None)
+        self.keyring = self.keys.keyring
         self.gate = gate
         self.journal_mode: JournalMode = journal_mode
         self.pool = pool  # storage threads shared by every profile's SessionStore
-        self.max_open = open_limit(max_open, memory_budget_mib)
-        by_budget = open_limit(max_open, memory_budget_mib, resource.RLIM_INFINITY)
+        cost = PROFILE_COST_KIB + (ENCRYPTED_EXTRA_KIB if self.keys.on else 0)
+        self.max_open = open_limit(max_open, memory_budget_mib, cost_kib=cost)
+        by_budget = open_limit(max_open, memory_budget_mib, resource.RLIM_INFINITY, cost_kib=cost)
         if self.max_open < by_budget:
             log.warning(
                 "the descriptor limit (RLIMIT_NOFILE %d) keeps at most %d profiles open, not the %d "
@@ -423,17 +447,23 @@ class ProfileManager:
             persona: list[PersonaChoice] = []
             model: list[ModelChoice] = []
             checks = None if known is not None else self._checks(tenant_id, kind, path, found)
-            zone, budget = zone_memo(path), budget_memo(path)
+            opened: list[ProfileFiles] = []
 
-            def before() -> None:  # on the pool thread, in the open's own job (no hop of its own)
+            def before() -> DataKey | None:  # on the pool thread, in the open's own job (no hop of its own)
                 if checks is not None:
                     checks()
-                persona.append(read_choice(path))
-                model.append(read_model(path))
-                budget.load()
+                # the key first: every file below is read through it (docs/privacy.md#encryption-at-rest)
+                files = self.keys.files(tenant_id, path)
+                opened.append(files)
+                persona.append(read_choice(files))
+                model.append(read_model(files))
+                memos.append((zone_memo(files), budget_memo(files)))
+                memos[0][1].load()
                 if kind == "person":  # a chat's budget days are UTC's
-                    zone.load()
+                    memos[0][0].load()
+                return files.key
 
+            memos: list[tuple[FileMemo[tzinfo], FileMemo[dict[str, float | None]]]] = []
             sessions = SessionStore(
                 path,
                 fsync=self._fsync,
@@ -459,7 +489,8 @@ class ProfileManager:
         if gate is None:
             self._known[tenant_id] = principals
         mem_limit, user_limit = self._memory_limits
-        memory = MemoryStore(path, mem_limit, user_limit, guard=guard)
+        files = opened[0] if opened else ProfileFiles(path, self.keys.cached(tenant_id))
+        memory = MemoryStore(path, mem_limit, user_limit, guard=guard, files=files)
         provider = make_provider(self._provider_kind)
         on_close = (lambda: gate.closed(tenant_id)) if gate is not None else None
         profile = Profile(
@@ -472,12 +503,13 @@ class ProfileManager:
             on_close=on_close,
             persona_choice=persona[0] if persona else None,
             model_choice=model[0] if model else None,
-            zone_file=zone,
-            budget_file=budget,
+            zone_file=memos[0][0] if memos else None,
+            budget_file=memos[0][1] if memos else None,
+            files=files,
         )
         if provider is not None:
             try:
-                await provider.initialize(tenant_id, path)
+                await provider.initialize(tenant_id, path, files=files)
             except BaseException:
                 await profile.close()
                 raise
@@ -500,7 +532,8 @@ class ProfileManager:
 
         def checks() -> None:
             tenant_dir(self.data_dir, tenant_id)  # raises if the directory leads out of profiles/
-            problem = profile_problem(path, deep=deep)
+            key = self.keys.key_for(tenant_id, path) if deep else None  # an encrypted state.db's check needs it
+            problem = profile_problem(path, deep=deep, key=key)
             if problem is not None:
                 raise _Found(problem)
             found.append(ensure_profile_dir(self.data_dir, tenant_id, kind)[1])
@@ -517,6 +550,7 @@ class ProfileManager:
         """Close a profile now (e.g. before deleting it); False if it is in use. Its
         directory is checked again when it next opens."""
         self._known.pop(tenant_id, None)
+        self.keys.forget(tenant_id)
         async with self._lock:
             profile = self._open.get(tenant_id)
             closing = self._closing.get(tenant_id)

@@ -1,5 +1,5 @@
 """`profiles delete` in cluster mode removes the person's rows from PostgreSQL too (inbox,
-outbox, lanes, lease, pairing and link codes, shared_kv, identity links), not only from
+outbox, lanes, lease, pairing and link codes, shared_kv, identity links, reminders' due rows), not only from
 gateway.db, and leaves everyone else's (real PostgreSQL, one schema per test)."""
 
 from __future__ import annotations
@@ -75,6 +75,16 @@ async def _seed(pool) -> None:
             )
         for principal in ("telegram:111", "discord:222"):
             await conn.execute("INSERT INTO identity_links (principal, link_name) VALUES (%s, 'al')", (principal,))
+        for tenant, rid, principal in (  # reminders' due rows: alice's own, one she set in a group, bob's
+            ("link-al", 1, "telegram:111"),
+            ("telegram-chat-555", 1, "discord:222"),
+            ("telegram-chat-555", 2, "telegram:333"),
+            ("telegram-333", 1, "telegram:333"),
+        ):
+            await conn.execute(
+                "INSERT INTO reminder_due (tenant, reminder_id, due_at, principal) VALUES (%s, %s, 1e9, %s)",
+                (tenant, rid, principal),
+            )
 
 
 async def test_profiles_delete_in_cluster_mode_removes_the_persons_postgresql_rows(
@@ -100,6 +110,10 @@ async def test_profiles_delete_in_cluster_mode_removes_the_persons_postgresql_ro
     assert await _rows(pool, "SELECT principal FROM link_codes") == [("telegram:333",)]
     assert await _rows(pool, "SELECT key FROM shared_kv WHERE key LIKE 'paired:%'") == [("paired:telegram:333",)]
     assert await _rows(pool, "SELECT principal FROM identity_links") == []
+    assert await _rows(pool, "SELECT tenant, principal FROM reminder_due ORDER BY tenant") == [
+        ("telegram-333", "telegram:333"),
+        ("telegram-chat-555", "telegram:333"),
+    ]
 
 
 async def test_admin_commands_in_cluster_mode_follow_the_links_nodes_made_at_runtime(

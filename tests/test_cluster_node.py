@@ -148,11 +148,11 @@ async def settled(nodes: list[Node], timeout: float = 20) -> None:
 # --- config and CLI -------------------------------------------------------------------------
 
 
-def test_a_cluster_config_refuses_reminders_turned_on_and_honours_streaming_and_notices(node_config):
+def test_a_cluster_config_keeps_reminders_streaming_and_notices_on(node_config):
     cfg = node_config("n1")
-    assert cfg.cluster.max_lanes == 4 and not cfg.reminders_on and cfg.streaming_mode == "dm"
-    with pytest.raises(ConfigError, match=r"reminders\.enabled"):
-        node_config("n1", reminders={"enabled": True})
+    assert cfg.cluster.max_lanes == 4 and cfg.reminders_on and cfg.streaming_mode == "dm"
+    assert node_config("n1", reminders={"enabled": True}).reminders_on  # docs/cluster.md#reminders
+    assert not node_config("n1", reminders={"enabled": False}).reminders_on
     with pytest.raises(ConfigError, match="node_id"):
         node_config("n1", cluster={"node_id": "has space"})
     # drafts and notices go through the PostgreSQL outbox (docs/cluster.md#streaming-and-progress-notices)
@@ -505,6 +505,23 @@ async def test_a_message_with_nul_characters_is_recorded_without_them_and_answer
         assert await post(tg, tg.push_private(1212, "a\x00b typed \\u0000"), one) == 200
         await settled([one])
         assert texts(tg, 1212) == ["ok: ab typed \\u0000"]
+
+
+async def test_an_answered_message_keeps_no_text_in_the_shared_inbox(tg, fake_llm, node_config):
+    """As gateway.db on one node: once answered, what a person said leaves PostgreSQL; the
+    row keeps who sent it where, which a delete needs (docs/cluster.md#the-postgresql-layer)."""
+    async with started(node_config("n1")) as one:
+        assert await post(tg, tg.push_private(1313, "my canary 4242 text"), one) == 200
+        await settled([one])
+        assert texts(tg, 1313) == ["ok: my canary 4242 text"]
+        assert one.app.node is not None
+        async with one.app.node.pool.connection() as conn:
+            rows = await (await conn.execute("SELECT payload, done_at FROM inbox")).fetchall()
+            chunks = await (await conn.execute("SELECT body FROM outbox")).fetchall()
+    assert rows and all(r["done_at"] is not None for r in rows)
+    assert not [r for r in rows if "4242" in json.dumps(r["payload"])]
+    assert not [c for c in chunks if "4242" in json.dumps(c["body"])]
+    assert {(r["payload"]["platform"], r["payload"]["user_id"]) for r in rows} == {("telegram", "1313")}
 
 
 def refuse_the_first_collected_record(app: GatewayApp, before: Any = None) -> list[int]:

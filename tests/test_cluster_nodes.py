@@ -336,3 +336,36 @@ async def test_RESTARTS_POSTGRESQL_nodes_wait_reconnect_and_lose_nothing(tmp_pat
     assert r.journal_mismatches == 0 and r.integrity_failures == 0, r.details
     assert r.overlaps == 0, r.details
     assert not r.nodes_crashed, r.nodes_crashed  # they waited for the database instead of exiting
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(STORM_TIMEOUT_S)
+@needs_cluster
+async def test_a_reminder_due_while_its_node_is_killed_is_delivered_once_by_another_node(tmp_path):
+    """docs/cluster.md#reminders: reminders set during traffic are each delivered once; the
+    node holding one's tenant is SIGKILLed before it is due and another node delivers it, on
+    time enough not to say it is late; one found 10 minutes overdue says it is late."""
+    r = await cluster_storm(
+        tmp_path,
+        messages=80,
+        people=10,
+        seed=9,
+        interval=0.05,
+        kill_every=None,
+        lease_ttl_s=3.0,
+        discord_share=0,
+        reminders=4,
+        reminder_due_s=2.0,
+        reminder_takeover=True,
+        say=_quiet,
+    )
+    assert r.kills == 1 and r.takeover_killed, r.details
+    assert r.reminders_set == 6 and r.reminders_lost == 0, (summary(r), r.details)
+    assert r.reminders_dup_other == 0 and r.reminders_dup_window_kill == 0, r.details
+    assert r.takeover_fired_by and all(not v.startswith(r.takeover_killed) for v in r.takeover_fired_by)
+    assert len(r.takeover_fired_by) == 1, r.takeover_fired_by  # once
+    assert 0 < r.takeover_late_s < 120, r.takeover_late_s  # after the lease lapsed, yet not "late"
+    assert r.overdue_said_late and r.reminders_late_wrong == 0, r.details
+    assert r.lost == 0 and r.dup_other == 0 and r.order_violations == 0, r.details
+    assert r.overlaps == 0 and r.journal_mismatches == 0 and r.integrity_failures == 0, r.details
+    assert not r.nodes_crashed, r.nodes_crashed

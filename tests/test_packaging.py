@@ -119,3 +119,26 @@ def test_a_single_node_runs_its_commands_without_the_driver(tmp_path: Path) -> N
     done = _cli("-c", str(cfg), "profiles", "list", block_psycopg=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "psycopg" not in done.stderr
+
+
+def test_a_gateway_with_encryption_off_never_loads_cryptography(tmp_path: Path) -> None:
+    """Its OpenSSL bindings cost ~7 MiB of RSS (docs/privacy.md#what-it-costs): a plain
+    gateway that opens a profile and writes to it must not import them."""
+    code = f"""
+import asyncio, sys
+from core.settings import parse_config
+from gateway.build import build_gateway
+
+async def main():
+    cfg = parse_config({{"data_dir": {str(tmp_path / "data")!r}, "llm": {{"base_url": "http://127.0.0.1:9/v1"}}}})
+    app = build_gateway(cfg, [])
+    async with app.profiles.use("telegram-1") as profile:
+        await profile.memory.add("memory", "plain note")
+    await app.profiles.close_all()
+    print("cryptography" in sys.modules)
+
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -110,6 +110,26 @@ def test_the_config_keys_size_the_gateways_open_profiles(tmp_path):
     assert opened(storage={"memory_budget_mib": 2}, tenancy={"max_open_profiles": 100}) == 7
 
 
+def test_an_encrypted_profile_counts_its_cipher_memory_against_the_budget(tmp_path, monkeypatch):
+    """SQLite3 Multiple Ciphers adds ~70 KiB per open connection: with encryption on, the
+    same storage.memory_budget_mib keeps fewer profiles open, so the budget still holds."""
+    from agent.vault import new_master_key
+    from gateway.build import build_gateway
+    from tests.conftest import make_config
+
+    monkeypatch.setenv("HERMES_TEST_MASTER_KEY", new_master_key())
+    sealed = {"memory_budget_mib": 20, "encryption": "per_tenant", "master_key_env": "HERMES_TEST_MASTER_KEY"}
+    plain = build_gateway(
+        make_config(tmp_path / "plain", "http://127.0.0.1:9/v1", storage={"memory_budget_mib": 20}), []
+    )
+    encrypted = build_gateway(make_config(tmp_path / "sealed", "http://127.0.0.1:9/v1", storage=sealed), [])
+    assert plain.profiles.max_open == 20 * 1024 // profiles_mod.PROFILE_COST_KIB
+    assert encrypted.profiles.max_open == 20 * 1024 // (
+        profiles_mod.PROFILE_COST_KIB + profiles_mod.ENCRYPTED_EXTRA_KIB
+    )
+    assert encrypted.profiles.max_open < plain.profiles.max_open
+
+
 async def test_a_profile_directory_is_checked_once_per_process_on_the_storage_thread(tmp_path, monkeypatch):
     """The first open checks and lays out the directory inside the pool job that opens
     state.db (no hop of its own); reopening after the LRU closed it skips that; evict()
@@ -117,9 +137,9 @@ async def test_a_profile_directory_is_checked_once_per_process_on_the_storage_th
     checked: list[tuple[str, str]] = []
     real = profiles_mod.profile_problem
 
-    def counting(path, *, deep=False):
+    def counting(path, *, deep=False, key=None):
         checked.append((path.name, threading.current_thread().name))
-        return real(path, deep=deep)
+        return real(path, deep=deep, key=key)
 
     monkeypatch.setattr(profiles_mod, "profile_problem", counting)
     hops: list[str] = []  # default-executor hops

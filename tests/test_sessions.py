@@ -389,9 +389,9 @@ async def test_reopen_reads_only_the_journal_tail(profile: Path, monkeypatch: py
     reads: list[tuple[str, int]] = []
     real = Journal.read
 
-    def spy(path: Path, start: int) -> Any:
+    def spy(path: Path, start: int, *key: Any) -> Any:
         reads.append((Path(path).stem, start))
-        return real(path, start)
+        return real(path, start, *key)
 
     monkeypatch.setattr(Journal, "read", staticmethod(spy))
     async with SessionStore(profile) as s:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import discord
 from discord import app_commands
+from pydantic import SecretStr
 
 from adapters.discord_bot.client import log
 from adapters.discord_bot.normalise import Normalising
 from adapters.discord_bot.state import _INTERACTION_TTL_S, _PendingInteraction
 from core.commands import COMMAND_SPECS, CommandSpec, find_command
-from core.messages import InboundMessage
+from core.messages import InboundMessage, ReplyHandle
 
 # Slash commands whose answer is about the person asking: in a server only they see it
 # (an ephemeral response); in a DM it is private anyway.
@@ -121,7 +123,11 @@ class SlashCommands(Normalising):
             ephemeral = chat_type != "dm" and spec is not None and spec.ephemeral
             await interaction.response.defer(thinking=True, ephemeral=ephemeral)
             message_id = f"interaction-{interaction.id}"
-            self._interactions[message_id] = _PendingInteraction(interaction, (chat_id, thread_id), ephemeral=ephemeral)
+            if not self._elected:
+                # in a cluster the node that runs the turn answers it, whichever it is: the
+                # handle goes with the message and that node adopts it (see `adopt`)
+                pend = _PendingInteraction(interaction.followup, (chat_id, thread_id), ephemeral=ephemeral)
+                self._interactions[message_id] = pend
             text = f"/{name} {args.strip()}" if args and args.strip() else f"/{name}"
             inbound = InboundMessage(
                 platform="discord",
@@ -137,6 +143,12 @@ class SlashCommands(Normalising):
                 private_reply=ephemeral,
                 timestamp=interaction.created_at.timestamp(),
                 raw=interaction,
+                reply_handle=ReplyHandle(
+                    application_id=str(interaction.application_id),
+                    token=SecretStr(interaction.token),
+                    ephemeral=ephemeral,
+                    created_at=interaction.created_at.timestamp(),
+                ),
             )
             self._inbound.put_nowait(inbound)
         except discord.HTTPException as exc:
@@ -155,8 +167,44 @@ class SlashCommands(Normalising):
                     if self._open_interaction.get(pend.chat_key) is pend:
                         self._open_interaction.pop(pend.chat_key, None)
                 elif age > _INTERACTION_ABANDON_S and not pend.answered:
-                    pend.answered = True
-                    try:
-                        await pend.interaction.delete_original_response()
-                    except Exception:
-                        log.debug("discord: could not remove an unanswered interaction", exc_info=True)
+                    await self._withdraw(pend)
+
+    async def _withdraw(self, pend: _PendingInteraction) -> None:
+        """Remove the placeholder of an interaction nothing answered (once)."""
+        pend.answered = True
+        try:
+            await pend.withdraw()
+        except Exception as exc:
+            log.debug("discord: could not remove an unanswered interaction (%s)", type(exc).__name__)
+
+    # ------------------------------------------------------------------ other nodes' interactions
+    def adopt(self, msg: InboundMessage) -> None:
+        """Cluster mode: answer `msg`, a slash command another node (or this one) received
+        and deferred, through its follow-up webhook (`AdoptsReplies`, core/protocols.py)."""
+        handle = msg.reply_handle
+        if handle is None or msg.message_id in self._interactions:
+            return
+        client, token = self._client, handle.token.get_secret_value()
+        webhook = None  # an expired or spent handle: kept so that a private answer stays private
+        if client is not None and token and handle.application_id.isdigit():
+            # what `Interaction.followup` builds: the application's webhook for this token
+            webhook = discord.Webhook.from_state(
+                {"id": int(handle.application_id), "type": 3, "token": token}, client._connection
+            )
+        age = max(time.time() - handle.created_at, 0.0)
+        self._interactions[msg.message_id] = _PendingInteraction(
+            webhook, (msg.chat_id, msg.thread_id), created=time.monotonic() - age, ephemeral=handle.ephemeral
+        )
+
+    async def release(self, message_ids: Sequence[str], done: bool) -> None:
+        """The lane's claim ended: forget the adopted interactions of `message_ids`; with
+        `done`, one still unanswered never will be, so its placeholder goes now (not after
+        13 minutes, when another node may have answered it in the meantime)."""
+        for message_id in message_ids:
+            pend = self._interactions.pop(message_id, None)
+            if pend is None:
+                continue
+            if self._open_interaction.get(pend.chat_key) is pend:
+                self._open_interaction.pop(pend.chat_key, None)
+            if done and not pend.answered and pend.usable():
+                await self._withdraw(pend)

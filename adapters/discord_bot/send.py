@@ -102,9 +102,9 @@ class Sending(DiscordState):
         if self._private_answer_lost(message):
             return None
         pend = self._interaction_for(message)
-        if pend is not None:
+        if pend is not None and pend.followup is not None:
             try:
-                sent = await pend.interaction.followup.send(
+                sent = await pend.followup.send(
                     content=text, wait=True, allowed_mentions=NO_PINGS, ephemeral=pend.ephemeral
                 )
             except discord.NotFound:
@@ -210,10 +210,8 @@ class Sending(DiscordState):
         channel_id = sent.thread_id or sent.chat_id
         try:
             pend = self._followup_messages.get(sent.message_id)
-            if pend is not None and pend.usable():
-                await pend.interaction.followup.edit_message(
-                    int(sent.message_id), content=text, allowed_mentions=NO_PINGS
-                )
+            if pend is not None and pend.usable() and pend.followup is not None:
+                await pend.followup.edit_message(int(sent.message_id), content=text, allowed_mentions=NO_PINGS)
             else:
                 partial = client.get_partial_messageable(int(channel_id)).get_partial_message(int(sent.message_id))
                 await partial.edit(content=text, allowed_mentions=NO_PINGS)

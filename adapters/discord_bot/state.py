@@ -27,14 +27,23 @@ _INTERACTION_TTL_S = 15 * 60
 
 @dataclass
 class _PendingInteraction:
-    interaction: discord.Interaction
+    """A deferred slash command this adapter answers: through its follow-up webhook (the
+    interaction's token is inside it, so it is never logged), here since `created`."""
+
+    followup: discord.Webhook | None  # None: adopted while the client was down (never usable)
     chat_key: tuple[str, str | None]
     created: float = field(default_factory=time.monotonic)
     answered: bool = False
     ephemeral: bool = False  # only the asker sees the answer; never falls back to the channel
 
     def usable(self) -> bool:
-        return time.monotonic() - self.created < _INTERACTION_TTL_S - 30
+        return self.followup is not None and time.monotonic() - self.created < _INTERACTION_TTL_S - 30
+
+    async def withdraw(self) -> None:
+        """Delete the "thinking..." placeholder (DELETE .../messages/@original, what
+        `Interaction.delete_original_response` sends)."""
+        if self.followup is not None:
+            await self.followup.delete_message("@original")  # type: ignore[arg-type]  # the route takes the alias
 
 
 class _LRU:

@@ -29,6 +29,7 @@ from adapters.telegram.send import Sending
 from core.backoff import Backoff
 from core.commands import COMMAND_SPECS
 from core.messages import InboundSink
+from core.protocols import SendPacer
 from core.settings import ConfigError, TelegramConfig
 from core.text import utf16_len
 
@@ -68,11 +69,14 @@ class TelegramAdapter(Receiving, Sending):
         max_send_attempts: int = 5,
         max_flood_wait_s: float = 300.0,
         flood_limits: FloodLimits | None = None,
+        flood_gate: SendPacer | None = None,
         elected: bool = False,
     ) -> None:
         """`elected=True` (cluster mode): `start()` connects (and serves the webhook in
         webhook mode) but receives nothing by itself; the node elected for ingress calls
-        `start_receiving()` (polling: poll; webhook: call setWebhook) and `stop_receiving()`."""
+        `start_receiving()` (polling: poll; webhook: call setWebhook) and `stop_receiving()`.
+        `flood_gate` paces the sends (default: this process's own `FloodGate(flood_limits)`;
+        a cluster passes the one all nodes share, docs/cluster.md#flood-pacing-across-nodes)."""
         if not token:
             raise ConfigError(f"platforms.telegram: the bot token (env {cfg.token_env}) is empty")
         self.cfg = cfg
@@ -86,7 +90,7 @@ class TelegramAdapter(Receiving, Sending):
         self._backoff_max = backoff_max_s
         self._max_send_attempts = max(1, max_send_attempts)
         self._max_flood_wait = max_flood_wait_s
-        self._flood = FloodGate(flood_limits)
+        self._flood = flood_gate if flood_gate is not None else FloodGate(flood_limits)
         self.bot, self._polling_request = _make_bot(cfg, token, send_timeout_s=send_timeout_s)
 
         # declared, with what each one means, in state.py

@@ -60,7 +60,7 @@ class _ChatState:
         self.held_until = 0.0
 
 
-def _is_group(chat_id: str) -> bool:
+def is_group_chat(chat_id: str) -> bool:
     """Groups and channels have negative ids (or an @username); people positive ones."""
     return not chat_id.isdigit()
 
@@ -88,7 +88,7 @@ class FloodGate:
         if state is None:
             if len(self._chats) >= self._PRUNE_ABOVE:
                 self._prune()
-            state = self._chats[chat_id] = _ChatState(self.limits, _is_group(chat_id))
+            state = self._chats[chat_id] = _ChatState(self.limits, is_group_chat(chat_id))
         return state
 
     async def wait_turn(self, chat_id: str) -> None:

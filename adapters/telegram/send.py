@@ -190,7 +190,11 @@ class Sending(TelegramState):
         html_text = markdown_to_telegram_html(text)
         formatted = True
         for _ in range(self._max_send_attempts + 3):
-            await self._flood.wait_turn(sent.chat_id)
+            try:
+                await self._flood.wait_turn(sent.chat_id)
+            except DeliveryDeferred as exc:  # the shared pacing is unreachable: not edited now
+                log.info("telegram: editMessageText in chat %s not sent (%s)", sent.chat_id, exc)
+                return False
             try:
                 if formatted:
                     await self.bot.edit_message_text(

@@ -13,8 +13,8 @@ from telegram import Bot
 from telegram.request import HTTPXRequest
 
 from adapters.telegram.client import log
-from adapters.telegram.flood import FloodGate
 from core.messages import ConfirmAnswerer, InboundSink, OverheardHook
+from core.protocols import SendPacer
 from core.settings import TelegramConfig
 
 
@@ -32,7 +32,7 @@ class TelegramState:
     _backoff_max: float
     _max_send_attempts: int
     _max_flood_wait: float
-    _flood: FloodGate
+    _flood: SendPacer  # FloodGate on one node, the shared pacer in a cluster
 
     bot_id: int | None
     bot_username: str | None

@@ -20,6 +20,7 @@ import apsw
 from agent.messages import StoredMessage
 from agent.sessions.codec import msg_row
 from agent.sessions.errors import SessionStoreError, UnknownSessionError
+from agent.vault import DataKey
 
 SCHEMA_VERSION = 1
 # PRAGMA user_version of a state.db whose schema script already ran (so open() can skip it)
@@ -175,22 +176,28 @@ def chunks(items: list[T], n: int = _SQL_CHUNK) -> Iterable[list[T]]:
 JournalMode = Literal["wal", "delete"]
 
 
-def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> apsw.Connection:
+def connect(
+    path: Path, fsync: str, journal_mode: JournalMode = "wal", *, key: DataKey | None = None
+) -> apsw.Connection:
     """Open state.db for one profile (usable from any pool thread, one call at a time).
 
     `journal_mode` "delete" (a rollback journal) is for a data_dir on a network filesystem
     (cluster mode): WAL's shared-memory index only works among processes of one host.
     A close leaves the WAL for the next open or SQLite's auto-checkpoint (no checkpoint and
     fsyncs per close); the journal, written first, covers what an un-fsynced WAL loses.
-    The schema script runs only when PRAGMA user_version says it has not run yet."""
+    The schema script runs only when PRAGMA user_version says it has not run yet. With
+    `key` the file is encrypted by SQLite3 Multiple Ciphers (docs/privacy.md#encryption-at-rest)."""
     db = apsw.Connection(str(path), statementcachesize=STATEMENT_CACHE)
     try:
+        _key(db, key)
         db.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
         db.set_busy_timeout(10000)
         mode = "WAL" if journal_mode == "wal" else "DELETE"
         # one call: the mode is read from the file (a no-op when it is already set)
         version = db.execute(
+            # secure_delete: an erased message's bytes are zeroed in the file, not left in free pages
             f"PRAGMA cache_size=-{PAGE_CACHE_KIB}; PRAGMA synchronous={'FULL' if fsync == 'always' else 'NORMAL'}; "
+            "PRAGMA secure_delete=ON; "
             f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}; PRAGMA journal_size_limit={WAL_SIZE_LIMIT}; "
             f"PRAGMA journal_mode={mode}; PRAGMA user_version",
             can_cache=False,  # one-shot statements would crowd the turn's out of the cache
@@ -209,8 +216,9 @@ def connect(path: Path, fsync: str, journal_mode: JournalMode = "wal") -> apsw.C
     return db
 
 
-def open_reader(path: Path) -> apsw.Connection:
-    """A connection to a state.db outside its store (the CLI, doctor, backups, exports).
+def open_reader(path: Path, key: DataKey | None = None) -> apsw.Connection:
+    """A connection to a state.db outside its store (the CLI, doctor, backups, exports),
+    keyed with `key` when the profile is encrypted (docs/privacy.md#encryption-at-rest).
 
     APSW as well: two SQLite libraries with one file open in one process do not see each
     other's locks, and the stdlib's close can cut the shared-memory index under APSW's
@@ -219,6 +227,7 @@ def open_reader(path: Path) -> apsw.Connection:
     try:
         db = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
         try:
+            _key(db, key)
             db.set_busy_timeout(10000)
             db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
             return db
@@ -228,20 +237,44 @@ def open_reader(path: Path) -> apsw.Connection:
     except apsw.Error:  # e.g. no -shm yet and a directory it cannot create one in
         pass
     db = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE)
+    _key(db, key)
     db.set_busy_timeout(10000)
     return db
 
 
-def backup_file(source: apsw.Connection, dest: Path) -> None:
+def _key(db: apsw.Connection, key: DataKey | None) -> None:
+    """Key a fresh connection (the first statement it runs); no-op for a plain file."""
+    if key is not None:
+        db.execute(key.db_pragma(), can_cache=False).fetchall()
+
+
+def backup_file(source: apsw.Connection, dest: Path, key: DataKey | None = None) -> None:
     """Copy an open state.db to `dest` with SQLite's online backup (writers go on): a
-    self-contained file with a rollback journal, which the stdlib reads."""
+    self-contained file with a rollback journal, which the stdlib reads. An encrypted
+    source (`key`) gives a copy encrypted with the same key: the backup API copies pages
+    only between connections keyed alike."""
     target = apsw.Connection(str(dest))
     try:
+        _key(target, key)
         with target.backup("main", source, "main") as b:
             b.step()
-        target.execute("PRAGMA journal_mode=DELETE")
+        target.execute("PRAGMA journal_mode=DELETE").fetchall()
     finally:
         target.close()
+
+
+def plain_copy(source: apsw.Connection, dest: Path, key: DataKey) -> None:
+    """A plain copy of an open encrypted state.db, for the owner and the Hermes CLI
+    (docs/privacy.md#exports-and-the-hermes-cli): VACUUM INTO (a consistent snapshot, keyed
+    like its source), then the copy's key removed; the stdlib reads the result."""
+    source.execute("VACUUM INTO ?", (str(dest),)).fetchall()
+    copy = apsw.Connection(str(dest))
+    try:
+        _key(copy, key)
+        copy.execute("PRAGMA journal_mode=DELETE").fetchall()
+        copy.execute("PRAGMA rekey=''").fetchall()
+    finally:
+        copy.close()
 
 
 SESSION_NAMES = tuple(c.strip() for c in SESSION_COLS.split(","))

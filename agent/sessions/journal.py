@@ -1,6 +1,10 @@
 """The JSONL journals of one profile (`sessions/<session_id>.jsonl`): append, withdraw,
 fsync, and read back for reconciliation.
 
+With the tenant's data key (storage.encryption per_tenant) every line is one sealed record,
+base64 on its own line, bound to its file (`sessions/<file name>`), so torn tails and
+reconciliation by uid work the same on sealed lines (docs/privacy.md#encryption-at-rest).
+
 Blocking code, run on a storage pool thread by the store (one call at a time per profile).
 The group syncer may fsync this profile's dirty journals from its own thread at the same
 time, so the descriptor table is guarded by a lock and the syncer fsyncs duplicates.
@@ -20,7 +24,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from agent.sessions.codec import check_session_id
+from agent.sessions.codec import check_session_id, journal_line
+from agent.vault import DataKey, VaultError, is_sealed_line
 
 log = logging.getLogger("agent.sessions")
 
@@ -39,13 +44,44 @@ class Record:
     data: dict[str, Any]
 
 
+def place_of(path: Path) -> str:
+    """A journal's place, the associated data its sealed lines are bound to."""
+    return f"sessions/{path.name}"
+
+
+def encode_lines(lines: list[dict[str, Any]], key: DataKey | None, place: str) -> bytes:
+    """JSONL bytes of `lines`: plain, or each line sealed with `key` for `place`."""
+    if key is None:
+        return "".join(journal_line(d) for d in lines).encode("utf-8")
+    return "".join(key.seal_line(journal_line(d)[:-1], place) + "\n" for d in lines).encode("ascii")
+
+
+def decode_line(raw: bytes, key: DataKey | None, place: str) -> Any:
+    """One journal line's JSON value. ValueError when it is garbled (torn, damaged); VaultError
+    when it is sealed and there is no key, or plain in a sealed journal: never cut as garbage."""
+    if key is None:
+        if is_sealed_line(raw):
+            raise VaultError(f"{place} is encrypted, but this profile was opened without its key")
+        return json.loads(raw.decode("utf-8"))
+    if raw.lstrip().startswith(b"{"):
+        raise VaultError(f"{place} holds plain lines, but its profile is encrypted")
+    try:
+        return json.loads(key.open_line(raw.decode("ascii"), place))
+    except (VaultError, UnicodeDecodeError) as err:
+        raise ValueError(str(err)) from None
+
+
 class Journal:
     """Append-only journal files of one profile, with a small descriptor cache."""
 
-    def __init__(self, sessions_dir: Path, fsync: str, syncer: Syncer | None = None) -> None:
+    def __init__(
+        self, sessions_dir: Path, fsync: str, syncer: Syncer | None = None, key: DataKey | None = None
+    ) -> None:
         self.sessions_dir = sessions_dir
         self.fsync = fsync
         self._syncer = syncer
+        #: the tenant's data key: lines are sealed with it (set by the store's open job, before any write)
+        self.key = key
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._dirty: set[str] = set()  # journals written since their last fsync
         self._dir_dirty = False
@@ -100,6 +136,10 @@ class Journal:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+    def encode(self, sid: str, lines: list[dict[str, Any]]) -> bytes:
+        """One session's lines as the bytes its journal gets (sealed when keyed)."""
+        return encode_lines(lines, self.key, place_of(self.path(sid)))
 
     def write(self, payload: dict[str, bytes]) -> dict[str, tuple[int, int]]:
         """Append each session's bytes; on failure undo what was written. Returns (start, end) spans."""
@@ -206,11 +246,14 @@ class Journal:
     # ------------------------------------------------------------------ reading
 
     @staticmethod
-    def read(path: Path, start: int) -> tuple[list[Record], int]:
-        """Parse journal lines from `start`; cut a torn or garbled tail. Returns (records, end).
+    def read(path: Path, start: int, key: DataKey | None = None) -> tuple[list[Record], int]:
+        """Parse journal lines from `start` (opened with `key` when sealed); cut a torn or
+        garbled tail. Returns (records, end).
 
-        Garbled lines followed by good ones are skipped (logged), never cut.
+        Garbled lines followed by good ones are skipped (logged), never cut. Lines of the
+        other kind (sealed without a key, plain with one) raise VaultError, cutting nothing.
         """
+        place = place_of(path)
         with open(path, "r+b") as f:
             f.seek(start)
             data = f.read()
@@ -224,7 +267,7 @@ class Journal:
                 if not raw.strip():
                     continue
                 try:
-                    obj = json.loads(raw.decode("utf-8"))
+                    obj = decode_line(raw, key, place)
                     if not isinstance(obj, dict):
                         raise ValueError("not a JSON object")
                 except ValueError:  # includes UnicodeDecodeError and JSONDecodeError

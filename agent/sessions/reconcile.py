@@ -76,7 +76,7 @@ def reconcile(db: apsw.Connection, journal: Journal) -> None:
 
 def _reconcile_file(db: apsw.Connection, journal: Journal, sid: str, path: Path, offset: int, *, full: bool) -> None:
     """Replay the journal from `offset` (from 0 when `full`, then re-journal SQLite-only messages)."""
-    records, end = Journal.read(path, offset)
+    records, end = Journal.read(path, offset, journal.key)
     with q.Transaction(db):
         journal_uids = _replay(db, sid, records)
         db.execute(

@@ -47,6 +47,7 @@ from agent.sessions.pool import StoragePool, default_pool
 from agent.sessions.reconcile import reconcile
 from agent.sessions.search import clamp_limit, search
 from agent.sessions.write import Lines, Tx, journaled
+from agent.vault import DataKey
 
 log = logging.getLogger("agent.sessions")
 
@@ -159,8 +160,10 @@ class SessionStore:
         guard: Callable[[], None] | None = None,
         journal_mode: q.JournalMode = "wal",
         profile_lock: bool = True,
+        key: DataKey | None = None,
     ) -> None:
-        """`guard` is called before every storage call and may raise to refuse it (cluster
+        """`key` is the tenant's data key for a caller that has it (an open's `before` may
+        return it instead; docs/privacy.md#encryption-at-rest). `guard` is called before every storage call and may raise to refuse it (cluster
         mode: the tenant lease is gone); a refused close writes nothing. `journal_mode`
         "delete" suits a network filesystem. `profile_lock` False leaves the one-writer rule
         to the caller (cluster mode's tenant lease) instead of an flock on this host."""
@@ -174,26 +177,30 @@ class SessionStore:
         self.db_path = self.profile_dir / "state.db"
         self.sessions_dir = self.profile_dir / "sessions"
         self._pool = pool or default_pool()
-        self._journal = Journal(self.sessions_dir, fsync, self._pool.syncer)
+        self._journal = Journal(self.sessions_dir, fsync, self._pool.syncer, key)
         self._db: apsw.Connection | None = None
         self._lock = asyncio.Lock()
         self._lock_fd: int | None = None
         self._routes: dict[str, str] = {}  # session_key -> live session id
         self._live: OrderedDict[str, _Live] = OrderedDict()
         self._soft = _Soft()
+        #: the tenant's data key (or set by open's `before`): state.db and journal lines sealed
+        self.key: DataKey | None = key
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def open(self, before: Callable[[], None] | None = None) -> SessionStore:
+    async def open(self, before: Callable[[], DataKey | None] | None = None) -> SessionStore:
         """Open state.db (schema only when its version is older) and reconcile it with the
         journals. `before` runs first in the same pool job (the caller's checks of the
-        profile directory: no extra hop); if it raises, nothing is opened."""
+        profile directory: no extra hop) and returns the tenant's data key when its profile
+        is encrypted (docs/privacy.md#encryption-at-rest); if it raises, nothing is opened."""
         if self._db is not None:
             return self
 
         def job() -> apsw.Connection:
             if before is not None:
-                before()
+                self.key = before()
+            self._journal.key = self.key  # before the first line is read or written
             return self._open_blocking()
 
         self._db = await self._pool.run(job)
@@ -208,7 +215,7 @@ class SessionStore:
         db: apsw.Connection | None = None
         try:  # whatever fails (a descriptor limit too) releases the profile lock again
             private_file(self.db_path)  # SQLite gives -wal/-shm the database file's mode
-            db = q.connect(self.db_path, self.fsync, self._journal_mode)
+            db = q.connect(self.db_path, self.fsync, self._journal_mode, key=self.key)
             reconcile(db, self._journal)
             return db
         except BaseException:
@@ -842,12 +849,17 @@ class SessionStore:
 
     async def backup_to(self, dest_path: Path) -> None:
         """Copy state.db to `dest_path` with SQLite's online backup API (a self-contained
-        file with a rollback journal, which the stdlib `sqlite3` reads)."""
+        file with a rollback journal, which the stdlib `sqlite3` reads); an encrypted one
+        is copied plain (docs/privacy.md#exports-and-the-hermes-cli)."""
         dest_path = Path(dest_path)
+        key = self.key
 
         def job(c: _Call) -> None:
             private_mkdir(dest_path.parent)
             private_file(dest_path)
-            q.backup_file(c.db, dest_path)
+            if key is not None:
+                q.plain_copy(c.db, dest_path, key)
+            else:
+                q.backup_file(c.db, dest_path)
 
         await self._call(job)

@@ -12,7 +12,6 @@ from typing import Any
 
 import apsw
 
-from agent.sessions.codec import journal_line
 from agent.sessions.db import Transaction, record_offsets
 from agent.sessions.errors import DatabaseWriteError, JournalWriteError
 from agent.sessions.journal import Journal
@@ -26,7 +25,7 @@ def journaled(
 ) -> None:
     """Journal `lines` (per session), then run `tx` (and `extra`, e.g. counters that ride
     along) and record the new offsets, all in one transaction."""
-    payload = {sid: "".join(journal_line(d) for d in ds).encode("utf-8") for sid, ds in lines.items() if ds}
+    payload = {sid: journal.encode(sid, ds) for sid, ds in lines.items() if ds}
     try:
         spans = journal.write(payload)
     except OSError as e:

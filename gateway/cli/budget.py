@@ -21,9 +21,9 @@ from agent.ledger import LIMIT_KEYS, NANOS
 from agent.metering import effective_limits, period_of
 from agent.reminders import ReminderStore
 from core.settings import Config
-from gateway.cli.common import CONFIG_HELP, admin_links, guard
+from gateway.cli.common import CONFIG_HELP, admin_keyring, admin_links, guard
 from gateway.runlock import AdminError
-from gateway.tenants import TenantInfo, find_tenant
+from gateway.tenants import TenantInfo, find_tenant, profile_files, profile_key
 
 if TYPE_CHECKING:
     from gateway.cluster.budgets import PgLedger
@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def _in_ledger(info: TenantInfo, fn: Callable[[apsw.Connection], T]) -> T | None:
-    """Run `fn` in one transaction of the tenant's state.db (None: it has none yet).
+def _in_ledger(cfg: Config, info: TenantInfo, fn: Callable[[apsw.Connection], T]) -> T | None:
+    """Run `fn` in one transaction of the tenant's state.db (None: it has none yet), keyed
+    with the tenant's key when encrypted (docs/privacy.md#encryption-at-rest).
 
     APSW, like the gateway's store: two SQLite libraries with one file open in one process
     do not see each other's locks, and the stdlib's close can truncate the shared-memory
@@ -40,11 +41,14 @@ def _in_ledger(info: TenantInfo, fn: Callable[[apsw.Connection], T]) -> T | None
     path = info.path / "state.db"
     if not path.exists():
         return None
+    key = profile_key(admin_keyring(cfg), info)
     try:
         db = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READWRITE)
     except apsw.Error as err:
         raise AdminError(f"cannot read or write the budget in {path}: {err}") from err
     try:
+        if key is not None:
+            db.execute(key.db_pragma()).fetchall()
         db.set_busy_timeout(10000)
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -74,13 +78,14 @@ def _in_cluster(cfg: Config, info: TenantInfo, fn: Callable[[PgLedger], Awaitabl
 
 
 def _status(cfg: Config, info: TenantInfo) -> dict[str, Any]:
-    zone = ReminderStore(info.path).zone_now()
+    files = profile_files(cfg, info)
+    zone = ReminderStore(files).zone_now()
     period = period_of(zone, time.time())
     if cfg.cluster.enabled:
         totals = _in_cluster(cfg, info, lambda pg: pg.totals(period.day, period.month))
     else:
-        totals = _in_ledger(info, lambda db: ledger.totals(db, period.day, period.month)) or ledger.Totals()
-    override = ledger.read_override(info.path)
+        totals = _in_ledger(cfg, info, lambda db: ledger.totals(db, period.day, period.month)) or ledger.Totals()
+    override = ledger.read_override(files)
     base = cfg.budgets.per_person if info.kind == "person" else cfg.budgets.per_chat
     return {
         "tenant": info.tenant_id,
@@ -144,9 +149,10 @@ def cmd_budget_set(cfg: Config, args: argparse.Namespace) -> int:
     if not given and not args.default:
         raise AdminError("name at least one of --tokens-per-day, --tokens-per-month, --cost-per-day, --cost-per-month")
 
-    override = {} if args.default else ledger.read_override(info.path)
+    files = profile_files(cfg, info)
+    override = {} if args.default else ledger.read_override(files)
     override.update(given)
-    ledger.write_override(info.path, override)
+    ledger.write_override(files, override)
     shown = ", ".join(f"{k}={'none' if v is None else v}" for k, v in override.items()) or "the config's limits"
     print(f"{info.tenant_id}: budget now {shown}")
     return 0
@@ -157,7 +163,7 @@ def cmd_budget_reset(cfg: Config, args: argparse.Namespace) -> int:
     if cfg.cluster.enabled:
         _in_cluster(cfg, info, lambda pg: pg.reset())
     else:
-        _in_ledger(info, ledger.reset)
+        _in_ledger(cfg, info, ledger.reset)
     print(f"{info.tenant_id}: usage counts reset to zero (its limits are unchanged)")
     return 0
 

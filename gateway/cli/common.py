@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.vault import Keyring, load_master_key, open_keyring
 from core.settings import Config
 from gateway.runlock import AdminError
 from tenancy.identity import IdentityLinks
@@ -67,3 +68,16 @@ def admin_links(cfg: Config) -> IdentityLinks:
     from gateway.cluster.links import load_shared_links
 
     return load_shared_links(cfg)
+
+
+def admin_keyring(cfg: Config) -> Keyring | None:
+    """The data directory's keyring for an operator command (None while storage.encryption
+    is off); a missing or wrong master key is VaultError, one sentence (docs/privacy.md#keys)."""
+    return open_keyring(cfg.data_dir, cfg.storage.encryption, cfg.storage.master_key_env, cfg.storage.master_key_file)
+
+
+def admin_master_key(cfg: Config) -> bytes | None:
+    """The master key the config names, without touching the keyring (restore checks it)."""
+    if cfg.storage.encryption == "off":
+        return None
+    return load_master_key(cfg.storage.master_key_env, cfg.storage.master_key_file)

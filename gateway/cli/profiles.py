@@ -1,4 +1,4 @@
-"""`profiles list|show|path|export|delete|restore|repair`, `backup` and `restore`: the
+"""`profiles list|show|path|export|decrypt|delete|restore|repair`, `backup` and `restore`: the
 operator's tenant and backup commands (docs/operator-guide.md#managing-tenants,
 docs/operator-guide.md#backups). The work is in gateway/tenants.py and gateway/backup.py;
 this module parses, asks, prints, and picks the cluster's eraser in cluster mode.
@@ -15,16 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from agent.fileio import private_mkdir
+from agent.vault import Keyring, VaultError
 from core.settings import Config
 from gateway.backup import backup_data_dir, restore_data_dir
-from gateway.cli.common import CONFIG_HELP, admin_links, guard
+from gateway.cli.common import CONFIG_HELP, admin_keyring, admin_links, admin_master_key, guard
 from gateway.runlock import AdminError, RunLock, gateway_running
 from gateway.tenants import (
+    TenantInfo,
     count,
+    decrypt_profile,
     delete_tenant,
+    disk_usage,
     export_profile,
     find_tenant,
     live_principals,
+    profile_key,
     profile_stats,
     repair_profile,
     restore_profile,
@@ -67,12 +72,28 @@ def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts)) if ts else "-"
 
 
+def _stats(keyring: Keyring | None, info: TenantInfo) -> dict[str, Any]:
+    """profile_stats with the tenant's key; a profile that cannot be opened says why."""
+    try:
+        key = profile_key(keyring, info)
+    except VaultError as err:
+        return {
+            "sessions": 0,
+            "messages": 0,
+            "last_activity": None,
+            "disk_bytes": disk_usage(info.path),
+            "damaged": str(err),
+        }
+    return profile_stats(info.path, key)
+
+
 def cmd_profiles_list(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     rows = []
     links = admin_links(cfg)
+    keyring = admin_keyring(cfg)
     for info in scan_profiles(cfg.data_dir):
-        stats = profile_stats(info.path)
+        stats = _stats(keyring, info)
         principals = live_principals(links, info)
         rows.append(
             {
@@ -119,7 +140,8 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     links = admin_links(cfg)
     info = find_tenant(cfg, args.tenant, links)
-    stats = profile_stats(info.path)
+    key = profile_key(admin_keyring(cfg), info)
+    stats = profile_stats(info.path, key)
     memory = {}
     for target, fname in (("memory", "MEMORY.md"), ("user", "USER.md")):
         try:
@@ -145,7 +167,7 @@ def cmd_profiles_show(cfg: Config, args: argparse.Namespace) -> int:
         **stats,
         "memory": memory,
         "provider_files": provider_files,
-        "sessions_detail": session_rows(info.path),
+        "sessions_detail": session_rows(info.path, key),
         **({"merged_into": info.merged_into} if info.merged_into else {}),
     }
     if args.json:
@@ -208,11 +230,30 @@ def cmd_profiles_export(cfg: Config, args: argparse.Namespace) -> int:
             f"{info.tenant_id} is damaged ({problem}); repair it first with "
             f"`hermes-gateway profiles repair {info.tenant_id}` (the damaged files are kept beside it)"
         )
+    key = profile_key(admin_keyring(cfg), info)
     output = Path(args.output) if args.output else None
     if output is not None and args.output.endswith(("/", os.sep)):  # `-o new/dir/`: a directory to create
         private_mkdir(output)
-    out = export_profile(cfg, info, output, links)
-    print(f"exported {info.tenant_id} to {out}")
+    out = export_profile(cfg, info, output, links, key)
+    print(f"exported {info.tenant_id} to {out}" + (" (decrypted: plain, as the Hermes CLI reads it)" if key else ""))
+    return 0
+
+
+def cmd_profiles_decrypt(cfg: Config, args: argparse.Namespace) -> int:
+    """A plain copy of a profile in a new directory, for `HERMES_HOME=DIR hermes`
+    (docs/privacy.md#exports-and-the-hermes-cli)."""
+    _check_owner(cfg)
+    info = find_tenant(cfg, args.tenant, admin_links(cfg))
+    problem = profile_problem(info.path)
+    if problem is not None:
+        raise AdminError(f"{info.tenant_id} is damaged ({problem}); repair it first")
+    key = profile_key(admin_keyring(cfg), info)
+    files = decrypt_profile(info, key, Path(args.dir))
+    print(
+        f"wrote {info.tenant_id}'s profile, plain, to {args.dir}: {count(len(files), 'file', 'files')}"
+        + ("" if key else " (it was not encrypted)")
+        + "; it holds their messages and memory unencrypted: remove it when done"
+    )
     return 0
 
 
@@ -222,7 +263,8 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
     info = find_tenant(cfg, args.tenant, links)
     if gateway_running(cfg.data_dir):
         RunLock(cfg.data_dir).acquire("`profiles delete`")  # raises the explanation
-    stats = profile_stats(info.path)
+    keyring = admin_keyring(cfg)
+    stats = _stats(keyring, info)
     members = live_principals(links, info)
     print(
         f"This permanently deletes {info.tenant_id} ({', '.join(members) or 'no principals'}): "
@@ -244,12 +286,13 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
 
         report = delete_tenant_everywhere(cfg, info)
     else:
-        report = delete_tenant(cfg, info)
+        report = delete_tenant(cfg, info, keyring=keyring)
     print(
         f"deleted {report.tenant_id}: {count(len(report.removed_dirs), 'profile directory', 'profile directories')}, "
         f"{count(len(report.links_removed), 'link entry', 'link entries')}, "
         f"{count(report.gateway_rows, 'gateway.db row', 'gateway.db rows')}"
         + (f", {count(report.shared_rows, 'PostgreSQL row', 'PostgreSQL rows')}" if cfg.cluster.enabled else "")
+        + ("; its key was destroyed first, so its copies in backups cannot be read either" if keyring else "")
     )
     if report.pinned:
         print(
@@ -262,7 +305,7 @@ def cmd_profiles_delete(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     info = restore_profile(cfg, Path(args.archive), force=args.force, links=admin_links(cfg))
-    stats = profile_stats(info.path)
+    stats = profile_stats(info.path)  # an export is plain (restore refuses one into an encrypted data dir)
     print(
         f"restored {info.tenant_id} to {info.path}: {count(stats['sessions'], 'session', 'sessions')}, "
         f"{count(stats['messages'], 'message', 'messages')}"
@@ -273,10 +316,15 @@ def cmd_profiles_restore(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_profiles_repair(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
     info = find_tenant(cfg, args.tenant, admin_links(cfg))
-    if profile_problem(info.path, deep=True) is None:
+    keyring = admin_keyring(cfg)
+    try:
+        healthy = profile_problem(info.path, deep=True, key=profile_key(keyring, info)) is None
+    except VaultError:
+        healthy = False  # the repair says why in one sentence (a missing or destroyed key is not mended)
+    if healthy:
         print(f"{info.tenant_id} is not damaged; nothing to repair")
         return 0
-    report = repair_profile(cfg, info, args.tenant)
+    report = repair_profile(cfg, info, args.tenant, keyring)
     print(f"repaired {report.tenant_id} in {report.path}: {'; '.join(report.rebuilt) or 'layout'}")
     if report.set_aside:
         print(f"  damaged files kept beside it: {', '.join(report.set_aside)}")
@@ -289,8 +337,14 @@ def cmd_profiles_repair(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_backup(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
-    dest = backup_data_dir(cfg.data_dir, Path(args.dest), keep=args.keep)
+    keyring = admin_keyring(cfg)
+    dest = backup_data_dir(cfg.data_dir, Path(args.dest), keep=args.keep, keyring=keyring)
     print(f"backup written to {dest}")
+    if keyring is not None:
+        print(
+            f"note: its profiles are encrypted; it holds no keyring: back up {keyring.directory} and the "
+            "master key apart (docs/privacy.md#backups-and-restore)"
+        )
     damaged = scan_damaged(cfg)
     if damaged:
         print(
@@ -302,11 +356,14 @@ def cmd_backup(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_restore(cfg: Config, args: argparse.Namespace) -> int:
     _check_owner(cfg)
-    report = restore_data_dir(Path(args.src), cfg.data_dir)
+    report = restore_data_dir(Path(args.src), cfg.data_dir, admin_master_key(cfg))
+    left_out = report.get("not_restored", {})
     print(
-        f"restored {count(report.get('profiles', 0), 'profile', 'profiles')} into {cfg.data_dir} "
+        f"restored {count(report.get('profiles', 0) - len(left_out), 'profile', 'profiles')} into {cfg.data_dir} "
         f"(backup of {_when(report.get('created_at'))} UTC)"
     )
+    for tenant, why in sorted(left_out.items()):
+        print(f"not restored: {tenant}: {why}")
     return 0
 
 
@@ -330,6 +387,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("tenant", help=tenant_help)
     p.add_argument("-o", "--output", default=None, help="archive path or directory (default: current directory)")
     p.set_defaults(handler=guard(cmd_profiles_export))
+    p = psub.add_parser("decrypt", help="a plain copy of a tenant's profile in a new directory (for the Hermes CLI)")
+    p.add_argument("tenant", help=tenant_help)
+    p.add_argument("dir", help="a new or empty directory to write the plain profile into")
+    p.set_defaults(handler=guard(cmd_profiles_decrypt))
     p = psub.add_parser("delete", help="delete everything a tenant owns (gateway stopped; asks to confirm)")
     p.add_argument("tenant", help=tenant_help)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")

@@ -8,8 +8,9 @@ import importlib.metadata
 import os
 import sys
 
+from agent.vault import VaultError
 from core.settings import ConfigError, load_config
-from gateway.cli import budget, cluster, doctor, init, profiles, run
+from gateway.cli import budget, cluster, doctor, init, keys, profiles, run
 from gateway.cli.common import CONFIG_HELP, DEFAULT_CONFIG, setup_logging
 from gateway.faults import StartupError
 from gateway.runlock import AdminError
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.register(sub)
     profiles.register(sub)  # profiles, backup, restore
     budget.register(sub)
+    keys.register(sub)
     doctor.register_health(sub)
     cluster.register(sub)
     # the global -c may also come after the subcommand
@@ -55,7 +57,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    except (AdminError, StartupError) as err:
+    except (AdminError, StartupError, VaultError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -82,6 +84,8 @@ def _silence_stdout() -> None:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init":
         return init.cmd_init(args)
+    if args.command == "keys" and args.keys_command == "new":  # before any config exists
+        return keys.cmd_keys_new(None, args)
     cfg = load_config(args.config)
     if cfg.cluster.enabled or args.command == "cluster":
         from gateway.cluster import require_driver

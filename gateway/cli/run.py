@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from core.settings import Config, ConfigError
@@ -22,7 +23,8 @@ from gateway.cli.common import command_name, setup_logging
 
 if TYPE_CHECKING:
     from agent.llm import LLMError
-    from core.protocols import Adapter
+    from core.protocols import Adapter, SendPacer
+    from gateway.runtime import GatewayApp
 
 
 def register_run(sub: argparse._SubParsersAction) -> None:
@@ -54,14 +56,17 @@ def cmd_chat(cfg: Config, args: argparse.Namespace) -> int:
     return asyncio.run(_chat(cfg, args.user, args.group, args.config))
 
 
-def build_adapters(cfg: Config) -> list:
-    """The adapters of every enabled platform (import errors and missing tokens say so)."""
+def build_adapters(cfg: Config, telegram_flood: SendPacer | None = None) -> list:
+    """The adapters of every enabled platform (import errors and missing tokens say so);
+    `telegram_flood` is the send pacer the nodes of a cluster share (else the adapter's own)."""
     adapters: list[Adapter] = []
     if cfg.platforms.telegram.enabled:
         from adapters.telegram import TelegramAdapter
 
         # cluster mode: the node's ingress election decides who polls (or sets the webhook)
-        adapters.append(TelegramAdapter.from_config(cfg.platforms.telegram, elected=cfg.cluster.enabled))
+        adapters.append(
+            TelegramAdapter.from_config(cfg.platforms.telegram, elected=cfg.cluster.enabled, flood_gate=telegram_flood)
+        )
     if cfg.platforms.discord.enabled:
         from adapters.discord_bot import DiscordAdapter
 
@@ -86,19 +91,23 @@ async def _run(cfg: Config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # first: a Ctrl-C while starting stops cleanly too
         loop.add_signal_handler(sig, stopping)
     await _take_early_interrupt(stopping)
-    adapters = build_adapters(cfg)
-    if not adapters:
+    if not (cfg.platforms.telegram.enabled or cfg.platforms.discord.enabled):
         print(
             "No platform is enabled (platforms.telegram.enabled / platforms.discord.enabled). "
             f"Try `{command_name()} chat` for the console.",
             file=sys.stderr,
         )
         return 2
+    app: GatewayApp
     if cfg.cluster.enabled:
-        from gateway.cluster.build import build_cluster_gateway as build
+        from gateway.cluster.build import build_cluster_gateway
+
+        # the adapters are built around the parts the nodes share (the Telegram pacer)
+        app = build_cluster_gateway(cfg, adapters_for=partial(build_adapters, cfg))
     else:
-        from gateway.build import build_gateway as build
-    app = build(cfg, adapters)
+        from gateway.build import build_gateway
+
+        app = build_gateway(cfg, build_adapters(cfg))
     log = logging.getLogger("hermes.gateway")
     await app.start()  # nothing to serve: StartupError (one sentence, see main), all closed again
     states = app.platform_states()
@@ -183,7 +192,6 @@ def _run_node(cfg: Config) -> int:
 async def _chat(cfg: Config, user: str, room: str | None, config_path: str) -> int:
     from adapters.console import ConsoleAdapter
     from gateway.build import build_gateway
-    from gateway.runtime import GatewayApp
 
     app_box: list[GatewayApp] = []
     explained: list[object] = [None]

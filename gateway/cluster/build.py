@@ -1,5 +1,5 @@
 """The cluster-mode factory: a gateway whose inbox, outbox, small shared state, identity
-links and open confirmations are in PostgreSQL, whose profiles open only under their tenant
+links, open confirmations and reminders' due index are in PostgreSQL, whose profiles open only under their tenant
 lease, whose lanes are claimed and run by claim workers, and whose nodes signal each other
 a /stop or a decided confirmation (docs/cluster.md).
 
@@ -12,18 +12,20 @@ observability, adapters, ingress election, claims.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, cast
 
 from agent.llm import LLMClient
 from agent.tokens import TokenCounter
-from core.protocols import Adapter, ElectedReceiver, ElectedShards
+from core.lanes import Lane
+from core.messages import InboundMessage
+from core.protocols import Adapter, ElectedReceiver, ElectedShards, SendPacer
 from core.settings import Config
 from gateway.build import ModeParts, build_parts
 from gateway.cluster.budgets import PgLedger
 from gateway.cluster.claims import ClaimWorkers
-from gateway.cluster.db import dsn_from_env
+from gateway.cluster.db import Pool, dsn_from_env
 from gateway.cluster.health import ClusterHealth
 from gateway.cluster.identity import SharedIdentity
 from gateway.cluster.inbox import Claim
@@ -31,11 +33,13 @@ from gateway.cluster.ingress import TELEGRAM_POLLING, TELEGRAM_WEBHOOK, IngressE
 from gateway.cluster.ledger import ClusterInbox, ClusterOutbox
 from gateway.cluster.node import ClusterNode, HeldLease, NodePool, ProfileLeases
 from gateway.cluster.questions import PgQuestions
-from gateway.cluster.runner import ClaimRunner, LeaseFencing, SharedIngress
+from gateway.cluster.reminders import PgReminders
+from gateway.cluster.runner import ClaimRunner, HandedReplies, LeaseFencing, SharedIngress
 from gateway.cluster.signals import NodeSignals, StopPublisher
 from gateway.inbox import Inbox
 from gateway.outbox import Outbox
 from gateway.runtime import GatewayApp, Parts
+from tenancy.keys import resolve_lane
 
 
 def ingress_roles(adapters: Iterable[Adapter], cfg: Config) -> list[Role]:
@@ -125,10 +129,31 @@ class ClusterGateway(GatewayApp):
         self._election = cluster.election
 
 
+AdaptersFor = Callable[[SendPacer | None], Sequence[Adapter]]
+"""Builds a node's adapters around what they share with the other nodes: the Telegram send
+pacer (None when Telegram is off; docs/cluster.md#flood-pacing-across-nodes)."""
+
+
+def shared_flood_gate(cfg: Config, pool: Pool) -> SendPacer | None:
+    """The Telegram pacer every node shares through `pool`; None when Telegram is off (so a
+    Discord-only node never loads the Telegram library)."""
+    if not cfg.platforms.telegram.enabled:
+        return None
+    from gateway.cluster.pacing import PgFloodGate
+
+    return PgFloodGate(pool)
+
+
 def build_cluster_gateway(
-    cfg: Config, adapters: Sequence[Adapter] = (), *, llm: LLMClient | None = None, tokens: TokenCounter | None = None
+    cfg: Config,
+    adapters: Sequence[Adapter] = (),
+    *,
+    adapters_for: AdaptersFor | None = None,
+    llm: LLMClient | None = None,
+    tokens: TokenCounter | None = None,
 ) -> GatewayApp:
-    """A cluster node for `cfg` (cluster.enabled) serving `adapters`; `llm` and `tokens` for tests."""
+    """A cluster node for `cfg` (cluster.enabled) serving `adapters`, and those `adapters_for`
+    builds around the node's shared parts (what `run` does); `llm` and `tokens` for tests."""
     if not cfg.cluster.enabled:
         raise ValueError("cluster.enabled is not set: build this gateway with gateway.build.build_gateway")
     runner: ClaimRunner | None = None  # built once the lanes exist; the node and the claim workers call it
@@ -143,18 +168,30 @@ def build_cluster_gateway(
 
     node = ClusterNode(cfg.cluster, dsn_from_env(cfg.cluster.postgres_dsn_env or ""), on_lost=lease_lost)
     pool = NodePool(node).as_pool()  # opened by node.start()
+    if adapters_for is not None:
+        adapters = [*adapters, *adapters_for(shared_flood_gate(cfg, pool))]
     shared_outbox = ClusterOutbox(node)
     identity = SharedIdentity(cfg, pool, node.node_id, node.ttl)
     claims = ClaimWorkers(node, run_claim, workers=cfg.cluster.max_lanes, poll_s=cfg.cluster.poll_interval_s)
     # tool-call confirmations a press on any node decides (docs/cluster.md#stop-and-confirmations-across-nodes)
     questions = PgQuestions(pool, node.node_id, cfg.tools.confirm_timeout_s)
+
+    async def lane_of(msg: InboundMessage) -> Lane | None:
+        await identity.refresh()  # a link another node made places the occurrence too
+        try:
+            return resolve_lane(msg, cfg.tenancy, identity.links)
+        except ValueError:
+            return None
+
+    # the due index in PostgreSQL, fired under tenant leases (docs/cluster.md#reminders)
+    reminders = PgReminders(node, cfg.data_dir, lane_of, poll_s=cfg.cluster.poll_interval_s)
     mode = ModeParts(
         # duck-typed: they implement what the gateway, Access and Linking call in cluster mode
         inbox=cast(Inbox, ClusterInbox(node, shared_outbox)),
         outbox=cast(Outbox, shared_outbox),
         links=identity.links,
         kv=identity.kv,
-        gate=ProfileLeases(node),
+        gate=ProfileLeases(node, opened=reminders.opened if cfg.reminders_on else None),
         links_refresh=identity.refresh,
         merge_guard=identity.merge_guard,
         shared=SharedIngress(pool, claims),
@@ -164,6 +201,7 @@ def build_cluster_gateway(
         drafts=shared_outbox,  # a streamed answer goes on from a dead node's draft
         cluster_metrics=node.metrics,
         ledger_for=lambda profile: PgLedger(pool, profile.tenant_id),  # budgets atomic across nodes
+        reminders=reminders,
         cluster=True,
     )
     parts = build_parts(cfg, adapters, mode, llm=llm, tokens=tokens)
@@ -176,6 +214,7 @@ def build_cluster_gateway(
         parts.profiles,
         parts.running,
         parts.background,
+        HandedReplies(parts.adapters.values()),  # slash commands deferred by any node
     )
     roles = ingress_roles(parts.adapters.values(), cfg)
     election = (

@@ -2,7 +2,7 @@
 
 The profile directory and gateway.db are scrubbed by gateway/tenants.py; this removes what
 the nodes share: inbox and outbox rows of the tenant and of its private chats (and pending
-messages from its accounts elsewhere), its lanes and lease, open confirmations, pairing and
+messages from its accounts elsewhere), its lanes and lease, open confirmations, its reminders' due rows (and those it set in a shared chat), pairing and
 link codes, the `shared_kv` rows that name its accounts, and its identity links. Run with
 every node stopped, like `profiles delete` itself.
 """
@@ -48,6 +48,11 @@ async def erase_tenant(pool: Pool, tenant_id: str, principals: set[str], chats: 
         ):
             cur = await conn.execute(f"DELETE FROM {table} WHERE tenant = %s", (tenant_id,))
             removed += cur.rowcount
+        # its reminders' occurrences, and those it set in a shared chat's profile
+        cur = await conn.execute(
+            "DELETE FROM reminder_due WHERE tenant = %s OR principal = ANY(%s)", (tenant_id, sorted(everyone))
+        )
+        removed += cur.rowcount
         cur = await conn.execute(
             "DELETE FROM pairing_codes WHERE platform || ':' || user_id = ANY(%s)", (sorted(everyone),)
         )

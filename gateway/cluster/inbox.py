@@ -34,6 +34,9 @@ class Inbound:
     lane: str
     tenant: str
     payload: dict[str, Any]
+    #: a Discord interaction's follow-up webhook (`ReplyHandle.stored()`), kept apart from
+    #: the payload and erased once the message is done
+    reply_handle: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class PendingMessage:
     payload: dict[str, Any]
     received_at: datetime
     answered: bool  # the turn ran; only its unsent reply chunks remain
+    reply_handle: dict[str, Any] | None = None  # see `Inbound.reply_handle`
 
 
 @dataclass(frozen=True)
@@ -60,22 +64,35 @@ class Claim:
 async def record_inbound(pool: Pool, msg: Inbound) -> int | None:
     """Commit the message to the inbox; its id, or None for a duplicate delivery (already recorded)."""
     async with pool.connection() as conn, conn.transaction():
-        cur = await conn.execute(
-            """INSERT INTO inbox (platform, chat_id, message_id, lane, tenant, payload)
-               VALUES (%s, %s, %s, %s, %s, %s)
-               ON CONFLICT (platform, chat_id, message_id) DO NOTHING RETURNING id""",
-            (msg.platform, msg.chat_id, msg.message_id, msg.lane, msg.tenant, Jsonb(msg.payload)),
-        )
-        row = await cur.fetchone()
-        if row is None:
-            return None
-        await conn.execute(
-            """INSERT INTO lanes AS l (lane, tenant, head_id) VALUES (%s, %s, %s)
-               ON CONFLICT (lane) DO UPDATE SET head_id = coalesce(l.head_id, EXCLUDED.head_id)""",
-            (msg.lane, msg.tenant, row["id"]),
-        )
-        await conn.execute(NOTIFY_SQL)  # delivered on commit: idle nodes wake up and claim
-        return int(row["id"])
+        return await insert_inbound(conn, msg)
+
+
+async def insert_inbound(conn: Conn, msg: Inbound) -> int | None:
+    """`record_inbound` inside the caller's transaction (a reminder's fence, gateway/cluster/reminders.py)."""
+    cur = await conn.execute(
+        """INSERT INTO inbox (platform, chat_id, message_id, lane, tenant, payload, reply_handle)
+           VALUES (%s, %s, %s, %s, %s, %s, %s)
+           ON CONFLICT (platform, chat_id, message_id) DO NOTHING RETURNING id""",
+        (
+            msg.platform,
+            msg.chat_id,
+            msg.message_id,
+            msg.lane,
+            msg.tenant,
+            Jsonb(msg.payload),
+            Jsonb(msg.reply_handle) if msg.reply_handle is not None else None,
+        ),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    await conn.execute(
+        """INSERT INTO lanes AS l (lane, tenant, head_id) VALUES (%s, %s, %s)
+           ON CONFLICT (lane) DO UPDATE SET head_id = coalesce(l.head_id, EXCLUDED.head_id)""",
+        (msg.lane, msg.tenant, row["id"]),
+    )
+    await conn.execute(NOTIFY_SQL)  # delivered on commit: idle nodes wake up and claim
+    return int(row["id"])
 
 
 _REAP = """UPDATE lanes SET claimed_by = NULL, claimed_at = NULL
@@ -121,7 +138,7 @@ async def pending_messages(pool: Pool, lane: str, limit: int = 100) -> list[Pend
 
 async def _pending(conn: Conn, lane: str, limit: int) -> list[PendingMessage]:
     cur = await conn.execute(
-        """SELECT id, lane, tenant, platform, chat_id, message_id, payload, received_at, answered_at
+        """SELECT id, lane, tenant, platform, chat_id, message_id, payload, received_at, answered_at, reply_handle
            FROM inbox WHERE lane = %s AND done_at IS NULL ORDER BY id LIMIT %s""",
         (lane, limit),
     )
@@ -136,9 +153,25 @@ async def _pending(conn: Conn, lane: str, limit: int) -> list[PendingMessage]:
             r["payload"],
             r["received_at"],
             r["answered_at"] is not None,
+            r["reply_handle"],
         )
         for r in await cur.fetchall()
     ]
+
+
+# An interaction token is usable 15 minutes from its interaction, which was created before
+# the message was received: past that, only the `ephemeral` flag is kept (a private answer
+# must still not be posted in the channel). Done messages lose the whole handle when they
+# are marked done (gateway/cluster/ledger.py).
+REPLY_HANDLE_LIFE_S = 15 * 60
+_SPEND_HANDLES = """UPDATE inbox SET reply_handle = jsonb_build_object('ephemeral', reply_handle->'ephemeral')
+                    WHERE reply_handle ? 'token' AND received_at < now() - make_interval(secs => %s)"""
+
+
+async def spend_expired_handles(pool: Pool) -> int:
+    """Erase the interaction tokens that can no longer be used; how many."""
+    async with pool.connection() as conn:
+        return (await conn.execute(_SPEND_HANDLES, (REPLY_HANDLE_LIFE_S,))).rowcount
 
 
 async def lock_claimed_lane(conn: Conn, lane: str, node_id: str) -> None:

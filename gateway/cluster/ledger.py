@@ -37,6 +37,15 @@ NOTICE_CUT_OFF = (
 )
 
 
+# what a done message keeps of its payload: who sent it where (a delete still finds a
+# person's messages in other lanes, gateway/cluster/erase.py), not what it said
+# (docs/cluster.md#the-postgresql-layer)
+ERASED_PAYLOAD = (
+    "jsonb_build_object('platform', payload->'platform', 'chat_id', payload->'chat_id', "
+    "'message_id', payload->'message_id', 'user_id', payload->'user_id')"
+)
+
+
 class NotRecorded(LookupError):
     """A reply for a message that is not in the shared inbox (it is sent directly instead)."""
 
@@ -228,7 +237,15 @@ class ClusterOutbox:
                     """UPDATE inbox SET answered_at = now(), outcome = %s, done_epoch = %s,
                            done_at = CASE WHEN EXISTS (SELECT 1 FROM outbox o
                                          WHERE o.inbox_id = inbox.id AND o.sent_at IS NULL)
-                                     THEN NULL ELSE now() END
+                                     THEN NULL ELSE now() END,
+                           reply_handle = CASE WHEN EXISTS (SELECT 1 FROM outbox o
+                                         WHERE o.inbox_id = inbox.id AND o.sent_at IS NULL)
+                                     THEN reply_handle END,
+                           payload = CASE WHEN EXISTS (SELECT 1 FROM outbox o
+                                         WHERE o.inbox_id = inbox.id AND o.sent_at IS NULL)
+                                     THEN payload ELSE """
+                    + ERASED_PAYLOAD
+                    + """ END
                        WHERE id = %s""",
                     (outcome, held.epoch, r["id"]),
                 )
@@ -418,7 +435,10 @@ class ClusterOutbox:
                     (held.epoch if held is not None else None, outcome, sent_id, chunk_id),
                 )
                 cur = await conn.execute(
-                    """UPDATE inbox SET done_at = now() WHERE id = %s AND done_at IS NULL AND answered_at IS NOT NULL
+                    """UPDATE inbox SET done_at = now(), reply_handle = NULL, payload = """
+                    + ERASED_PAYLOAD
+                    + """
+                       WHERE id = %s AND done_at IS NULL AND answered_at IS NOT NULL
                        AND NOT EXISTS (SELECT 1 FROM outbox WHERE inbox_id = %s AND sent_at IS NULL)""",
                     (row["inbox_id"], row["inbox_id"]),
                 )

@@ -216,6 +216,91 @@ CREATE TABLE confirmations (
 CREATE INDEX confirmations_by_expiry ON confirmations (expires_at);
 """,
     ),
+    Migration(
+        7,
+        "flood pacing shared by the nodes, interaction replies from any node",
+        """
+-- Telegram's flood limits for the whole cluster (docs/cluster.md#flood-pacing-across-nodes):
+-- one row per window (`telegram:bot`, `telegram:chat:<id>`, `telegram:group:<id>`) with the
+-- grant times of its last sends (epoch seconds by the database's clock, oldest first) and
+-- the end of a 429's hold; `pacing_take` grants a send in one round trip or says how long
+-- to wait.
+CREATE TABLE send_pacing (
+    key        text PRIMARY KEY,
+    times      float8[] NOT NULL DEFAULT '{}',
+    held_until float8 NOT NULL DEFAULT 0,
+    touched_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE FUNCTION pacing_take(keys text[], limits integer[], periods float8[], hold_key text, hold_s float8)
+RETURNS float8 LANGUAGE plpgsql AS $fn$
+DECLARE
+    t     float8;
+    wait  float8;
+    n     integer;
+BEGIN
+    -- lock every window of this send, always in key order (no deadlock between nodes); a
+    -- row pruned between the insert and the lock is inserted again
+    LOOP
+        INSERT INTO send_pacing (key) SELECT unnest(keys) ON CONFLICT (key) DO NOTHING;
+        SELECT count(*) INTO n FROM (SELECT 1 FROM send_pacing WHERE key = ANY(keys) ORDER BY key FOR UPDATE) s;
+        EXIT WHEN n = cardinality(keys);
+    END LOOP;
+    -- read under the locks: every grant of a window is later than the one before it
+    t := extract(epoch FROM clock_timestamp());
+    IF hold_key IS NOT NULL AND hold_s > 0 THEN
+        UPDATE send_pacing SET held_until = greatest(held_until, t + hold_s) WHERE key = hold_key;
+    END IF;
+    SELECT coalesce(max(greatest(
+               p.held_until - t,
+               CASE WHEN w.n >= k.lim THEN w.recent[w.n - k.lim + 1] + k.period - t ELSE 0 END)), 0)
+      INTO wait
+      FROM send_pacing p
+      JOIN unnest(keys, limits, periods) AS k(key, lim, period) ON k.key = p.key
+      CROSS JOIN LATERAL (SELECT array_agg(x ORDER BY x) AS recent, count(*)::integer AS n
+                          FROM unnest(p.times) AS x WHERE x > t - k.period) w;
+    IF wait > 0 THEN
+        RETURN wait;
+    END IF;
+    UPDATE send_pacing p
+       SET times = coalesce((SELECT array_agg(x ORDER BY x) FROM (
+                       SELECT x FROM unnest(p.times) AS x WHERE x > t - k.period
+                       ORDER BY x DESC LIMIT greatest(k.lim - 1, 0)) kept), '{}') || t,
+           touched_at = now()
+      FROM unnest(keys, limits, periods) AS k(key, lim, period)
+     WHERE p.key = k.key;
+    RETURN 0;
+END
+$fn$;
+
+-- a Discord interaction's follow-up webhook (application id, token, ephemeral, expiry) for
+-- whichever node answers the message; erased once the message is done
+-- (docs/cluster.md#slash-commands-answered-from-any-node)
+ALTER TABLE inbox ADD COLUMN reply_handle jsonb;
+""",
+    ),
+    Migration(
+        8,
+        "the due index of reminders",
+        """
+-- one row per current occurrence of a reminder (docs/cluster.md#reminders): the tenant's
+-- reminders.json is the truth, this is what nodes scan for due work. `due_at` is the file's
+-- UTC timestamp; `fired_*` are set, under the tenant's lease and epoch, in the transaction
+-- that records the occurrence in the inbox, and the row goes once the file moved past it
+CREATE TABLE reminder_due (
+    tenant      text NOT NULL,
+    reminder_id bigint NOT NULL,
+    due_at      double precision NOT NULL,
+    principal   text NOT NULL,
+    fired_at    timestamptz,
+    fired_epoch bigint,
+    fired_by    text,
+    PRIMARY KEY (tenant, reminder_id, due_at)
+);
+CREATE INDEX reminder_due_unfired ON reminder_due (due_at) WHERE fired_at IS NULL;
+CREATE INDEX reminder_due_fired ON reminder_due (fired_at) WHERE fired_at IS NOT NULL;
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

@@ -19,7 +19,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -27,6 +27,7 @@ from typing import Any, cast
 from core.errors import LeaseLost
 from core.settings import ClusterConfig
 from gateway.cluster.db import ClusterError, Conn, Pool, open_pool
+from gateway.cluster.inbox import spend_expired_handles
 from gateway.cluster.leases import (
     Lease,
     NodeHolder,
@@ -322,6 +323,9 @@ class ClusterNode:
                 self._lose(held, "taken over by another node")
                 continue
             held.lease, held.deadline = lease, started + self.ttl - self.margin
+        # after the renewals, which must not wait for it: interaction tokens past their life
+        # (docs/cluster.md#slash-commands-answered-from-any-node)
+        await spend_expired_handles(self.pool)
 
 
 class NodePool:
@@ -354,12 +358,20 @@ class ProfileLeases:
     `tenant`, `epoch`, `node` and the wall-clock `ts`; the open is logged once the lease is
     held and before SQLite opens, the close after SQLite closed and before the release."""
 
-    def __init__(self, node: ClusterNode) -> None:
+    def __init__(self, node: ClusterNode, opened: Callable[[str, HeldLease], Awaitable[None]] | None = None) -> None:
         self.node = node
+        # told of every open under its lease, before the profile is used (the reminders' index)
+        self.opened = opened
         self._open: dict[str, HeldLease] = {}
 
     async def opening(self, tenant_id: str) -> Callable[[], None]:
         held = await self.node.hold(tenant_id)
+        if self.opened is not None:
+            try:
+                await self.opened(tenant_id, held)
+            except BaseException:
+                await self.node.unhold(held)
+                raise
         self._open[tenant_id] = held
         self._audit("profile_open", held)
         return held.check

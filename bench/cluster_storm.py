@@ -3,7 +3,8 @@ PostgreSQL schema, fed by a load balancer that spreads Telegram webhooks round-r
 while a random node is SIGKILLed and restarted every few seconds; then audited.
 
     python -m bench.cluster_storm --messages 2000 --people 200 [--nodes 3] [--kill-every 2.5 4]
-        [--pause] [--pg-restart] [--lease-ttl 3] [--seed 1] [--json out.json] [--write BENCHMARKS.md]
+        [--pause] [--pg-restart] [--streaming] [--lease-ttl 3] [--seed 1] [--json out.json]
+        [--write BENCHMARKS.md]
 
 The fake Telegram Bot API and the fake model (random latency) run in this process; each
 node gets its own config (same `data_dir`, same cluster DSN variable, its own `node_id`,
@@ -32,6 +33,14 @@ fenced out) and that message answered once. `--pg-restart`: mid-run, the local
 PostgreSQL is restarted (`pg_ctlcluster ... restart`); nodes must wait and lose nothing.
 Every run uses a fresh schema (dropped at the end).
 
+`--streaming`: the nodes stream every answer (`delivery.streaming: all`) and the model
+writes each answer over about `--stream-s` seconds (default 2.5), so kills land mid-stream.
+A message still showing a draft (text ending in "…") is not an answer: the audit counts
+final answers only, lost and doubled (`finals_lost`, `finals_doubled`), and apart from them
+the drafts left stale above a final answer (`stale_drafts`: the send window of a draft's
+first message) and the streams a SIGKILLed node started that another node finished
+(`streams_taken_over`: the final text is an edit by another process life of the draft the
+killed one sent, or a new message under its stale draft).
 `--reminders N`: N of the messages ask the model to set a reminder ("remind in <s>s as rm<k>",
 due `--reminder-due` s later), and one reminder 10 minutes overdue is in a person's
 reminders.json before the nodes start (found when that person's profile opens). Audited:
@@ -428,6 +437,14 @@ class ClusterResult:
     shard_takeovers: int = 0  # shards of a SIGKILLed node later held by another node
     takeovers_unproven: int = 0  # ... with no message of that shard answered after the takeover
     dm_takeovers_answered: int = 0  # takeovers of shard 0 followed by an answered DM
+    # streaming (zero when the storm runs without it)
+    streaming: bool = False
+    streamed_finals: int = 0  # final answers that replaced a draft (the message was edited)
+    finals_lost: int = 0  # messages taken in (Telegram and Discord) without a final answer
+    finals_doubled: int = 0  # messages with more than one final answer (any cause)
+    stale_drafts: int = 0  # messages left showing a draft
+    stale_drafts_by_killed: int = 0  # ... sent by a process life that was then SIGKILLed
+    streams_taken_over: int = 0  # answers whose draft a killed life sent and another life finished
     restart_s: list[float] = field(default_factory=list)  # spawn -> webhook answering
     # reminders (zero when the storm runs without them)
     reminders_set: int = 0  # reminder-setting messages answered (the tool ran)
@@ -465,6 +482,7 @@ class ClusterResult:
             and self.dc_dup_other == 0
             and self.shard_preempted == 0
             and self.takeovers_unproven == 0
+            and (not self.streaming or (self.finals_lost == 0 and self.finals_doubled == 0))
             and self.reminders_lost == 0
             and self.reminders_dup_other == 0
             and self.reminders_late_wrong == 0
@@ -511,11 +529,12 @@ def node_config(
     label: str | None = None,
     dc: FakeDiscord | None = None,
     shards: int = 1,
+    streaming: bool = False,
     reminders: bool = False,
 ) -> None:
     """One node's config: everything shared but its id, its ports and its label at the fake
     Telegram and the fake Discord (`label`, default the node id: whom the fakes record as
-    the sender). With `dc`, Discord too, in `shards` shards."""
+    the sender). With `dc`, Discord too, in `shards` shards; `streaming`: every answer streamed."""
     platforms: dict[str, Any] = {}
     if dc is not None:
         platforms["discord"] = {
@@ -539,7 +558,12 @@ def node_config(
                 },
                 "storage": {"fsync": "batch"},
                 "limits": {"rate_limit_per_minute": 10_000, "max_queued_turns": 1000},
-                "delivery": {"streaming": "off", "retry_initial_s": 0.2, "retry_max_s": 1.0},
+                "delivery": {
+                    "streaming": "all" if streaming else "off",
+                    "stream_edit_interval_s": 1.0,  # the default: about the platforms' edit pace
+                    "retry_initial_s": 0.2,
+                    "retry_max_s": 1.0,
+                },
                 "logging": {"level": "INFO", "format": "json"},
                 "observability": {"listen": f"127.0.0.1:{obs_port}"},
                 "cluster": {"postgres_dsn_env": "HERMES_STORM_PG", "node_id": name, "lease_ttl_s": lease_ttl_s},
@@ -586,12 +610,15 @@ class ClusterStorm:
         settle_s: float = 60.0,
         discord_share: float = 0.0,
         shards: int = 3,
+        streaming: bool = False,
+        stream_s: float = 2.5,
         reminders: int = 0,
         reminder_due_s: float = 4.0,
         reminder_takeover: bool = False,
         say: Callable[[str], None] = print,
     ) -> None:
         self.workdir, self.dsn, self.n_nodes = workdir, dsn, nodes
+        self.streaming, self.stream_s = streaming, stream_s
         self.messages, self.people, self.seed, self.interval = messages, people, seed, interval
         self.kill_every, self.down_for = kill_every, down_for
         self.pause, self.pg_restart, self.lease_ttl_s = pause, pg_restart, lease_ttl_s
@@ -615,6 +642,7 @@ class ClusterStorm:
             people=people,
             lease_ttl_s=lease_ttl_s,
             shards=shards if discord_share else 0,
+            streaming=streaming,
         )
         self.nodes: list[Node] = []
         self.lives: list[Life] = []
@@ -664,6 +692,7 @@ class ClusterStorm:
             label=label,
             dc=self.dc if self.discord_share else None,
             shards=self.shards,
+            streaming=self.streaming,
             reminders=bool(self.reminders or self.reminder_takeover),
         )
 
@@ -1043,7 +1072,10 @@ class ClusterStorm:
             if self.discord_share:  # before the nodes connect: their READY lists the guilds
                 self._discord_people(dc)
             llm.responder = responder(
-                random.Random(self.seed + 1), max_latency_s=self.model_latency_s, slow={SLOW_WORD: 1.0}
+                random.Random(self.seed + 1),
+                max_latency_s=self.model_latency_s,
+                slow={SLOW_WORD: 1.0},
+                stream_s=self.stream_s if self.streaming else 0.0,
             )
             for i in range(self.n_nodes):
                 name = f"n{i + 1}"
@@ -1145,8 +1177,11 @@ class ClusterStorm:
                 await self._spawn(node)
 
     def _answers(self) -> list[tuple[str, Copy]]:
+        """Telegram answers in send order (a message still showing a draft is none)."""
         out = []
         for m in self.tg.sent:
+            if is_draft(m.get("text", "")):
+                continue
             for token in TOKEN_RE.findall(m.get("text", "")):
                 out.append((token, Copy(m.get("_via"), m.get("_at", 0.0))))
         return out
@@ -1165,6 +1200,8 @@ class ClusterStorm:
         """Discord answers in send order, each with the process life whose REST call made it."""
         out = []
         for m in self.dc.sent_messages() if self.dc is not None else []:
+            if is_draft(m.get("content", "")):
+                continue
             for token in TOKEN_RE.findall(m.get("content", "")):
                 out.append((token, Copy(m.get("sender"), m.get("at", 0.0))))
         return out
@@ -1263,6 +1300,8 @@ class ClusterStorm:
         r.details += details[:20]
         if self.discord_share:
             self._audit_discord()
+        if self.streaming:
+            self._audit_streams()
         if self.rm_pushed:
             self._audit_reminders({t for t, _ in answers})
         # the audit log
@@ -1424,6 +1463,51 @@ class ClusterStorm:
             elif sess["shard"] == 0 and any(self.pushed[t][1] == f"dc:{self.pushed[t][2]}" for t in proof):
                 r.dm_takeovers_answered += 1
 
+    def _audit_streams(self) -> None:
+        """Final answers lost and doubled (Telegram and Discord), stale drafts, and the
+        streams a SIGKILLed life started and another life finished (from the fake Telegram's
+        record of who sent each message and who made each edit)."""
+        r = self.result
+        finals = [t for t, _ in self._answers()] + [t for t, _ in self._dc_answers()]
+        counts: dict[str, int] = defaultdict(int)
+        for token in finals:
+            counts[token] += 1
+        took = self.acked | (self._dc_took() if self.discord_share else set())
+        r.finals_lost = len(took - set(counts))
+        r.finals_doubled = sum(1 for n in counts.values() if n > 1)
+        r.details += [f"final answer doubled: {t} ({n} finals)" for t, n in counts.items() if n > 1][:20]
+        last_edit: dict[tuple[Any, Any], str | None] = {}
+        for e in self.tg.edits:
+            last_edit[(e["chat_id"], e["message_id"])] = e.get("_via")
+        killed = set(self.kills_mono)
+        stale_by_token: dict[str, set[str]] = defaultdict(set)  # token -> lives whose draft of it went stale
+        for m in self.tg.sent:
+            text, via = m.get("text", ""), m.get("_via")
+            if not TOKEN_RE.search(text):
+                continue
+            if is_draft(text):
+                r.stale_drafts += 1
+                if via in killed:
+                    r.stale_drafts_by_killed += 1
+                    for token in TOKEN_RE.findall(text):
+                        stale_by_token[token].add(str(via))
+                continue
+            editor = last_edit.get((m["chat"]["id"], m["message_id"]))
+            if editor is None:
+                if any(v != via for t in TOKEN_RE.findall(text) for v in stale_by_token.get(t, ())):
+                    r.streams_taken_over += 1  # sent new under a killed life's stale draft
+                continue
+            r.streamed_finals += 1
+            if via in killed and editor != via:
+                r.streams_taken_over += 1
+        for m in self.dc.sent_messages() if self.dc is not None and self.discord_share else []:
+            content = m.get("content", "")
+            if TOKEN_RE.search(content) and is_draft(content):
+                r.stale_drafts += 1
+                r.stale_drafts_by_killed += m.get("sender") in killed
+            elif TOKEN_RE.search(content) and m.get("edits"):
+                r.streamed_finals += 1
+
     def _pg_evidence(self, tokens: list[str]) -> list[str]:
         """What PostgreSQL holds about some lost messages: their inbox rows, lanes, outbox rows."""
         if not tokens:
@@ -1465,6 +1549,11 @@ class ClusterStorm:
         return out
 
 
+def is_draft(text: str) -> bool:
+    """A message still showing a streamed draft (the cursor at its end), not an answer."""
+    return text.rstrip().endswith("…")
+
+
 async def cluster_storm(workdir: Path, **kwargs: Any) -> ClusterResult:
     """One storm on a fresh PostgreSQL schema (dropped afterwards)."""
     with fresh_schema() as dsn:
@@ -1493,6 +1582,10 @@ def summary(r: ClusterResult) -> list[str]:
         f"discord shards: {r.shard_sessions} connections, taken over while held {r.shard_preempted} (from a frozen "
         f"holder {r.shard_preempted_paused}); shards of killed nodes taken over by another {r.shard_takeovers} "
         f"(unproven {r.takeovers_unproven}, shard 0 with a DM answered after {r.dm_takeovers_answered})",
+        f"streaming {'on' if r.streaming else 'off'}: final answers lost {r.finals_lost}, doubled "
+        f"{r.finals_doubled}; finals that replaced a draft {r.streamed_finals}; streams a SIGKILLed node "
+        f"started and another finished {r.streams_taken_over}; stale drafts left above an answer "
+        f"{r.stale_drafts} (sent by a killed node {r.stale_drafts_by_killed})",
         f"reminders: set {r.reminders_set}, delivered {r.reminders_delivered}, lost {r.reminders_lost}; "
         f"occurrences {r.reminder_occurrences} (set again by a re-run turn {r.reminders_set_again}); duplicated: "
         f"window kill {r.reminders_dup_window_kill}, other {r.reminders_dup_other}; late said wrongly "
@@ -1529,6 +1622,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-kills", action="store_true")
     ap.add_argument("--pause", action="store_true", help="SIGSTOP a busy node past its lease, then SIGCONT")
     ap.add_argument("--pg-restart", action="store_true", help="restart the local PostgreSQL mid-run")
+    ap.add_argument("--streaming", action="store_true", help="stream every answer; count final answers")
+    ap.add_argument("--stream-s", type=float, default=2.5, help="with --streaming: seconds the model writes an answer")
     ap.add_argument("--lease-ttl", type=float, default=3.0)
     ap.add_argument("--discord-share", type=float, default=0.2, help="share of the messages sent on Discord (0: none)")
     ap.add_argument("--shards", type=int, default=3, help="platforms.discord.shard_count")
@@ -1560,6 +1655,8 @@ def main(argv: list[str] | None = None) -> int:
         "lease_ttl_s": args.lease_ttl,
         "discord_share": args.discord_share,
         "shards": args.shards,
+        "streaming": args.streaming,
+        "stream_s": args.stream_s,
         "reminders": args.reminders,
         "reminder_due_s": args.reminder_due,
         "reminder_takeover": args.reminder_takeover,

@@ -16,12 +16,15 @@ import re
 import sqlite3
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tests.fakes.llm import last_user_text, reply, tool_call
 
 TOKEN_RE = re.compile(r"\b([td]k\d+x\d+)\b")
+STREAM_TAIL = "and that is all there is to say about it for now, written slowly."  # streamed after the tokens
+CHUNK = 6  # characters per streamed chunk
 # "remind in 4s as rm3": the fake model sets a reminder "ping rm3" due in 4 s (the storms' --reminders)
 REMIND_RE = re.compile(r"remind in (\d+(?:\.\d+)?)s as (rm\d+)")
 REMINDER_TOKEN_RE = re.compile(r"\b(rm\d+)\b")
@@ -33,12 +36,15 @@ def responder(
     max_latency_s: float = 0.15,
     slow: dict[str, float] | None = None,
     on_answer: Callable[[list[str]], None] | None = None,
+    stream_s: float = 0.0,
 ):
     """A fake model with random latency (up to `max_latency_s`) that answers
     "ok: <tokens>", sometimes writes memory (when asked to "remember") and sets a reminder
     when asked to "remind in <s>s as rm<n>". `slow` maps a
     word to an extra delay for requests whose last user text contains it; `on_answer` is
-    told the tokens of every final answer as it is sent (a storm aims kills with it)."""
+    told the tokens of every final answer as it is sent (a storm aims kills with it).
+    `stream_s`: a streamed answer is written over about that many seconds (it goes on after
+    the tokens), so a gateway that streams shows drafts of it."""
 
     async def respond(request: dict[str, Any]):
         text = last_user_text(request)
@@ -63,6 +69,9 @@ def responder(
             answer = f"ok: {token}"
         if on_answer is not None:
             on_answer(tokens)
+        if stream_s > 0:
+            text = f"{answer}; {STREAM_TAIL}"
+            return replace(reply(text), chunk_chars=CHUNK, chunk_delay_s=stream_s * CHUNK / len(text))
         return reply(answer)
 
     return respond

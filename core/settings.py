@@ -639,24 +639,6 @@ class Config(_Section):
         return personas
 
     @model_validator(mode="after")
-    def _cluster_refuses_node_local_features(self) -> Config:
-        """Streamed drafts and progress notices keep state on one node; in cluster mode they
-        are off, and turning one on explicitly is an error rather than a silent no-op."""
-        if not self.cluster.enabled:
-            return self
-        if "streaming" in self.delivery.model_fields_set and self.delivery.streaming != "off":
-            raise ValueError(
-                "delivery.streaming: streamed replies are not available in cluster mode yet "
-                "(cluster.postgres_dsn_env is set); remove the key or set it to off"
-            )
-        if self.compression.progress_notices:
-            raise ValueError(
-                "compression.progress_notices: progress notices are edited in place, which cluster "
-                "mode does not support yet; remove the key or set it to false"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _cluster_refuses_encryption(self) -> Config:
         """PostgreSQL holds message text and drafts in cluster mode; encrypting only the
         profiles would promise what the cluster does not keep (docs/privacy.md#what-is-not-encrypted)."""
@@ -674,8 +656,8 @@ class Config(_Section):
 
     @property
     def streaming_mode(self) -> Literal["dm", "all", "off"]:
-        """`delivery.streaming`, off in cluster mode."""
-        return "off" if self.cluster.enabled else self.delivery.streaming
+        """`delivery.streaming`, in either mode (a cluster records drafts in PostgreSQL)."""
+        return self.delivery.streaming
 
 
 class AgentSettings(BaseModel):

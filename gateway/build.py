@@ -35,7 +35,7 @@ from gateway.kv import KeyValue, SqliteKV
 from gateway.linking import Linking, MergeGuard
 from gateway.media import MediaIntake
 from gateway.metrics import ClusterMetrics, InstrumentedLLM, Metrics
-from gateway.modes import Fencing, OpenQuestions, Reminders, SharedInbox, StopSignals
+from gateway.modes import Fencing, OpenQuestions, Reminders, SharedInbox, StopSignals, StreamedDrafts
 from gateway.outbox import Deliverer, Outbox
 from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
@@ -70,6 +70,8 @@ class ModeParts:
     #: where tool-call confirmations wait for a press (this process, or PostgreSQL in a cluster)
     questions: OpenQuestions = field(default_factory=LocalQuestions)
     fencing: Fencing | None = None
+    #: cluster mode: drafts a turn's earlier run on a dead node left, for the new run to edit
+    drafts: StreamedDrafts | None = None
     cluster_metrics: ClusterMetrics | None = None
     #: where a tenant's budget counts live (None: its profile's state.db)
     ledger_for: Callable[[Profile], Ledger] | None = None
@@ -168,7 +170,7 @@ def build_parts(
     for each in agents.all():
         each.compression.on_outcome = metrics.compression  # hermes_compressions_total{outcome}
         each.reviewer.on_outcome = metrics.review  # hermes_memory_reviews_total{kind,outcome}
-    replies = Replies(cfg, by_platform, outbox, deliverer)
+    replies = Replies(cfg, by_platform, outbox, deliverer, mode.drafts)
     ingress: Ingress | None = None  # built last: reminders -> linking -> turns -> ingress
 
     async def submit_reminder(msg: InboundMessage) -> bool:

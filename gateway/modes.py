@@ -10,17 +10,19 @@ imports gateway.cluster or psycopg (docs/development.md#layers).
   process on one node, gateway/reminders.py; PostgreSQL under tenant leases in a cluster).
 - `Fencing`: the lane worker tells a turn fenced out by a lost lease, and a database that
   went away, from other failures.
+- `StreamedDrafts`: the draft messages a turn's earlier run (on a node that died) left in
+  the chat, so the new run edits them instead of starting another draft.
 - `ClusterNode`: the runtime starts and stops the node's parts in its own order.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from core.lanes import Lane
-from core.messages import ConfirmRequest, ConfirmVerdict, InboundMessage
+from core.messages import ConfirmRequest, ConfirmVerdict, InboundMessage, SentMessage
 
 
 class SharedInbox(Protocol):
@@ -96,6 +98,13 @@ class Fencing(Protocol):
 
     def fenced(self) -> None:
         """A turn stopped because its tenant's lease went (counted on /metrics)."""
+        ...
+
+
+class StreamedDrafts(Protocol):
+    async def drafts_of(self, msgs: Sequence[InboundMessage]) -> list[SentMessage]:
+        """The draft messages an earlier run of the turn answering `msgs` sent and recorded,
+        in order, as outbox handles (docs/cluster.md#streaming-and-progress-notices)."""
         ...
 
 

@@ -7,7 +7,7 @@ a chunk that fails is retried with backoff (honouring the platform's `retry_afte
 the gateway runs and after a restart, and given up only after `delivery.max_age_s`. A
 chunk the platform refuses for good (the bot was removed from the chat) is not retried.
 
-An edit of a sent chunk (progress notices; streaming later) is a row too (`edit_of`), so
+An edit of a sent chunk (progress notices, streamed drafts) is a row too (`edit_of`), so
 it keeps its place in the chat's order. Like the inbox, the text is erased once it is
 sent: this shared database holds no tenant's conversation.
 """
@@ -15,6 +15,7 @@ sent: this shared database holds no tenant's conversation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import sqlite3
@@ -22,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, TypeVar, cast
+from typing import Literal, Protocol, TypeVar, cast
 
 import aiosqlite
 
@@ -57,6 +58,12 @@ CREATE INDEX IF NOT EXISTS outbox_pending ON outbox(status, platform, chat_id, i
 """
 
 
+# what a chunk is to a stream: a draft of an answer (or its edit), a progress notice, the
+# edit that ends one; cluster mode's ledger reads it after a takeover
+# (docs/cluster.md#streaming-and-progress-notices), gateway.db does not keep it
+StreamRole = Literal["draft", "progress", "progress_end"]
+
+
 @dataclass(frozen=True)
 class Draft:
     """One chunk to record: a new message, or (with `edit_of`) new text for a sent one."""
@@ -66,8 +73,9 @@ class Draft:
     thread_id: str | None
     text: str
     kind: OutboundKind = "reply"
-    reply_to: str | None = None
+    reply_to: str | None = None  # an edit that falls back to a new message replies to it
     edit_of: int | None = None
+    stream: StreamRole | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class Ledger(Protocol):
 
     async def next_for(self, platform: str, chat_id: str) -> Chunk | None: ...
     def may_send(self, chunk: Chunk) -> bool: ...
+    # seconds an edit of `chunk` may take before it must not land any more (None: no bound)
+    def time_left(self, chunk: Chunk) -> float | None: ...
     # False: the mark was not recorded (cluster mode: the lane is no longer this node's)
     async def mark_sent(self, chunk_id: int, sent_id: str) -> bool | None: ...
     async def give_up(self, chunk_id: int, status: str) -> bool | None: ...
@@ -183,6 +193,9 @@ class Outbox:
 
     def may_send(self, chunk: Chunk) -> bool:
         return True  # one node: nobody else could send it
+
+    def time_left(self, chunk: Chunk) -> float | None:
+        return None  # one node: nobody else edits the chat meanwhile
 
     async def mark_sent(self, chunk_id: int, sent_id: str) -> None:
         await self._mark_db.execute(
@@ -432,8 +445,17 @@ class Deliverer:
         new message when the edit does not work)."""
         if chunk.edit_of is not None:
             target = await self.outbox.sent_message(chunk.edit_of)
-            if target is not None and adapter.can_edit and await _safe_edit(adapter, target, chunk.text):
+            # cluster mode: an edit still waiting (flood pacing, 429) when this node's lease
+            # ends is dropped, so it cannot land over the new holder's final text
+            # (docs/cluster.md#streaming-and-progress-notices)
+            if (
+                target is not None
+                and adapter.can_edit
+                and await self._while_ours(chunk, _safe_edit(adapter, target, chunk.text))
+            ):
                 return target
+            if not self.outbox.may_send(chunk):
+                raise DeliveryDeferred("the lane is no longer this node's")
         out = OutboundMessage(
             chat_id=chunk.chat_id,
             thread_id=chunk.thread_id,
@@ -444,6 +466,24 @@ class Deliverer:
             may_send=partial(self.outbox.may_send, chunk),  # re-checked after the adapter's own waits
         )
         return await adapter.send(out)
+
+    async def _while_ours(self, chunk: Chunk, edit: Awaitable[bool]) -> bool:
+        """Await `edit`, cancelled (DeliveryDeferred) once the ledger's `time_left` for the
+        chunk runs out; renewals that extend it meanwhile are honoured."""
+        task = asyncio.ensure_future(edit)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.outbox.time_left(chunk))
+                if done:
+                    return task.result()
+                left = self.outbox.time_left(chunk)
+                if left is not None and left <= 0:
+                    raise DeliveryDeferred("the lease ran out while the edit waited")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
 
 async def _safe_edit(adapter: Adapter, sent: SentMessage, text: str) -> bool:

@@ -12,7 +12,8 @@ from core.messages import InboundMessage, OutboundKind, SentMessage
 from core.protocols import Adapter
 from core.settings import Config
 from core.text import split_text
-from gateway.outbox import Deliverer, Draft, Outbox
+from gateway.modes import StreamedDrafts
+from gateway.outbox import Deliverer, Draft, Outbox, StreamRole
 from gateway.streaming import StreamingReply
 
 log = logging.getLogger("hermes.gateway")
@@ -23,11 +24,19 @@ TYPING_INTERVAL_S = 4.0
 class Replies:
     """Send and edit through the outbox, for the chat of an inbound message."""
 
-    def __init__(self, cfg: Config, adapters: Mapping[str, Adapter], outbox: Outbox, deliverer: Deliverer) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        adapters: Mapping[str, Adapter],
+        outbox: Outbox,
+        deliverer: Deliverer,
+        drafts: StreamedDrafts | None = None,
+    ) -> None:
         self.cfg = cfg
         self.adapters = adapters
         self.outbox = outbox
         self.deliverer = deliverer
+        self.drafts = drafts  # cluster mode: drafts a dead node's run of a turn left in the chat
 
     async def send(
         self,
@@ -37,6 +46,7 @@ class Replies:
         kind: OutboundKind = "reply",
         reply: bool = True,
         finish: Sequence[tuple[InboundMessage, str]] = (),
+        stream: StreamRole | None = None,
     ) -> list[int]:
         """Record `text` for `msg`'s chat in the outbox, split at the platform limit (the
         first chunk replies to `msg`), mark `finish` done in the same transaction, and
@@ -53,6 +63,7 @@ class Replies:
                 text=chunk,
                 kind=kind,
                 reply_to=msg.message_id if (reply and i == 0) else None,
+                stream=stream,
             )
             for i, chunk in enumerate(chunks)
         ]
@@ -65,7 +76,7 @@ class Replies:
         """Record the answer in the outbox and mark `msg` done, in one transaction."""
         await self.send(msg, text, kind=kind, finish=[(msg, outcome)])
 
-    async def edit(self, msg: InboundMessage, chunk_id: int, text: str) -> int:
+    async def edit(self, msg: InboundMessage, chunk_id: int, text: str, stream: StreamRole | None = None) -> int:
         """Record new text for the message chunk `chunk_id` became (sent as a new message
         if it cannot be edited); it keeps its place in the chat's order."""
         [edit_id] = await self.outbox.record(
@@ -77,6 +88,7 @@ class Replies:
                     text=text,
                     kind="notice",
                     edit_of=chunk_id,
+                    stream=stream,
                 )
             ],
             source=msg,
@@ -84,20 +96,25 @@ class Replies:
         self.deliverer.kick(msg.platform, msg.chat_id)
         return edit_id
 
-    def streaming_reply(self, msg: InboundMessage) -> StreamingReply | None:
+    async def streaming_reply(
+        self, msg: InboundMessage, answering: Sequence[InboundMessage] = ()
+    ) -> StreamingReply | None:
         """A streamed reply to `msg` when `delivery.streaming` covers its chat and the
         platform can edit messages; None: the answer is sent when it is complete. Drafts go
-        through the outbox like every other message (a handle's message_id is its chunk id)."""
+        through the outbox like every other message (a handle's message_id is its chunk id);
+        in cluster mode the reply starts from the drafts an earlier run answering
+        `answering` left (docs/cluster.md#streaming-and-progress-notices)."""
         mode, adapter = self.cfg.streaming_mode, self.adapters.get(msg.platform)
         if adapter is None or not adapter.can_edit or mode == "off" or (mode == "dm" and msg.chat_type != "dm"):
             return None
+        earlier = await self.drafts.drafts_of(answering or [msg]) if self.drafts is not None else []
 
         async def send(chunk: str, first: bool) -> SentMessage | None:
-            ids = await self.send(msg, chunk, kind="reply", reply=first)
+            ids = await self.send(msg, chunk, kind="reply", reply=first, stream="draft")
             return SentMessage(chat_id=msg.chat_id, thread_id=msg.thread_id, message_id=str(ids[0])) if ids else None
 
         async def edit(handle: SentMessage, text: str) -> bool:
-            await self.edit(msg, int(handle.message_id), text)
+            await self.edit(msg, int(handle.message_id), text, stream="draft")
             return True
 
         return StreamingReply(
@@ -106,6 +123,7 @@ class Replies:
             lambda text: split_text(text, adapter.max_message_length, adapter.measure),
             interval_s=self.cfg.delivery.stream_edit_interval_s,
             max_chars=self.cfg.delivery.max_reply_chars,
+            drafts=earlier,
         )
 
     async def keep_typing(self, msg: InboundMessage) -> None:
@@ -136,11 +154,16 @@ class Notifier:
         if adapter is None:
             return
         if kind == "progress_done" and self._progress is not None and adapter.can_edit:
-            await self.replies.edit(self.msg, self._progress, text)  # the deliverer falls back to a new message
+            # the deliverer falls back to a new message
+            await self.replies.edit(self.msg, self._progress, text, stream="progress_end")
             self._progress = None
             return
         ids = await self.replies.send(
-            self.msg, text, kind="notice" if kind.startswith("progress") else "error", reply=False
+            self.msg,
+            text,
+            kind="notice" if kind.startswith("progress") else "error",
+            reply=False,
+            stream="progress" if kind == "progress" else None,
         )
         if kind == "progress" and len(ids) == 1:
             self._progress = ids[0]

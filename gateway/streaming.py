@@ -3,7 +3,9 @@
 One message is sent once the answer has been growing for `interval_s` (a quick answer
 arrives whole, exactly as without streaming), then edited at most once per `interval_s`
 (Telegram and Discord allow about one edit a second per message); past the platform limit
-the text continues in further messages. `finish` puts the final text in place.
+the text continues in further messages. `finish` puts the final text in place. A reply
+may start from `drafts` an earlier run left in the chat (cluster mode, after a takeover):
+they are edited, not sent again.
 
 Sending and editing go through the callables given to the constructor, so the caller
 decides how a chunk reaches the platform (directly, or through a delivery ledger).
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from core.messages import SentMessage
 
@@ -33,7 +35,14 @@ class StreamingReply:
     then `close()` and, if `started`, `finish(final_text)`."""
 
     def __init__(
-        self, send: SendChunk, edit: EditChunk, split: Split, *, interval_s: float, max_chars: int | None = None
+        self,
+        send: SendChunk,
+        edit: EditChunk,
+        split: Split,
+        *,
+        interval_s: float,
+        max_chars: int | None = None,
+        drafts: Sequence[SentMessage] = (),
     ) -> None:
         self._send, self._edit, self._split = send, edit, split
         self._interval = interval_s
@@ -42,7 +51,8 @@ class StreamingReply:
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one show at a time; finish waits for one in flight
-        self._sent: list[tuple[SentMessage, str]] = []  # the messages of this reply and what they show
+        # the messages of this reply and what they show ("": unknown, an earlier run's draft)
+        self._sent: list[tuple[SentMessage, str]] = [(d, "") for d in drafts]
         self._closed = False
 
     @property

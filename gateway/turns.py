@@ -289,7 +289,7 @@ class Turns:
                     await self.replies.send(last.msg, notice, kind="notice", reply=False)
                 speaker = await self._speaker(jobs, place)
                 stop = self.running.begin(key)
-                streamer = self.replies.streaming_reply(last.msg)
+                streamer = await self.replies.streaming_reply(last.msg, [j.msg for j in jobs])
                 try:
                     result = await agent.run_turn(
                         profile,
@@ -370,7 +370,7 @@ class Turns:
         if streamer is None or not streamer.started:
             return await self.replies.send(msg, answer.text, kind=answer.kind, reply=answer.reply, finish=finish)
         drafts = []
-        for handle, chunk in streamer.placement(answer.text or "(stopped)"):
+        for i, (handle, chunk) in enumerate(streamer.placement(answer.text or "(stopped)")):
             drafts.append(
                 Draft(
                     platform=msg.platform,
@@ -378,6 +378,8 @@ class Turns:
                     thread_id=msg.thread_id,
                     text=chunk,
                     kind=answer.kind,
+                    # an edit whose draft cannot be edited is sent new, replying as the draft did
+                    reply_to=msg.message_id if (answer.reply and i == 0) else None,
                     edit_of=int(handle.message_id) if handle is not None else None,
                 )
             )

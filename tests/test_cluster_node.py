@@ -148,16 +148,17 @@ async def settled(nodes: list[Node], timeout: float = 20) -> None:
 # --- config and CLI -------------------------------------------------------------------------
 
 
-def test_a_cluster_config_refuses_streaming_turned_on_and_keeps_reminders_on(node_config):
+def test_a_cluster_config_keeps_reminders_streaming_and_notices_on(node_config):
     cfg = node_config("n1")
-    assert cfg.cluster.max_lanes == 4 and cfg.reminders_on and cfg.streaming_mode == "off"
+    assert cfg.cluster.max_lanes == 4 and cfg.reminders_on and cfg.streaming_mode == "dm"
     assert node_config("n1", reminders={"enabled": True}).reminders_on  # docs/cluster.md#reminders
     assert not node_config("n1", reminders={"enabled": False}).reminders_on
-    with pytest.raises(ConfigError, match=r"delivery\.streaming"):
-        node_config("n1", delivery={"streaming": "dm"})
     with pytest.raises(ConfigError, match="node_id"):
         node_config("n1", cluster={"node_id": "has space"})
+    # drafts and notices go through the PostgreSQL outbox (docs/cluster.md#streaming-and-progress-notices)
+    assert node_config("n1", delivery={"streaming": "all"}).streaming_mode == "all"
     assert node_config("n1", delivery={"streaming": "off"}).streaming_mode == "off"
+    assert node_config("n1", compression={"progress_notices": True}).compression.progress_notices
 
 
 # --- answering --------------------------------------------------------------------------------

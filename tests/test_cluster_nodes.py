@@ -257,6 +257,39 @@ async def test_three_nodes_under_sigkills_answer_every_message_once_in_order(tmp
 @pytest.mark.slow
 @pytest.mark.timeout(STORM_TIMEOUT_S)
 @needs_cluster
+async def test_streamed_answers_across_sigkills_of_the_streaming_node_arrive_once_and_final(tmp_path):
+    r = await cluster_storm(
+        tmp_path,
+        messages=150,  # ~15 s of traffic: five or six kills, most of them cutting streams
+        people=12,
+        seed=9,
+        interval=0.1,
+        kill_every=(2.0, 3.0),
+        down_for=(1.0, 2.0),
+        lease_ttl_s=3.0,
+        discord_share=0.2,
+        shards=2,
+        streaming=True,
+        stream_s=2.5,
+        say=_quiet,
+    )
+    assert r.kills >= 3, r
+    assert r.streamed_finals > 0, (summary(r), r.details)  # answers were streamed: drafts replaced by the final
+    # a node was SIGKILLed mid-stream and another node finished that answer
+    assert r.streams_taken_over >= 1, (summary(r), r.details)
+    assert r.finals_lost == 0 and r.finals_doubled == 0, (summary(r), r.details)
+    # a draft is left stale only by a node killed in the window after the platform took it
+    assert r.stale_drafts == r.stale_drafts_by_killed, (summary(r), r.details)
+    assert r.lost == 0 and r.dc_lost == 0 and r.ingress_failed == 0, r.details
+    assert r.dup_other == 0 and r.dc_dup_other == 0 and r.order_violations == 0, r.details
+    assert r.journal_mismatches == 0 and r.integrity_failures == 0, r.details
+    assert r.overlaps == 0, r.details
+    assert not r.nodes_crashed, r.nodes_crashed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(STORM_TIMEOUT_S)
+@needs_cluster
 async def test_a_node_paused_past_its_lease_is_fenced_out_and_nothing_is_duplicated(tmp_path):
     r = await cluster_storm(
         tmp_path,

@@ -198,6 +198,7 @@ def build_cluster_gateway(
         stop_signals=StopPublisher(pool),
         questions=questions,
         fencing=LeaseFencing(node, shared_outbox),
+        drafts=shared_outbox,  # a streamed answer goes on from a dead node's draft
         cluster_metrics=node.metrics,
         ledger_for=lambda profile: PgLedger(pool, profile.tenant_id),  # budgets atomic across nodes
         reminders=reminders,

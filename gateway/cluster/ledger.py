@@ -25,11 +25,16 @@ from core.errors import LeaseLost
 from core.messages import InboundMessage, SentMessage
 from gateway.cluster.db import Conn, fetch_one
 from gateway.cluster.inbox import NotClaimed, lock_claimed_lane, refresh_lane_head
-from gateway.cluster.leases import fenced
-from gateway.cluster.node import ClusterNode
+from gateway.cluster.leases import FencedOut, Lease, fenced
+from gateway.cluster.node import ClusterNode, HeldLease
 from gateway.outbox import Chunk, Draft
 
 log = logging.getLogger("hermes.cluster")
+
+# a progress notice whose node died before ending it (docs/cluster.md#streaming-and-progress-notices)
+NOTICE_CUT_OFF = (
+    "Compression was cut off: the server doing it stopped, and another one has taken over your conversation."
+)
 
 
 # what a done message keeps of its payload: who sent it where (a delete still finds a
@@ -47,6 +52,34 @@ class NotRecorded(LookupError):
 
 def _key(msg: InboundMessage) -> tuple[str, str, str]:
     return (msg.platform, msg.chat_id, msg.message_id)
+
+
+async def insert_chunk(
+    conn: Conn,
+    inbox_id: int,
+    seq: int,
+    lane: str,
+    tenant: str,
+    platform: str,
+    chat_id: str,
+    body: dict[str, Any],
+    lease: Lease,
+) -> int:
+    """Record one chunk (a reply, a draft, an edit) under `lease`: the statement that
+    inserts it is the one that checks the lease is current, so a stale epoch's draft or
+    edit is never recorded, whatever was checked before. Raises FencedOut."""
+    row = await (
+        await conn.execute(
+            """INSERT INTO outbox (inbox_id, seq, lane, tenant, platform, chat_id, body, epoch)
+               SELECT %s, %s, %s, %s, %s, %s, %s, l.epoch FROM tenant_leases l
+               WHERE l.tenant = %s AND l.holder = %s AND l.epoch = %s AND l.expires_at > now()
+               RETURNING id""",
+            (inbox_id, seq, lane, tenant, platform, chat_id, Jsonb(body), lease.tenant, lease.holder, lease.epoch),
+        )
+    ).fetchone()
+    if row is None:
+        raise FencedOut(f"lease on {lease.tenant} at epoch {lease.epoch} is no longer held by {lease.holder}")
+    return int(row["id"])
 
 
 class ClusterInbox:
@@ -179,26 +212,23 @@ class ClusterOutbox:
                         "thread_id": d.thread_id,
                         "reply_to": d.reply_to,
                         "edit_of": d.edit_of,
+                        "stream": d.stream,
                         "nonce": str(secrets.randbits(63)),
                         "created_at": time.time(),
                     }
-                    row = await fetch_one(
+                    chunk_id = await insert_chunk(
                         conn,
-                        """INSERT INTO outbox (inbox_id, seq, lane, tenant, platform, chat_id, body, epoch)
-                           VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id""",
-                        (
-                            anchor["id"],
-                            base["s"] + i,
-                            lane,
-                            anchor["tenant"],
-                            d.platform,
-                            d.chat_id,
-                            Jsonb(body),
-                            held.epoch,
-                        ),
+                        anchor["id"],
+                        base["s"] + i,
+                        lane,
+                        anchor["tenant"],
+                        d.platform,
+                        d.chat_id,
+                        body,
+                        held.lease,
                     )
-                    ids.append(int(row["id"]))
-                    self._lanes[int(row["id"])] = lane
+                    ids.append(chunk_id)
+                    self._lanes[chunk_id] = lane
             for m, outcome in finish:
                 r = rows.get(_key(m))
                 if r is None or r["id"] not in fresh:
@@ -243,6 +273,94 @@ class ClusterOutbox:
         if alive is None:
             raise NotClaimed(f"node {self.node.node_id} has no live lease")
 
+    # ----- streams after a takeover (docs/cluster.md#streaming-and-progress-notices) --------
+    async def drafts_of(self, msgs: Sequence[InboundMessage]) -> list[SentMessage]:
+        """The draft messages an earlier run of a turn for `msgs` (still unanswered) left in
+        the chat, in order, as handles (message_id: the chunk id): the new run's draft and
+        final text edit them instead of starting another draft."""
+        keys = list({_key(m) for m in msgs})
+        if not keys:
+            return []
+        async with self.node.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT o.id, o.chat_id, o.body->>'thread_id' AS thread_id FROM outbox o
+                   JOIN inbox i ON i.id = o.inbox_id
+                   WHERE (i.platform, i.chat_id, i.message_id) IN
+                         (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))
+                     AND i.answered_at IS NULL AND o.outcome = 'sent' AND o.sent_id IS NOT NULL
+                     AND o.body->>'stream' = 'draft' AND o.body->>'edit_of' IS NULL
+                   ORDER BY o.id""",
+                ([k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys]),
+            )
+            rows = await cur.fetchall()
+        return [SentMessage(chat_id=r["chat_id"], thread_id=r["thread_id"], message_id=str(r["id"])) for r in rows]
+
+    async def tidy_after_takeover(self, lane: str, held: HeldLease) -> tuple[int, int]:
+        """Before a claimed lane runs: what an earlier epoch left half-streamed. Its unsent
+        drafts and progress notices are superseded (the final text replaces them; nobody saw
+        them), and each progress notice it sent but never ended is edited to say the work was
+        cut off, so no notice claims "in progress" forever. Returns (superseded, ended)."""
+        held.check()
+        async with fenced(self.node.pool, held.lease) as conn:
+            await self._lock_lane(conn, lane)
+            cur = await conn.execute(
+                """UPDATE outbox SET sent_at = now(), sent_epoch = %s, outcome = 'superseded', body = body - 'text'
+                   WHERE lane = %s AND sent_at IS NULL AND epoch < %s AND body->>'stream' IN ('draft', 'progress')""",
+                (held.epoch, lane, held.epoch),
+            )
+            superseded = cur.rowcount
+            if superseded:  # an answered message whose last unsent chunks those were is done
+                await conn.execute(
+                    """UPDATE inbox SET done_at = now() WHERE lane = %s AND done_at IS NULL
+                       AND answered_at IS NOT NULL
+                       AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.inbox_id = inbox.id AND o.sent_at IS NULL)""",
+                    (lane,),
+                )
+            cur = await conn.execute(
+                """SELECT o.id, o.inbox_id, o.tenant, o.platform, o.chat_id, o.body->>'thread_id' AS thread_id
+                   FROM outbox o JOIN inbox i ON i.id = o.inbox_id AND i.lane = %s AND i.done_at IS NULL
+                   WHERE o.epoch < %s AND o.outcome = 'sent' AND o.body->>'stream' = 'progress'
+                     AND NOT EXISTS (SELECT 1 FROM outbox e WHERE e.inbox_id = o.inbox_id
+                                     AND e.body->>'edit_of' = o.id::text)
+                   ORDER BY o.id""",
+                (lane, held.epoch),
+            )
+            opened = await cur.fetchall()
+            for row in opened:
+                base = await fetch_one(
+                    conn, "SELECT max(seq) + 1 AS s FROM outbox WHERE inbox_id = %s", (row["inbox_id"],)
+                )
+                body = {
+                    "text": NOTICE_CUT_OFF,
+                    "kind": "notice",
+                    "thread_id": row["thread_id"],
+                    "reply_to": None,
+                    "edit_of": int(row["id"]),
+                    "stream": "progress_end",
+                    "nonce": str(secrets.randbits(63)),
+                    "created_at": time.time(),
+                }
+                chunk_id = await insert_chunk(
+                    conn,
+                    row["inbox_id"],
+                    base["s"],
+                    lane,
+                    row["tenant"],
+                    row["platform"],
+                    row["chat_id"],
+                    body,
+                    held.lease,
+                )
+                self._lanes[chunk_id] = lane
+            await refresh_lane_head(conn, lane)
+        if superseded or opened:
+            log.info(
+                "lane taken over mid-stream: %d unsent draft or notice chunk(s) superseded, %d notice(s) ended",
+                superseded,
+                len(opened),
+            )
+        return superseded, len(opened)
+
     # ----- the outbox face (the Deliverer) ------------------------------------------------
     async def next_for(self, platform: str, chat_id: str) -> Chunk | None:
         """The chat's oldest unsent chunk among the lanes this node has claimed."""
@@ -273,6 +391,14 @@ class ClusterOutbox:
             b.get("nonce") or "0",
             float(b.get("created_at") or time.time()),
         )
+
+    def time_left(self, chunk: Chunk) -> float | None:
+        """How long this node may still edit the chat for the chunk's lane (its lease's local
+        deadline, which ends before another node could take the tenant)."""
+        held = self.node.claims.get(self._lanes.get(chunk.id, ""))
+        if held is None or held.lost:
+            return 0.0
+        return max(0.0, held.deadline - time.monotonic())
 
     def may_send(self, chunk: Chunk) -> bool:
         """Right before the send: the chunk's lane is claimed here under a live lease."""

@@ -158,7 +158,9 @@ class ClaimRunner:
         """Run a lane this node claimed, under its tenant lease: the chunks a node before us
         recorded but did not send go out first, in order; then the pending messages, in
         arrival order, through the same admit/turn path as on one node; every answer is sent
-        before the lane is given back. Raises LeaseLost when the lease goes. A message's
+        before the lane is given back. A draft or progress notice an earlier epoch left
+        half-streamed is tidied first (docs/cluster.md#streaming-and-progress-notices).
+        Raises LeaseLost when the lease goes. A message's
         reply handle (a slash command another node deferred) is adopted before anything of
         it is sent, and released when the claim ends."""
         adopted: dict[int, InboundMessage] = {}
@@ -177,6 +179,7 @@ class ClaimRunner:
     async def _run(self, claim: Claim, held: HeldLease, adopted: dict[int, InboundMessage]) -> bool:
         """`run`; True when the lane was left with nothing pending (every message done)."""
         self._adopt(claim.messages, adopted)
+        await self.outbox.tidy_after_takeover(claim.lane, held)
         await self._send_unsent(claim.lane, held)
         seen, batch, first = 0, claim.messages, True
         while batch and self.accepting:

@@ -95,6 +95,8 @@ class Response:
     # stream stops until `FakeLLM.resume_streams()` (content characters sent before pausing)
     chunk_chars: int = 8
     pause_after_chars: int | None = None
+    # when the request streams: seconds between two content chunks (a model writing slowly)
+    chunk_delay_s: float = 0.0
     # when the request streams: after the text, the last chunk again every this many seconds,
     # forever, without a finish_reason (a runaway model); without streaming: never answers
     endless_every_s: float | None = None
@@ -881,6 +883,8 @@ class FakeLLM:
                 if pause is not None and i >= pause:
                     pause = None
                     await self._wait_resume()
+                if i and resp.chunk_delay_s:
+                    await asyncio.sleep(resp.chunk_delay_s)
                 await send(chunk({"content": text[i : i + step]}))
             while resp.endless_every_s is not None:
                 await asyncio.sleep(resp.endless_every_s)

@@ -41,7 +41,8 @@ timeout after Telegram processed the request).
 Recording: `tg.calls` is every call as `(method, params)`, `tg.responses` the matching
 `(method, status)`; `tg.sent_messages(chat_id=None)` the messages the bot sent (Message
 dicts, plus `"_params"` with the request parameters and `"_at"` the time.monotonic() it
-arrived, `"_via"` the caller's label or None); `tg.acked_offset`,
+arrived, `"_via"` the caller's label or None; an edit changes their text), `tg.edits` the
+edits carried out (with `"_at"` and `"_via"` too); `tg.acked_offset`,
 `tg.pending_updates`. Waiting helpers: `await tg.wait_for(lambda: ..., timeout=10)`,
 `await tg.wait_sent(n, chat_id=None)`.
 
@@ -987,7 +988,16 @@ class FakeTelegram:
                 sent.pop("reply_markup", None)
                 if markup is not None:
                     sent["reply_markup"] = markup
-        self.edits.append({"chat_id": key[0], "message_id": key[1], "text": text, "reply_markup": markup})
+        self.edits.append(
+            {
+                "chat_id": key[0],
+                "message_id": key[1],
+                "text": text,
+                "reply_markup": markup,
+                "_at": time.monotonic(),
+                "_via": _VIA.get(),
+            }
+        )
         return self._ok("editMessageText", msg)
 
     def _inline_markup(self, method: str, params: dict[str, Any]) -> dict[str, Any] | web.Response | None:

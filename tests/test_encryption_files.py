@@ -167,10 +167,24 @@ async def test_a_canary_a_person_sends_is_in_no_profile_file_gateway_db_or_log_l
     assert not [r.getMessage() for r in caplog.records if CANARY in r.getMessage()]
 
 
-async def test_a_canary_a_person_sends_is_in_no_byte_of_the_data_dir_when_encrypted(tg, fake_llm, config_for):
+async def test_a_canary_a_person_sends_is_in_no_byte_of_the_data_dir_or_its_backup_when_encrypted(
+    tg, fake_llm, config_for, tmp_path
+):
+    import tarfile
+
+    from agent.vault import open_keyring
+    from gateway.backup import backup_data_dir
+
     cfg = encrypted_config(config_for, tg)
     await traffic(cfg, tg, fake_llm)
     assert holding(cfg.data_dir, CANARY) == []
+    storage = cfg.storage
+    keyring = open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file)
+    archive = backup_data_dir(cfg.data_dir, tmp_path / "backups", keyring=keyring)
+    with tarfile.open(archive) as tar:  # every member, decompressed
+        members = [m for m in tar.getmembers() if m.isfile()]
+        leaks = [m.name for m in members if CANARY in m.name or CANARY.encode() in tar.extractfile(m).read()]
+    assert len(members) > 10 and leaks == []
 
 
 async def test_budget_set_seals_budget_json_and_the_running_gateway_obeys_it(

@@ -48,7 +48,10 @@ every reminder whose setting message was answered is delivered (`reminders_lost`
 occurrence once (a copy beyond the occurrences PostgreSQL recorded is a duplicate, classified
 like answers; a turn re-run after a kill may set a reminder twice, counted apart as
 `reminders_set_again`), and a delivery says it is late exactly when it is (more than 2
-minutes). `--reminder-takeover`: mid-run, the node that ran a reminder-setting turn is
+minutes). A done inbox row keeps no text, so an occurrence (`reminder:<owner>:<id>:<due>`, its
+due time in its id) is matched to its rm token by the copy its lane keeps in the person's
+session (state.db, meta.reminder); one answered yet in no session is `reminders_unrecorded`.
+`--reminder-takeover`: mid-run, the node that ran a reminder-setting turn is
 SIGKILLed right after answering, the reminder due half a lease later; another node must
 deliver it once, and its lateness is reported (`takeover_late_s`).
 
@@ -101,6 +104,8 @@ from bench.storm_audit import (  # noqa: E402
     TOKEN_RE,
     order_violations,
     profile_problems,
+    reminder_due,
+    reminder_records,
     responder,
     spread,
 )
@@ -455,6 +460,7 @@ class ClusterResult:
     reminders_dup_window_kill: int = 0
     reminders_dup_other: int = 0
     reminders_late_wrong: int = 0  # said late when it was not, or not when it was
+    reminders_unrecorded: int = 0  # occurrences answered in the inbox but kept in no session
     reminder_lateness_s: list[float] = field(default_factory=list)
     overdue_said_late: bool = False
     takeover_killed: str = ""  # the process life killed while its reminder was due
@@ -486,6 +492,7 @@ class ClusterResult:
             and self.reminders_lost == 0
             and self.reminders_dup_other == 0
             and self.reminders_late_wrong == 0
+            and self.reminders_unrecorded == 0
         )
 
 
@@ -941,13 +948,17 @@ class ClusterStorm:
         self.rm_pushed[TAKEOVER_REMINDER] = token
         self.send(token, pushed, key)
 
+        # found by its ids: an answered message keeps no text in the inbox (docs/cluster.md#the-postgresql-layer)
+        chat_id, message_id = str(pushed.chat_id), str(pushed.message_id)
+
         def holder() -> str | None:
             """The tenant's live lease holder once the answer is recorded and the reminder not fired."""
             with psycopg.connect(self.dsn, connect_timeout=5) as conn:
                 ready = conn.execute(
-                    """SELECT 1 FROM inbox WHERE payload->>'text' LIKE %s AND answered_at IS NOT NULL
+                    """SELECT 1 FROM inbox WHERE platform = 'telegram' AND chat_id = %s AND message_id = %s
+                       AND answered_at IS NOT NULL
                        AND EXISTS (SELECT 1 FROM reminder_due WHERE tenant = %s AND fired_at IS NULL)""",
-                    (f"%{TAKEOVER_REMINDER}%", f"telegram-{user}"),
+                    (chat_id, message_id, f"telegram-{user}"),
                 ).fetchone()
                 if ready is None:
                     return None
@@ -1353,13 +1364,24 @@ class ClusterStorm:
         lost = expecting - set(copies)
         r.reminders_lost = len(lost)
         r.details += [f"reminder lost: {rm} (set by {self.rm_pushed[rm] or 'the file'})" for rm in sorted(lost)]
+        # the occurrences PostgreSQL recorded, by id; what each said (its rm token) from the session
+        # that keeps it: a done inbox row keeps no text (docs/cluster.md#the-postgresql-layer)
+        kept = reminder_records(self.workdir / "data")
         occurrences: dict[str, list[float]] = defaultdict(list)  # rm -> due times recorded in the inbox
         with psycopg.connect(self.dsn, connect_timeout=5) as conn:
-            for text, due in conn.execute(
-                "SELECT payload->>'text', (payload->>'timestamp')::float8 FROM inbox WHERE message_id LIKE 'reminder:%'"
-            ).fetchall():
-                for rm in REMINDER_TOKEN_RE.findall(text or ""):
-                    occurrences[rm].append(float(due))
+            rows = conn.execute(
+                "SELECT message_id, answered_at IS NOT NULL FROM inbox WHERE message_id LIKE 'reminder:%'"
+            ).fetchall()
+        for mid, answered_row in rows:
+            if mid not in kept:
+                if answered_row:  # answered, so its lane had stored it: a bug
+                    r.reminders_unrecorded += 1
+                    r.details.append(f"reminder occurrence {mid} answered but in no session")
+                else:
+                    r.details.append(f"reminder occurrence {mid} still pending when the nodes stopped")
+                continue
+            for rm in set(REMINDER_TOKEN_RE.findall(kept[mid])):
+                occurrences[rm].append(reminder_due(mid))
         r.reminder_occurrences = sum(len(v) for v in occurrences.values())
         r.reminders_set_again = sum(len(v) - 1 for v in occurrences.values() if len(v) > 1)
         extra = {rm: seen for rm, seen in copies.items() if len(seen) > max(1, len(occurrences.get(rm, [])))}
@@ -1370,7 +1392,7 @@ class ClusterStorm:
         for rm, seen in copies.items():
             dues = sorted(occurrences.get(rm, []))
             if not dues:
-                r.details.append(f"reminder {rm} delivered but not in the inbox")
+                r.details.append(f"reminder {rm} delivered but no occurrence of it is in the inbox and a session")
                 continue
             late = seen[0].at + self.wall_minus_mono - dues[0]
             r.reminder_lateness_s.append(round(late, 2))
@@ -1587,7 +1609,8 @@ def summary(r: ClusterResult) -> list[str]:
         f"started and another finished {r.streams_taken_over}; stale drafts left above an answer "
         f"{r.stale_drafts} (sent by a killed node {r.stale_drafts_by_killed})",
         f"reminders: set {r.reminders_set}, delivered {r.reminders_delivered}, lost {r.reminders_lost}; "
-        f"occurrences {r.reminder_occurrences} (set again by a re-run turn {r.reminders_set_again}); duplicated: "
+        f"occurrences {r.reminder_occurrences} (set again by a re-run turn {r.reminders_set_again}, answered but in "
+        f"no session {r.reminders_unrecorded}); duplicated: "
         f"window kill {r.reminders_dup_window_kill}, other {r.reminders_dup_other}; late said wrongly "
         f"{r.reminders_late_wrong} (the 10-minute overdue one said late: {r.overdue_said_late}); lateness s "
         f"{spread(r.reminder_lateness_s)}; takeover: killed {r.takeover_killed or '-'}, delivered by "

@@ -126,6 +126,31 @@ def profile_problems(data: Path) -> tuple[int, int, list[str]]:
     return mismatches, failures, details
 
 
+def reminder_records(data: Path) -> dict[str, str]:
+    """Every reminder occurrence the profiles' sessions keep: its message id
+    (`reminder:<owner>:<id>:<due>`) -> the text delivered (the lane keeps each once, as an
+    assistant message with meta.reminder; gateway/reminders.py `delivered_message`)."""
+    from tests.statedb import open_state_db
+
+    out: dict[str, str] = {}
+    for db in sorted(data.glob("profiles/*/state.db")):
+        con = open_state_db(db)
+        try:
+            rows = con.execute(
+                """SELECT json_extract(meta, '$.reminder'), content FROM messages
+                   WHERE json_valid(meta) AND json_extract(meta, '$.reminder') IS NOT NULL"""
+            ).fetchall()
+        finally:
+            con.close()
+        out.update((str(mid), content or "") for mid, content in rows)
+    return out
+
+
+def reminder_due(message_id: str) -> float:
+    """The due time an occurrence's id carries (`reminder:<owner>:<id>:<due>`, gateway/reminders.py)."""
+    return float(message_id.rsplit(":", 1)[1])
+
+
 def spread(values: list[float]) -> str:
     if not values:
         return "-"

@@ -201,8 +201,7 @@ def test_cluster_mode_accepts_confirmations_since_a_press_on_any_node_counts():
     }
     cfg = parse_config(data)
     assert cfg.cluster.enabled and cfg.tools.web_fetch.confirm and cfg.tools.session_search.confirm
-    with pytest.raises(ConfigError, match="reminders"):  # what still keeps state on one node is refused
-        parse_config({**data, "reminders": {"enabled": True}})
+    assert parse_config({**data, "reminders": {"enabled": True}}).reminders_on  # docs/cluster.md#reminders
 
 
 async def test_a_restart_during_the_wait_asks_again_and_never_runs_the_call_unasked(config_for, fake_llm):

@@ -15,7 +15,7 @@ import pytest
 
 from core.messages import ConfirmAnswerer, ConfirmRequest, SentMessage
 from core.protocols import Confirms
-from core.settings import ConfigError, parse_config
+from core.settings import parse_config
 from gateway.build import build_gateway
 from tests.conftest import RecordingAdapter, dm, group, running_gateway, say
 from tests.fakes.llm import offered_tools, reply, tool_call

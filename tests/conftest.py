@@ -139,3 +139,20 @@ async def running_gateway(config_for, **sections):
         yield app, adapter
     finally:
         await app.stop()
+
+
+@asynccontextmanager
+async def telegram_gateway(cfg: Config):
+    """A started single-node gateway with a real Telegram adapter for `cfg` (which points
+    it at a fake Bot API), quick to retry; stopped and closed afterwards."""
+    from adapters.telegram import TelegramAdapter
+    from gateway.build import build_gateway
+
+    adapter = TelegramAdapter.from_config(cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5)
+    app = build_gateway(cfg, [adapter])
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop()
+        await adapter.aclose()

@@ -11,12 +11,10 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 
-from adapters.telegram import TelegramAdapter
 from agent.ledger import read_override, write_override
 from agent.media import inline_images, save_media
 from agent.memory import MemoryStore
@@ -36,7 +34,7 @@ from gateway.inbox import Inbox
 from gateway.outbox import Draft, Outbox
 from gateway.sealing import MessageSeal
 from tenancy.keys import tenant_dir
-from tests.conftest import RecordingAdapter, dm, say
+from tests.conftest import RecordingAdapter, dm, say, telegram_gateway
 from tests.fakes.llm import image_urls, reply, tool_call
 from tests.fakes.telegram_api import FakeTelegram
 from tests.media_files import png
@@ -73,16 +71,7 @@ def encrypted_config(config_for, tg: FakeTelegram):
     )
 
 
-@asynccontextmanager
-async def gateway(cfg):
-    adapter = TelegramAdapter.from_config(cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5)
-    app = build_gateway(cfg, [adapter])
-    await app.start()
-    try:
-        yield app
-    finally:
-        await app.stop()
-        await adapter.aclose()
+gateway = telegram_gateway
 
 
 async def traffic(cfg, tg: FakeTelegram, fake_llm) -> list[dict]:

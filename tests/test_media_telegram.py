@@ -8,18 +8,16 @@ import base64
 import json
 import logging
 import tarfile
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from adapters.telegram import TelegramAdapter
 from gateway.backup import backup_data_dir
-from gateway.build import build_gateway
 from gateway.runtime import GatewayApp
 from gateway.tenants import export_profile, find_tenant
 from tenancy.keys import tenant_dir
+from tests.conftest import telegram_gateway
 from tests.fakes.llm import image_urls, last_user_text, tool_call
 from tests.fakes.telegram_api import FakeTelegram
 from tests.fakes.transcription import FakeTranscription
@@ -50,16 +48,7 @@ def tg_config(config_for, tg: FakeTelegram, **sections: Any):
     return config_for(platforms={"telegram": section}, **sections)
 
 
-@asynccontextmanager
-async def gateway(cfg):
-    adapter = TelegramAdapter.from_config(cfg.platforms.telegram, backoff_initial_s=0.05, backoff_max_s=0.5)
-    app = build_gateway(cfg, [adapter])
-    await app.start()
-    try:
-        yield app
-    finally:
-        await app.stop()
-        await adapter.aclose()
+gateway = telegram_gateway
 
 
 async def answered(tg: FakeTelegram, app: GatewayApp, n: int, chat_id: int, timeout: float = 20) -> list[dict]:

@@ -18,6 +18,7 @@ import hmac
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ __all__ = [
     "is_sealed_line",
     "key_of",
     "parse_master_key",
+    "shred_file",
     "shred_slot",
 ]
 
@@ -203,6 +205,21 @@ class Keyring:
         except InvalidTag:
             raise VaultError(f"the keyring's slot for {tenant_id} is damaged") from None
 
+    def seal_slot(self, slot: bytes, tenant_id: str) -> bytes:
+        """A slot as the keyring stores it: sealed by the master key for its tenant."""
+        return _seal(self.master, slot, f"slot\0{tenant_id}".encode())
+
+    def read_slot_file(self, path: Path, tenant_id: str) -> bytes | None:
+        """The slot stored at `path` (None when absent); VaultError when damaged."""
+        try:
+            blob = Path(path).read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return _open(self.master, blob, f"slot\0{tenant_id}".encode())
+        except InvalidTag:
+            raise VaultError(f"the keyring's slot for {tenant_id} is damaged") from None
+
     def _kek(self, slot: bytes, tenant_id: str, master: bytes | None = None) -> bytes:
         return _hkdf(master or self.master, slot, f"hermes-gateway tenant key {tenant_id}")
 
@@ -334,9 +351,12 @@ class TenantKeys:
     a new tenant, whoever asks first (the ingress sealing a message, a profile's open).
     Thread-safe; blocking on a first use (file I/O): call it off the event loop."""
 
-    def __init__(self, keyring: Keyring | None) -> None:
+    def __init__(self, keyring: Keyring | None, rows: Callable[[DataKey, DataKey], object] | None = None) -> None:
+        """`rows` re-seals what gateway.db keeps of a tenant when its key changes (a rekey)."""
         self.keyring = keyring
+        self.rows = rows
         self._keys: dict[str, DataKey] = {}
+        self._retired: dict[str, DataKey] = {}  # the key a rekey replaced, in this process's memory only
         self._lock = threading.Lock()
 
     @property
@@ -363,11 +383,59 @@ class TenantKeys:
             return key
         with self._lock:  # two first uses at once must not make two keys
             key = self._keys.get(tenant_id)
+            if key is None and (profile / "rekey.json").exists():
+                key = self._during_rekey(tenant_id, profile)
             if key is None:
                 fresh = not (profile / "state.db").exists()  # nothing stored yet: a new tenant
                 key = self.keyring.key_for(tenant_id, profile, create=fresh)
                 self._keys[tenant_id] = key
         return key
+
+    def _during_rekey(self, tenant_id: str, profile: Path) -> DataKey:
+        """The key while a rekey is under way and the profile may be open (the ingress, a
+        reminder): the old one until everything is re-sealed; past that point, the rekey's
+        last steps are finished here (nothing is left to re-seal)."""
+        from agent.rekey import committed, finish_rekey  # it builds on this module
+
+        assert self.keyring is not None
+        if committed(profile):
+            key = finish_rekey(self.keyring, tenant_id, profile, rows=self.rows)
+            assert key is not None
+            return key
+        return self.keyring.key_for(tenant_id, profile)
+
+    def begin_rekey(self, tenant_id: str, profile: Path) -> None:
+        """Mark the tenant's profile for a new key (agent/rekey.py): whoever next needs its key,
+        `rekey` or the profile's open, first re-seals everything under the new one."""
+        from agent.rekey import begin_rekey
+
+        if self.keyring is None:
+            return
+        with self._lock:
+            begin_rekey(self.keyring, tenant_id, Path(profile))
+            if tenant_id in self._keys:  # the key about to be replaced (see `retired`)
+                self._retired[tenant_id] = self._keys[tenant_id]
+
+    def rekey(self, tenant_id: str, profile: Path, progress: Callable[[int], None] | None = None) -> DataKey | None:
+        """Finish the tenant's rekey (begun by `begin_rekey`) while its profile is closed: the
+        old key forgotten here and shredded in the keyring; the new key, None when none."""
+        from agent.rekey import finish_rekey
+
+        if self.keyring is None or not (Path(profile) / "rekey.json").exists():
+            return None
+        with self._lock:
+            old = self._keys.pop(tenant_id, None)
+            if old is not None:  # what this process sealed with it meanwhile still opens (`retired`)
+                self._retired[tenant_id] = old
+            key = finish_rekey(self.keyring, tenant_id, Path(profile), rows=self.rows, progress=progress)
+            if key is not None:
+                self._keys[tenant_id] = key
+            return key
+
+    def retired(self, tenant_id: str) -> DataKey | None:
+        """The key the tenant's last rekey in this process replaced: a text sealed with it
+        just before (gateway.db) still opens here, and is sealed again (`Rekeys`)."""
+        return self._retired.get(tenant_id)
 
     def files(self, tenant_id: str, profile: Path) -> ProfileFiles:
         """The profile's files, sealed with the tenant's key when encryption is on."""
@@ -462,18 +530,28 @@ def shred_slot(data_dir: Path, profile: Path) -> bool:
     key needed, so a delete shreds even while encryption is off (docs/privacy.md#delete-is-crypto-shredding).
     False when there was none."""
     directory = Path(data_dir) / KEYRING_DIR
+    nxt = directory / f"{Path(profile).name}.slot-next"  # a rekey's new slot (agent/rekey.py)
+    shred_file(nxt)
     path = directory / f"{Path(profile).name}.slot"
+    if not path.exists():
+        return False
+    shred_file(path)
+    return True
+
+
+def shred_file(path: Path) -> None:
+    """Overwrite, fsync and unlink a slot, so it is not left in free blocks of a simple FS;
+    nothing when it is absent."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        return False
-    with open(path, "r+b") as fh:  # overwrite, so the slot is not left in free blocks of a simple FS
+        return
+    with open(path, "r+b") as fh:
         fh.write(os.urandom(size))
         fh.flush()
         os.fsync(fh.fileno())
     path.unlink()
-    fsync_dir(directory)
-    return True
+    fsync_dir(path.parent)
 
 
 def key_of(keyring: Keyring | None, tenant_id: str, profile: Path) -> DataKey | None:
@@ -485,6 +563,10 @@ def key_of(keyring: Keyring | None, tenant_id: str, profile: Path) -> DataKey | 
     if keyring is None:
         raise VaultError(
             f"{tenant_id}'s profile is encrypted, but storage.encryption is off: set it to per_tenant with its master key"
+        )
+    if (Path(profile) / "rekey.json").exists():  # its files are under two keys until the gateway finishes it
+        raise VaultError(
+            f"{tenant_id}'s profile is being re-keyed (after /forget all); the gateway finishes it when it next opens the profile"
         )
     return keyring.key_for(tenant_id, profile)
 

@@ -36,7 +36,8 @@ from gateway.linking import Linking, MergeGuard
 from gateway.media import MediaIntake
 from gateway.metrics import ClusterMetrics, InstrumentedLLM, Metrics
 from gateway.modes import Fencing, OpenQuestions, Reminders, SharedInbox, StopSignals, StreamedDrafts
-from gateway.outbox import Deliverer, Outbox
+from gateway.outbox import Deliverer, Outbox, reseal_rows
+from gateway.rekeys import Rekeys
 from gateway.reminders import ReminderScheduler
 from gateway.replies import Replies
 from gateway.reviews import Reviews
@@ -92,7 +93,9 @@ def build_gateway(
     if cfg.cluster.enabled:
         raise ValueError("cluster.enabled is set: build this gateway with gateway.cluster.build.build_cluster_gateway")
     storage = cfg.storage
-    keys = TenantKeys(open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file))
+    keyring = open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file)
+    # a rekey (/forget all) re-seals the tenant's waiting text in gateway.db too (docs/privacy.md#delete-is-crypto-shredding)
+    keys = TenantKeys(keyring, rows=partial(reseal_rows, cfg.data_dir / "gateway.db"))
     links = IdentityLinks.load(cfg.data_dir / "links.json", cfg.tenancy)
     seal = MessageSeal(keys, cfg.data_dir, partial(_tenant_of, cfg, links)) if keys.on else None
     inbox = Inbox(cfg.data_dir / "gateway.db", fsync=cfg.storage.fsync, seal=seal)
@@ -201,7 +204,8 @@ def build_parts(
     )
     reviews = Reviews(cfg.memory, agents, linking, deliverer, background)
     refusals = Refusals(cfg, by_platform, inbox, access, metrics, replies, background, shared=mode.shared is not None)
-    commands = CommandParts(cfg, access, agent, agents, inbox, links, linking, reminders)
+    rekeys = Rekeys(mode.keys, profiles, background)
+    commands = CommandParts(cfg, access, agent, agents, inbox, links, linking, reminders, rekeys)
     confirmations = Confirmations(by_platform, cfg.tools.confirm_timeout_s, mode.questions)
     turns = Turns(
         cfg,

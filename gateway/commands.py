@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from gateway.inbox import Inbox
     from gateway.linking import Linking
     from gateway.modes import Reminders
+    from gateway.rekeys import Rekeys
     from tenancy.identity import IdentityLinks
 
 
@@ -62,6 +63,7 @@ class CommandParts:
     links: IdentityLinks
     linking: Linking
     reminders: Reminders
+    rekeys: Rekeys  # /forget all re-keys the tenant with encryption on
 
 
 @dataclass
@@ -445,6 +447,10 @@ async def cmd_forget(ctx: CommandContext) -> str:
     erased = [(t, e) for t in targets for e in await memory.entries(t)]
     await memory.clear(None if target == "all" else target)
     await _provider_forget(ctx, erased)
+    if (
+        target == "all" and ctx.parts.rekeys.on
+    ):  # older copies of it no longer open (docs/privacy.md#delete-is-crypto-shredding)
+        await ctx.parts.rekeys.forget_all(ctx.profile.tenant_id, ctx.profile.path)
     what = {"all": "everything I remembered", "user": "what I knew about you", "memory": "my notes"}[target]
     if ctx.lane.kind == "person" and not ctx.lane.private:
         what += " that you shared with groups (private entries are untouched; see /memory in a private chat)"

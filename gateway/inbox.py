@@ -95,6 +95,11 @@ def _place(platform: str, chat_id: str, message_id: str) -> str:
     return f"gateway.db/inbox/{platform}\0{chat_id}\0{message_id}"
 
 
+def pending_place(platform: str, chat_id: str, message_id: str) -> str:
+    """What the pending payload of that row is sealed for (`row_place` by its key)."""
+    return _place(platform, chat_id, message_id)
+
+
 def row_place(msg: InboundMessage) -> str:
     """What a pending payload's seal is bound to: its row (so it opens in no other)."""
     return _place(msg.platform, msg.chat_id, msg.message_id)

@@ -15,6 +15,7 @@ sent: this shared database holds no tenant's conversation.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import secrets
@@ -23,18 +24,19 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Literal, Protocol, TypeVar, cast
 
 import aiosqlite
 
-from agent.vault import VaultError
+from agent.vault import DataKey, VaultError
 from core.backoff import backoff_delay
 from core.messages import DeliveryDeferred, InboundMessage, OutboundKind, OutboundMessage, SentMessage
 from core.protocols import Adapter
 from core.settings import DeliveryConfig
-from gateway.inbox import Inbox
+from gateway.inbox import Inbox, pending_place
 from gateway.metrics import Metrics
-from gateway.sealing import sealed
+from gateway.sealing import PREFIX, sealed
 
 log = logging.getLogger("hermes.outbox")
 T = TypeVar("T")
@@ -113,6 +115,60 @@ class Ledger(Protocol):
 def chunk_place(nonce: str) -> str:
     """What a chunk's seal is bound to: its row's idempotency key (unique, known before the insert)."""
     return f"gateway.db/outbox/{nonce}"
+
+
+def reseal_rows(db_path: Path, old: DataKey, new: DataKey) -> int:
+    """Every pending payload and unsent chunk of `old`'s tenant in gateway.db sealed again
+    under `new`, in one transaction, before the old key is shredded (a tenant re-keyed by
+    `/forget all`, docs/privacy.md#delete-is-crypto-shredding); how many rows. A row already
+    under `new` (an interrupted rekey finished again) is left as it is."""
+    if not db_path.exists():
+        return 0
+    tenant = base64.urlsafe_b64encode(old.tenant_id.encode("utf-8")).decode("ascii")
+    head = f"{PREFIX}{tenant}:"
+
+    def again(value: str, place: str) -> str | None:
+        raw = base64.b64decode(value[len(head) :])
+        try:
+            new.open(raw, place)
+            return None
+        except VaultError:
+            return head + base64.b64encode(new.seal(old.open(raw, place), place)).decode("ascii")
+
+    con = sqlite3.connect(db_path, timeout=30.0, isolation_level=None)
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        done = 0
+        try:
+            like = head.replace("_", "\\_").replace("%", "\\%") + "%"
+            for platform, chat_id, message_id, payload in con.execute(
+                "SELECT platform, chat_id, message_id, payload FROM inbound WHERE payload LIKE ? ESCAPE '\\'", (like,)
+            ).fetchall():
+                value = again(payload, pending_place(platform, chat_id, message_id))
+                if value is not None:
+                    con.execute(
+                        "UPDATE inbound SET payload=? WHERE platform=? AND chat_id=? AND message_id=?",
+                        (value, platform, chat_id, message_id),
+                    )
+                    done += 1
+            has_outbox = con.execute("SELECT 1 FROM sqlite_master WHERE name='outbox'").fetchone()
+            rows = (
+                con.execute("SELECT id, text, nonce FROM outbox WHERE text LIKE ? ESCAPE '\\'", (like,)).fetchall()
+                if has_outbox
+                else []
+            )
+            for chunk_id, text, nonce in rows:
+                value = again(text, chunk_place(nonce))
+                if value is not None:
+                    con.execute("UPDATE outbox SET text=? WHERE id=?", (value, chunk_id))
+                    done += 1
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        return done
+    finally:
+        con.close()
 
 
 class Outbox:

@@ -63,7 +63,13 @@ class MessageSeal:
         except (ValueError, binascii.Error):
             raise VaultError(f"{place} is not a sealed record") from None
         key = await self._key(tenant_id)
-        return key.open(raw, place).decode("utf-8")
+        try:
+            return key.open(raw, place).decode("utf-8")
+        except VaultError:  # sealed by this process just before a rekey (/forget all) replaced the key
+            old = self.keys.retired(tenant_id)
+            if old is None:
+                raise
+            return old.open(raw, place).decode("utf-8")
 
 
 def sealed(value: str | None) -> bool:

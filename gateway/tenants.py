@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import closing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -56,6 +57,7 @@ from gateway.archive import (
     sqlite_backup,
     write_tar,
 )
+from gateway.outbox import reseal_rows
 from gateway.runlock import AdminError, RunLock
 from tenancy.identity import IdentityLinks
 from tenancy.keys import link_tenant_id, person_tenant_id, tenant_dir, tenant_dir_name
@@ -682,7 +684,8 @@ def tenant_keys(cfg: Config) -> TenantKeys:
     storage = cfg.storage
     try:
         return TenantKeys(
-            open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file)
+            open_keyring(cfg.data_dir, storage.encryption, storage.master_key_env, storage.master_key_file),
+            rows=partial(reseal_rows, cfg.data_dir / "gateway.db"),  # an interrupted rekey finishes alike
         )
     except VaultError as err:
         raise AdminError(str(err)) from None

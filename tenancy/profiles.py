@@ -452,6 +452,9 @@ class ProfileManager:
             def before() -> DataKey | None:  # on the pool thread, in the open's own job (no hop of its own)
                 if checks is not None:
                     checks()
+                # an interrupted rekey finished first, while nothing has the profile open
+                # (docs/privacy.md#delete-is-crypto-shredding)
+                self.keys.rekey(tenant_id, path)
                 # the key first: every file below is read through it (docs/privacy.md#encryption-at-rest)
                 files = self.keys.files(tenant_id, path)
                 opened.append(files)

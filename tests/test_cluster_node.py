@@ -379,8 +379,15 @@ async def test_an_outbox_commit_under_a_stale_epoch_is_refused(tg, fake_llm, nod
 
         lane = await asyncio.wait_for(claimed(), 10)
         tenant = node.claims[lane].tenant
+
+        async def asked() -> None:  # the turn is at the model: its tenant lease is held
+            while not fake_llm.requests:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(asked(), 10)
         async with node.pool.connection() as conn:  # taken over behind the node's back
-            await conn.execute("UPDATE tenant_leases SET epoch = epoch + 1 WHERE tenant = %s", (tenant,))
+            bumped = await conn.execute("UPDATE tenant_leases SET epoch = epoch + 1 WHERE tenant = %s", (tenant,))
+            assert bumped.rowcount == 1
         gate.set()
         await settled([one])
         assert node.metrics.fenced.value(kind="turn") == 1  # the turn under epoch 1 committed nothing

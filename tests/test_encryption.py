@@ -69,10 +69,14 @@ async def test_journal_lines_and_state_db_hold_no_canary_bytes_with_encryption_o
     assert sum(CANARY in t for t in texts) >= 3
 
 
+def sealed_profile(tmp_path, tenant_id: str):
+    """A new encrypted profile directory of `tenant_id` and its data key (a fresh keyring)."""
+    profile = tmp_path / "profiles" / tenant_id
+    return profile, Keyring.open(tmp_path, os.urandom(32)).key_for(tenant_id, profile, create=True)
+
+
 async def test_a_sealed_journal_torn_mid_line_is_cut_and_state_db_rebuilt_by_uid(tmp_path):
-    keyring = Keyring.open(tmp_path, os.urandom(32))
-    profile = tmp_path / "profiles" / "testchat-bob"
-    key = keyring.key_for("testchat-bob", profile, create=True)
+    profile, key = sealed_profile(tmp_path, "testchat-bob")
     async with SessionStore(profile, fsync="always", key=key) as s:
         sid = await s.start_session("lane-1")
         sent = [await s.append(StoredMessage(sid, "user", f"{CANARY} {i}")) for i in range(5)]
@@ -92,9 +96,7 @@ async def test_a_sealed_journal_torn_mid_line_is_cut_and_state_db_rebuilt_by_uid
 
 
 async def test_rows_lost_from_an_encrypted_state_db_come_back_from_its_sealed_journal(tmp_path):
-    keyring = Keyring.open(tmp_path, os.urandom(32))
-    profile = tmp_path / "profiles" / "testchat-carol"
-    key = keyring.key_for("testchat-carol", profile, create=True)
+    profile, key = sealed_profile(tmp_path, "testchat-carol")
     async with SessionStore(profile, fsync="always", key=key) as s:
         sid = await s.start_session("lane-1")
         sent = [await s.append(StoredMessage(sid, "user", f"hello {i}")) for i in range(4)]
